@@ -1,0 +1,6 @@
+"""Model code: plain PyTorch, importing neither Lightning, Hydra, data nor eval code."""
+
+from looplab.models.config import ConfigError, LoopedLMConfig
+from looplab.models.looped import LoopedLM, LoopedLMOutput
+
+__all__ = ["ConfigError", "LoopedLM", "LoopedLMConfig", "LoopedLMOutput"]

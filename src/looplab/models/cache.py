@@ -1,0 +1,106 @@
+"""Decoding caches (SPEC §7).
+
+A looped block applies layer l at every loop r, and each application sees a
+different input, so one cache entry is kept per (loop, layer) — not per layer
+as in an ordinary decoder. StateLoop mixers are shared across loops too and get
+entries keyed (loop, "state").
+
+The StateLoop per-token state s_r itself needs no cache across tokens: it is
+carried along the loops of one token and reset to s_0 at the next token, so
+after a token's R loops nothing of it is needed again (only the mixer, which
+looks across tokens, keeps per-loop caches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+
+class KVCache:
+    """Preallocated key/value buffers written in place at the current length (no re-concatenation)."""
+
+    def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, Hkv, T, hd) at the current length; return views of everything cached so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache full: {end} tokens > max_len={self.max_len}; allocate a longer cache")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def copy_position_from(self, other: "KVCache", pos: int, rows: torch.Tensor | None = None) -> None:
+        """Reuse another entry's key/values at one position (exit-gate skip_compute)."""
+        if rows is None:
+            self.k[:, :, pos] = other.k[:, :, pos]
+            self.v[:, :, pos] = other.v[:, :, pos]
+        else:
+            self.k[rows, :, pos] = other.k[rows, :, pos]
+            self.v[rows, :, pos] = other.v[rows, :, pos]
+
+    def nbytes(self, used_only: bool = True) -> int:
+        n = self.length if used_only else self.max_len
+        return 2 * self.k[:, :, :n].numel() * self.k.element_size()
+
+
+@dataclass
+class SSMCache:
+    """Mamba-2 decoding state: the causal conv's last inputs and the SSM state (constant size in length)."""
+
+    conv_state: torch.Tensor  # (B, conv_dim, d_conv - 1)
+    ssm_state: torch.Tensor  # (B, nheads, headdim, d_state)
+    length: int = 0
+
+    def nbytes(self, used_only: bool = True) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))
+
+
+class LoopCache:
+    """All decoding state of one LoopedLM generation: entries keyed by (loop, layer) plus the padding mask."""
+
+    def __init__(self, entries: dict[tuple[int, Hashable], object], batch_size: int, max_len: int, device):
+        self.entries = entries
+        self.max_len = max_len
+        self.length = 0
+        self.valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
+        self.has_padding = False
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def __getitem__(self, key: tuple[int, Hashable]):
+        return self.entries[key]
+
+    def get(self, key, default=None):
+        return self.entries.get(key, default)
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes() for e in self.entries.values())
+
+    def advance(self, attention_mask: torch.Tensor | None, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Register T new tokens; return their positions (B|1, T) and the key-validity mask (or None)."""
+        start, end = self.length, self.length + T
+        if end > self.max_len:
+            raise RuntimeError(f"cache full: {end} tokens > max_len={self.max_len}")
+        if attention_mask is not None:
+            new_valid = attention_mask.to(torch.bool)
+            self.valid[:, start:end] = new_valid
+            self.has_padding = self.has_padding or not bool(new_valid.all())
+            positions = (self.next_pos[:, None] + new_valid.long().cumsum(1) - 1).clamp_min(0)
+            self.next_pos += new_valid.long().sum(1)
+        else:
+            positions = self.next_pos[:, None] + torch.arange(T, device=self.valid.device)
+            self.next_pos += T
+        self.length = end
+        return positions, (self.valid[:, :end] if self.has_padding else None)

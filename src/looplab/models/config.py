@@ -1,0 +1,167 @@
+"""The one dataclass that describes a looped model (SPEC §1–4, §8).
+
+Every option the papers leave open is a field here, never a constant in the
+model code. `validate()` runs in `__post_init__`, so an impossible model fails
+at construction with the field named, before any data is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+BACKBONES = ("llama", "mamba2", "hybrid")
+STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
+EXIT_GATES = ("none", "ouro")
+KERNELS = ("auto", "torch", "mamba_ssm")
+
+
+class ConfigError(ValueError):
+    """An impossible configuration; the message names the field and the fix."""
+
+
+@dataclass
+class LoopedLMConfig:
+    # --- shape -------------------------------------------------------------
+    vocab_size: int = 256
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    n_layers: int = 1  # N: distinct layers in the looped block
+    n_loops: int = 4  # R: how often the block is applied
+    ffn_hidden: int | None = None  # SwiGLU hidden width; None = 8/3·d rounded up to 64
+    backbone: str = "llama"  # llama | mamba2 | hybrid
+    hybrid_pattern: str = "MMMA"  # hybrid: 'M' Mamba-2, 'A' attention; tiled over n_layers
+    max_seq_len: int = 2048
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float | None = None  # None = sqrt(2 / (5 d)) (SPEC §2)
+
+    # --- Mamba-2 (SPEC §1) ---------------------------------------------------
+    d_state: int = 128
+    headdim: int = 64
+    expand: int = 2
+    ngroups: int = 1
+    d_conv: int = 4
+    chunk_size: int = 64
+    mamba_mlp: bool = False  # add a SwiGLU MLP after each Mamba-2 mixer
+    kernel: str = "auto"  # auto | torch | mamba_ssm
+
+    # --- StateLoop (SPEC §3) -------------------------------------------------
+    state_mode: str = "vanilla"
+    state_dim: int | None = None  # d_s; None = d_model
+    state_init: str = "zeros"  # zeros | learned  (s_0)
+    state_in_output: bool = True  # logits = Head(FinalNorm(h_R + W_o s_R))
+    state_A_init: tuple[float, float] = (1.0, 16.0)  # exp(A_log) ~ U[a, b], as in Mamba
+    state_dt_init: tuple[float, float] = (1e-3, 1e-1)  # softplus(b_Δ) ~ logU[a, b]
+
+    # --- exit gate (SPEC §4) -------------------------------------------------
+    exit_gate: str = "none"  # none | ouro
+
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form, never read by the model
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 64 * -(-int(8 * self.d_model / 3) // 64)
+        if self.state_dim is None:
+            self.state_dim = self.d_model
+        self.state_A_init = tuple(self.state_A_init)
+        self.state_dt_init = tuple(self.state_dt_init)
+        self.validate()
+
+    # ------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len", "ffn_hidden", "state_dim"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 1, f"{name}={v!r} must be a positive integer")
+        need(
+            isinstance(self.n_loops, int) and self.n_loops >= 1,
+            f"n_loops (loop_depth.loops, R)={self.n_loops!r} must be >= 1: a looped model applies its block at least once",
+        )
+        need(self.backbone in BACKBONES, f"backbone={self.backbone!r} is unknown; choose one of {BACKBONES}")
+        need(self.state_mode in STATE_MODES, f"state_mode={self.state_mode!r} is unknown; choose one of {STATE_MODES}")
+        need(self.exit_gate in EXIT_GATES, f"exit_gate={self.exit_gate!r} is unknown; choose one of {EXIT_GATES}")
+        need(self.kernel in KERNELS, f"kernel={self.kernel!r} is unknown; choose one of {KERNELS}")
+        need(self.state_init in ("zeros", "learned"), f"state_init={self.state_init!r} must be 'zeros' or 'learned'")
+        if "A" in self.layer_types:
+            need(
+                self.d_model % self.n_heads == 0,
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"pick n_heads among the divisors of {self.d_model}",
+            )
+            need((self.d_model // self.n_heads) % 2 == 0, f"head dim d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE")
+            need(
+                self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}",
+            )
+        if "M" in self.layer_types or self.state_mode == "stateloop_mamba2":
+            for name in ("d_state", "headdim", "expand", "ngroups", "d_conv", "chunk_size"):
+                v = getattr(self, name)
+                need(isinstance(v, int) and v >= 1, f"{name}={v!r} must be a positive integer")
+            d_inner = self.expand * self.d_model
+            need(d_inner % self.headdim == 0, f"expand*d_model={d_inner} is not divisible by headdim={self.headdim}")
+            need((d_inner // self.headdim) % self.ngroups == 0, f"ngroups={self.ngroups} must divide the number of heads {d_inner // self.headdim}")
+        if self.backbone == "hybrid":
+            need(
+                len(self.hybrid_pattern) > 0 and set(self.hybrid_pattern) <= {"M", "A"},
+                f"hybrid_pattern={self.hybrid_pattern!r} must be a non-empty string of 'M' (Mamba-2) and 'A' (attention)",
+            )
+        if self.state_mode == "stateloop_attn":
+            need(
+                self.state_dim % self.n_heads == 0 and (self.state_dim // self.n_heads) % 2 == 0,
+                f"state_dim={self.state_dim} must split into n_heads={self.n_heads} heads of even width for the attention mixer",
+            )
+        if self.state_mode == "stateloop_mamba2":
+            d_inner = self.expand * self.state_dim
+            need(d_inner % self.headdim == 0, f"expand*state_dim={d_inner} is not divisible by headdim={self.headdim}")
+        lo, hi = self.state_A_init
+        need(0 < lo <= hi, f"state_A_init={self.state_A_init} must satisfy 0 < a <= b")
+        lo, hi = self.state_dt_init
+        need(0 < lo <= hi, f"state_dt_init={self.state_dt_init} must satisfy 0 < a <= b")
+
+    # ------------------------------------------------------------------------
+    @property
+    def layer_types(self) -> str:
+        """One letter per layer of the looped block: 'A' attention(+MLP), 'M' Mamba-2."""
+        if self.backbone == "llama":
+            return "A" * self.n_layers
+        if self.backbone == "mamba2":
+            return "M" * self.n_layers
+        pat = self.hybrid_pattern
+        return "".join(pat[i % len(pat)] for i in range(self.n_layers))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def uses_state(self) -> bool:
+        return self.state_mode != "vanilla"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state_A_init"] = list(self.state_A_init)
+        d["state_dt_init"] = list(self.state_dt_init)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LoopedLMConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    def architecture_dict(self) -> dict[str, Any]:
+        """Fields that decide parameter shapes; a checkpoint must match these to load."""
+        d = self.to_dict()
+        for k in ("extra", "kernel", "chunk_size", "max_seq_len"):
+            d.pop(k)
+        return d

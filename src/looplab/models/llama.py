@@ -1,0 +1,141 @@
+"""LLaMA-style decoder pieces (SPEC §1 `llama`): RMSNorm → RoPE attention → SwiGLU.
+
+Read top to bottom: norm, rotary embedding, attention (with its KV cache),
+MLP, and the pre-norm layer that the looped block stacks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looplab.models.cache import KVCache
+from looplab.models.config import LoopedLMConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotate-half RoPE, looked up by absolute position."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        t = torch.arange(max_seq_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (max_T, hd/2)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B or 1, T) → cos, sin of shape (B or 1, 1, T, hd/2)."""
+        if int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(
+                f"position {int(positions.max())} exceeds max_seq_len={self.cos.shape[0]}; "
+                "raise backbone.max_seq_len"
+            )
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def attention_mask(valid: torch.Tensor | None, T: int, L: int, device) -> torch.Tensor | None:
+    """Boolean (B|1, 1, T, L) mask: causal over the last T of L keys, restricted to valid keys.
+
+    Every query may always see itself, so a left-padding query row is never
+    fully masked (a fully masked row gives NaN, and 0·NaN still poisons the
+    real tokens through V).
+    """
+    if valid is None and T == L:
+        return None  # SDPA's is_causal fast path
+    q_pos = torch.arange(L - T, L, device=device).unsqueeze(1)  # (T, 1)
+    k_pos = torch.arange(L, device=device).unsqueeze(0)  # (1, L)
+    mask = (k_pos <= q_pos).unsqueeze(0)  # (1, T, L)
+    if valid is not None:
+        mask = (mask & valid[:, None, :L]) | (k_pos == q_pos).unsqueeze(0)
+    return mask.unsqueeze(1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_seq_len: int, rope_base: float):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.qkv_proj = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, rope_base)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd, H, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        q, k, v = self.qkv_proj(x).split((H * hd, Hkv * hd, Hkv * hd), dim=-1)
+        q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, Hkv, hd).transpose(1, 2)
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)
+        cos, sin = self.rope(positions)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, Hkv, L, hd), L = cached + T
+        mask = attention_mask(valid, T, k.shape[2], x.device)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=Hkv != H
+        )
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
+
+    def allocate_cache(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
+        return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, device, dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)  # fused: one matmul instead of two
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class AttentionLayer(nn.Module):
+    """Pre-norm LLaMA layer: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    kind = "A"
+
+    def __init__(self, cfg: LoopedLMConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.max_seq_len, cfg.rope_base)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, x, positions, valid=None, cache=None):
+        x = x + self.attn(self.attn_norm(x), positions, valid, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def allocate_cache(self, batch_size, max_len, device, dtype):
+        return self.attn.allocate_cache(batch_size, max_len, device, dtype)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward FLOPs per token: 2·(matmul weights) + QKᵀ and AV over seq_len keys (non-causal count)."""
+        matmul = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2)
+        H, hd = self.attn.n_heads, self.attn.head_dim
+        return 2 * matmul + 2 * 2 * seq_len * H * hd

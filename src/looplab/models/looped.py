@@ -1,0 +1,211 @@
+"""LoopedLM: a block of N layers applied R times (N⊗R), SPEC §2–4.
+
+    h_0 = Embed(tokens);  for r = 1..R:  h_r = Block(x_r),  x_1 = h_0
+        vanilla:    x_{r+1} = h_r
+        StateLoop:  s_r = update(s_{r−1}, h_r),  x_{r+1} = h_r + W_o s_r
+    logits = Head(FinalNorm(readout_R)),  readout_r = h_r (+ W_o s_r)
+
+The final norm and head are shared by every depth, so any loop's readout can
+be decoded (per-depth metrics, exit gates). Plain PyTorch: no Lightning, Hydra
+or data code is imported here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from looplab.models.cache import LoopCache
+from looplab.models.config import LoopedLMConfig
+from looplab.models.exit_gate import ExitGate, exit_distribution, threshold_exit_steps
+from looplab.models.llama import AttentionLayer, RMSNorm
+from looplab.models.state import StateBranch
+
+
+def build_layer(kind: str, cfg: LoopedLMConfig) -> nn.Module:
+    if kind == "A":
+        return AttentionLayer(cfg)
+    if kind == "M":
+        from looplab.models.mamba2 import Mamba2Layer  # own module; kernels imported lazily inside
+
+        return Mamba2Layer(cfg)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+@dataclass
+class LoopedLMOutput:
+    logits: torch.Tensor  # (B, T, V)
+    loop_logits: torch.Tensor | None = None  # (R, B, T, V)
+    loop_hidden: torch.Tensor | None = None  # (R, B, T, d), after the shared final norm
+    exit_probs: torch.Tensor | None = None  # (B, T, R)
+    exit_gate_logits: torch.Tensor | None = None  # (B, T, R): logit of λ_t
+    exit_steps: torch.Tensor | None = None  # (B, T), 1-based depth used per token
+    diagnostics: dict[str, list[float]] = field(default_factory=dict)
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, config: LoopedLMConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.block = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.layer_types)
+        self.state = StateBranch(cfg) if cfg.uses_state else None
+        self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate != "none" else None
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg = self.config
+        std = cfg.init_std or math.sqrt(2 / (5 * cfg.d_model))
+        # residual writers are applied N·R times per forward, so scale by the effective depth
+        out_std = std / math.sqrt(2 * cfg.n_layers * cfg.n_loops)
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and not name.startswith("state.state_out"):
+                s = out_std if name.endswith(("out_proj.weight", "down_proj.weight")) else std
+                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_special_parameters"):
+                m.reset_special_parameters()  # SSM A_log/dt/D, state gate, zero W_o
+
+    # --------------------------------------------------------------- summary
+    def num_parameters(self) -> dict[str, int]:
+        def count(mod):
+            return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
+
+        total = sum(p.numel() for p in self.parameters())
+        return {
+            "total": total,
+            "embedding": self.embed.weight.numel(),
+            "block": count(self.block),
+            "state_branch": count(self.state),
+            "exit_gate": count(self.exit_gate),
+            "non_embedding": total - self.embed.weight.numel(),
+        }
+
+    def flops_per_token(self, seq_len: int, training: bool = False) -> int:
+        """Analytic FLOPs per token counting every loop (unique parameters undercount a looped model).
+
+        Forward: R·(Σ_layers + state branch) + LM head; training counts backward as 2× forward.
+        Attention scores are counted over all seq_len keys (the convention of FlopCounterMode).
+        """
+        cfg = self.config
+        per_loop = sum(layer.flops_per_token(seq_len) for layer in self.block)
+        if self.state is not None:
+            per_loop += self.state.flops_per_token(seq_len)
+        fwd = cfg.n_loops * per_loop + 2 * cfg.d_model * cfg.vocab_size
+        return 3 * fwd if training else fwd
+
+    # ----------------------------------------------------------------- cache
+    def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> LoopCache:
+        p = self.head.weight
+        device, dtype = device or p.device, dtype or p.dtype
+        entries = {}
+        for r in range(self.config.n_loops):
+            for l, layer in enumerate(self.block):
+                entries[(r, l)] = layer.allocate_cache(batch_size, max_len, device, dtype)
+            if self.state is not None and self.state.mixer is not None:
+                entries[(r, "state")] = self.state.allocate_cache(batch_size, max_len, device, dtype)
+        return LoopCache(entries, batch_size, max_len, device)
+
+    # --------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        *,
+        attention_mask: torch.Tensor | None = None,  # (B, T), 1 = real token, 0 = (left) padding
+        cache: LoopCache | None = None,
+        return_all_loops: bool = False,
+        exit_threshold: float | None = None,
+        exit_at_step: int | None = None,
+        expected_exit: bool = False,
+        return_diagnostics: bool = False,
+    ) -> LoopedLMOutput:
+        cfg = self.config
+        B, T = input_ids.shape
+        positions, valid = self._positions(input_ids, attention_mask, cache)
+
+        x = self.embed(input_ids)
+        s = self.state.initial_state(x) if self.state is not None else None
+        readouts, diag = [], {"retention": [], "state_norm": [], "state_to_stream": []}
+        for r in range(cfg.n_loops):
+            h = self._run_block(x, r, positions, valid, cache)
+            if self.state is not None:
+                s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
+                readouts.append(x if cfg.state_in_output else h)
+                if return_diagnostics:
+                    with torch.no_grad():
+                        diag["retention"].append(a.mean().item())
+                        diag["state_norm"].append(s.norm(dim=-1).mean().item())
+                        diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
+            else:
+                x = h
+                readouts.append(h)
+
+        diagnostics = {k: v for k, v in diag.items() if v}
+        want_loops = return_all_loops or exit_threshold is not None or exit_at_step is not None or expected_exit
+        if not want_loops:
+            return LoopedLMOutput(logits=self.head(self.final_norm(readouts[-1])), diagnostics=diagnostics)
+
+        loop_hidden = self.final_norm(torch.stack(readouts))  # (R, B, T, d)
+        loop_logits = self.head(loop_hidden)  # (R, B, T, V)
+        out = LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden, diagnostics=diagnostics)
+        if self.exit_gate is not None:
+            out.exit_gate_logits = self.exit_gate.logit(loop_hidden).permute(1, 2, 0)  # (B, T, R)
+            out.exit_probs = exit_distribution(torch.sigmoid(out.exit_gate_logits))
+        if exit_at_step is not None:
+            if not 1 <= exit_at_step <= cfg.n_loops:
+                raise ValueError(f"exit_at_step={exit_at_step} must lie in 1..{cfg.n_loops}")
+            out.exit_steps = torch.full((B, T), exit_at_step, dtype=torch.long, device=input_ids.device)
+        elif exit_threshold is not None or expected_exit:
+            if out.exit_probs is None:
+                raise ValueError("exit_threshold / expected_exit need a model with an exit gate (exit_gate=ouro)")
+            if expected_exit:
+                out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs, loop_logits)
+                steps = torch.arange(1, cfg.n_loops + 1, device=input_ids.device, dtype=out.exit_probs.dtype)
+                out.diagnostics["expected_exit_step"] = [float((out.exit_probs * steps).sum(-1).mean())]
+            else:
+                out.exit_steps = threshold_exit_steps(out.exit_probs, exit_threshold)
+        if out.exit_steps is not None:
+            idx = (out.exit_steps - 1)[None, :, :, None].expand(1, B, T, loop_logits.shape[-1])
+            out.logits = loop_logits.gather(0, idx).squeeze(0)
+        return out
+
+    def _run_block(self, x, r, positions, valid, cache):
+        """One application of the shared block (loop r); per-loop activation checkpointing trades
+        recomputation for memory that otherwise grows with N·R."""
+        if self.checkpoint_loops and self.training and cache is None and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._block_forward, x, positions, valid, None, r, use_reentrant=False)
+        return self._block_forward(x, positions, valid, cache, r)
+
+    def _block_forward(self, x, positions, valid, cache, r):
+        for l, layer in enumerate(self.block):
+            x = layer(x, positions, valid, cache[r, l] if cache is not None else None)
+        return x
+
+    def _positions(self, input_ids, attention_mask, cache):
+        B, T = input_ids.shape
+        if cache is not None:
+            return cache.advance(attention_mask, T)
+        if attention_mask is None:
+            return torch.arange(T, device=input_ids.device)[None], None
+        valid = attention_mask.to(torch.bool)
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        return positions, (None if bool(valid.all()) else valid)
+
+    # -------------------------------------------------------------- generate
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+        from looplab.models.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
