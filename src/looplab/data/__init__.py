@@ -1,0 +1,1 @@
+"""Data: synthetic reasoning tasks (p-hop, Mano) and language-model corpora."""
