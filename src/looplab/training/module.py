@@ -1,0 +1,199 @@
+"""LoopedLMModule: the LightningModule that trains and evaluates a LoopedLM.
+
+Objectives (SPEC §4): plain next-token cross-entropy on supervised positions;
+exit-gate stage 1 (Σ_t p(t)L^(t) − β·H(p)); stage 2 (gate-only BCE, everything
+else frozen). Validation reports loss/accuracy from every loop depth through
+the shared final norm and head, exit statistics at each threshold q, and the
+StateLoop diagnostics (retention, state norm, ‖W_o s_r‖/‖h_r‖ per loop).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from looplab.checkpoint import looplab_meta
+from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.exit_gate import stage1_loss, stage2_loss, threshold_exit_steps
+
+IGNORE = -100
+
+
+def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(…, T, V), (…, T) → per-token CE over supervised tokens only, flattened (N,)."""
+    mask = targets != IGNORE
+    return F.cross_entropy(logits[mask].float(), targets[mask], reduction="none")
+
+
+class LoopedLMModule(L.LightningModule):
+    def __init__(
+        self,
+        model_config: dict[str, Any],
+        optim: dict[str, Any],
+        objective: dict[str, Any],
+        dataset: dict[str, Any] | None = None,
+        checkpoint_loops: bool = False,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = LoopedLM(LoopedLMConfig.from_dict(model_config))
+        self.model.checkpoint_loops = checkpoint_loops
+        self.optim_cfg, self.objective = optim, objective
+        self.dataset_cfg = dataset or {}
+        self.R = self.model.config.n_loops
+        self.thresholds = [float(q) for q in objective.get("eval_thresholds", [])] if self.model.exit_gate else []
+        self._metrics_by_split: dict[str, dict[str, MeanMetric]] = {}
+        self.diagnostics: dict[str, list[float]] = {}
+        if objective.get("exit_stage") == "stage2":
+            self.freeze_all_but_gate()
+
+    # ---------------------------------------------------------------- set-up
+    def freeze_all_but_gate(self) -> None:
+        if self.model.exit_gate is None:
+            raise ValueError("exit_gate.stage=stage2 needs exit_gate=ouro")
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(name.startswith("exit_gate."))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if mode and self.objective.get("exit_stage") == "stage2":
+            self.model.eval()  # frozen backbone: nothing in it should behave as in training
+        return self
+
+    def metric(self, split: str, name: str) -> MeanMetric:
+        """Lazily created torchmetrics accumulators, registered so they follow the module's device."""
+        key = f"{split}_{name}".replace("/", "_").replace(".", "_")
+        if key not in self._metrics_by_split.setdefault(split, {}):
+            m = MeanMetric().to(self.device)
+            self.add_module(f"metric_{key}", m)
+            self._metrics_by_split[split][name] = m
+        return self._metrics_by_split[split][name]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["looplab"] = looplab_meta(self.model.config, self.dataset_cfg)
+
+    # -------------------------------------------------------------- training
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, targets = batch["input_ids"], batch["targets"]
+        stage = self.objective.get("exit_stage")
+        if stage is None:
+            out = self.model(ids)
+            loss = per_token_loss(out.logits, targets).mean()
+        else:
+            out = self.model(ids, return_all_loops=True)
+            mask = targets != IGNORE
+            loop_losses = torch.stack([per_token_loss(lg, targets) for lg in out.loop_logits])  # (R, N)
+            if stage == "stage1":
+                loss = stage1_loss(loop_losses, out.exit_probs[mask], self.objective["beta"])
+            else:
+                loss = stage2_loss(loop_losses.detach(), out.exit_gate_logits[mask], self.objective["k"], self.objective["gamma"])
+            self.log("train/last_loop_loss", loop_losses[-1].mean().detach())
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        return loss
+
+    # ------------------------------------------------------------ evaluation
+    def _eval_step(self, batch: dict[str, torch.Tensor], split: str) -> None:
+        ids, targets = batch["input_ids"], batch["targets"]
+        answer_mask = batch.get("answer_mask")
+        per_depth = self.objective.get("eval_per_depth", True) or self.model.exit_gate is not None
+        first = not self.diagnostics and self.model.state is not None
+        out = self.model(ids, return_all_loops=per_depth, return_diagnostics=first)
+        if first:
+            self.diagnostics = out.diagnostics
+        loop_logits = out.loop_logits if per_depth else out.logits[None]
+        depths = range(1, self.R + 1) if per_depth else [self.R]
+        mask = targets != IGNORE
+        n_tok = int(mask.sum())
+        for d, logits in zip(depths, loop_logits):
+            nll = per_token_loss(logits, targets)
+            self.metric(split, f"loss_loop{d}").update(nll.mean(), weight=max(n_tok, 1))
+            if answer_mask is not None:
+                acc = (logits.argmax(-1) == targets)[answer_mask].float()
+                self.metric(split, f"acc_loop{d}").update(acc.mean(), weight=acc.numel())
+        if self.model.exit_gate is not None:
+            steps = torch.arange(1, self.R + 1, device=ids.device, dtype=out.exit_probs.dtype)
+            probs = out.exit_probs[mask]
+            self.metric(split, "exit_expected_step").update((probs * steps).sum(-1).mean(), weight=n_tok)
+            for q in self.thresholds:
+                chosen = threshold_exit_steps(out.exit_probs, q)  # (B, T)
+                idx = (chosen - 1)[None, ..., None].expand(1, *chosen.shape, loop_logits.shape[-1])
+                logits_q = loop_logits.gather(0, idx)[0]
+                nll = per_token_loss(logits_q, targets)
+                self.metric(split, f"exit_q{q}_loss").update(nll.mean(), weight=n_tok)
+                self.metric(split, f"exit_q{q}_mean_step").update(chosen[mask].float().mean(), weight=n_tok)
+                if answer_mask is not None:
+                    acc = (logits_q.argmax(-1) == targets)[answer_mask].float()
+                    self.metric(split, f"exit_q{q}_acc").update(acc.mean(), weight=acc.numel())
+                    self.metric(split, f"exit_q{q}_answer_step").update(chosen[answer_mask].float().mean(), weight=acc.numel())
+
+    def _eval_epoch_end(self, split: str) -> None:
+        metrics = self._metrics_by_split.get(split, {})
+        values = {name: float(m.compute()) for name, m in metrics.items() if m.update_count > 0}
+        for name, m in metrics.items():
+            m.reset()
+        final = f"loss_loop{self.R}"
+        if final in values:
+            values["loss"] = values[final]
+            values["ppl"] = math.exp(min(values[final], 50.0))
+        if f"acc_loop{self.R}" in values:
+            values["acc"] = values[f"acc_loop{self.R}"]
+        for key, series in self.diagnostics.items():
+            for r, v in enumerate(series, start=1):
+                values[f"state_{key}_loop{r}"] = v
+        self.diagnostics = {}
+        self.log_dict({f"{split}/{k}": v for k, v in values.items()}, sync_dist=True, prog_bar=False)
+        if "acc" in values:
+            self.log(f"{split}/acc", values["acc"], prog_bar=True, sync_dist=True)
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step(batch, "val")
+
+    def on_validation_epoch_end(self):
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self):
+        self._eval_epoch_end("test")
+
+    # ------------------------------------------------------------- optimiser
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            # norms, biases, 1-D SSM/state parameters and embeddings are not decayed
+            (decay if p.dim() >= 2 and not name.startswith("embed.") else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": o.get("weight_decay", 0.1)}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = o.get("fused", "auto")
+        kwargs = {}
+        if fused == "auto":
+            kwargs["fused"] = True if torch.cuda.is_available() else None
+            kwargs["foreach"] = None if torch.cuda.is_available() else True
+        elif fused:
+            kwargs["fused"] = True
+        opt = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.95))), eps=o.get("eps", 1e-8), **kwargs
+        )
+        total = max(int(self.trainer.max_steps), 1) if self.trainer and self.trainer.max_steps and self.trainer.max_steps > 0 else 1000
+        warmup = o.get("warmup_steps")
+        if warmup is None:
+            warmup = int(o.get("warmup_frac", 0.02) * total)
+        floor = o.get("min_lr_ratio", 0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, warmup, total, floor))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warmup to 1, then cosine down to `floor` at `total`, flat after."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))

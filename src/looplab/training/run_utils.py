@@ -1,0 +1,130 @@
+"""Run bookkeeping: results.json, the task wrapper that keeps sweeps alive, loggers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import subprocess
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("looplab")
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[3]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
+    except Exception:
+        return "unknown"
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def hydra_context() -> dict[str, Any]:
+    """Output folder, overrides and run mode of the current Hydra job (empty outside Hydra)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        return {
+            "output_dir": hc.runtime.output_dir,
+            "overrides": list(hc.overrides.task),
+            "multirun": hc.mode == RunMode.MULTIRUN,
+            "job_num": hc.job.get("num", None),
+        }
+    except Exception:
+        return {"output_dir": os.getcwd(), "overrides": [], "multirun": False, "job_num": None}
+
+
+def task_wrapper(task: Callable[[DictConfig], dict[str, Any]]) -> Callable[[DictConfig], dict[str, Any] | None]:
+    """Run a training task so that a failure is recorded, the W&B run is closed, and a sweep goes on.
+
+    A failed job writes results.json with status "failed" and the traceback; in a
+    multirun the exception is logged and swallowed so the other jobs still run
+    (the tables list the failed runs); a single run re-raises it.
+    """
+
+    @functools.wraps(task)
+    def wrapped(cfg: DictConfig) -> dict[str, Any] | None:
+        ctx = hydra_context()
+        start = time.time()
+        try:
+            return task(cfg)
+        except Exception as e:
+            out = Path(ctx["output_dir"])
+            write_json_atomic(
+                out / "results.json",
+                {
+                    "status": "failed",
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc(),
+                    "task_name": cfg.get("task_name"),
+                    "group": cfg.get("group"),
+                    "tags": list(cfg.get("tags") or []),
+                    "overrides": ctx["overrides"],
+                    "config": OmegaConf.to_container(cfg, resolve=False),
+                    "wall_time_s": time.time() - start,
+                    "git_commit": git_commit(),
+                },
+            )
+            log.error("run failed: %s: %s (recorded in %s)", type(e).__name__, e, out / "results.json")
+            if not ctx["multirun"]:
+                raise
+            return None
+        finally:
+            try:
+                import sys
+
+                if "wandb" in sys.modules:
+                    import wandb
+
+                    if wandb.run is not None:
+                        wandb.finish()
+            except Exception:  # closing the logger must never mask the real error
+                pass
+
+    return wrapped
+
+
+def build_loggers(cfg: DictConfig, output_dir: Path, run_name: str) -> list:
+    name = cfg.logger.get("name", "none")
+    if name == "none":
+        return []
+    if name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return [CSVLogger(save_dir=str(output_dir), name="csv", version="")]
+    if name == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        offline = not os.environ.get("WANDB_API_KEY")
+        if offline:
+            os.environ.setdefault("WANDB_MODE", "offline")
+        return [
+            WandbLogger(
+                project=cfg.logger.get("project", "looplab"),
+                entity=cfg.logger.get("entity"),
+                name=run_name,
+                group=cfg.get("group"),
+                tags=list(cfg.get("tags") or []),
+                save_dir=str(output_dir),
+                offline=offline,
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        ]
+    raise ValueError(f"logger={name!r} is unknown; choose wandb, csv or none")

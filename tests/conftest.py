@@ -1,0 +1,48 @@
+"""Shared test fixtures: Hydra compose of the real conf/ tree, tiny configs, offline environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.set_num_threads(2)
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "train"):
+    """Compose the training config exactly as `python -m looplab.train` would (with hydra.* resolvable)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=True)
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path):
+    """Overrides that make a training run take seconds on the CPU."""
+    return [
+        "logger=none",
+        f"hydra.run.dir={tmp_path}/run",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "checkpoint_every_n_steps=3",
+        "dataset.batch_size=8",
+        "dataset.val_size=16",
+        "dataset.test_size=16",
+        "backbone.d_model=32",
+        "backbone.n_heads=2",
+        "backbone.ffn_hidden=64",
+    ]
