@@ -1,0 +1,281 @@
+"""Mamba-2 backbone layer (SPEC §1 `mamba2`): mixer, gated norm, and the pre-norm layer.
+
+    in_proj(x) → z, xBC, dt_raw
+    xBC = SiLU(causal depthwise conv1d(xBC));  x, B, C = split(xBC)
+    dt = softplus(dt_raw + dt_bias),  A = −exp(A_log)
+    y = SSD(x, dt, A, B, C) + D·x
+    out = out_proj(RMSNorm(y ⊙ SiLU(z)))
+
+One module, two implementations of the scan with one state dict: the pure-PyTorch
+chunked SSD (`looplab.models.ops.ssd`, CPU and reference) and mamba_ssm's fused Triton
+kernels (`kernel=auto` picks them on CUDA when importable). mamba_ssm is imported
+lazily inside `_fused_ops`: every released version needs CUDA just to import.
+
+Decoding keeps an SSMCache per (loop, layer): the last d_conv−1 conv inputs and the
+(nheads, headdim, d_state) SSM state, both constant in sequence length. A call with
+T > 1 tokens (prefill, possibly continuing a cache) runs the chunked scan from the cached
+state; a call with one token runs the step recurrence. Both equal the full forward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looplab.models.cache import SSMCache
+from looplab.models.config import LoopedLMConfig
+from looplab.models.llama import RMSNorm, SwiGLU
+from looplab.models.ops.ssd import ssd_chunked, ssd_step
+
+_FP32_PARAMS = ("A_log", "dt_bias", "D")
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_ops():
+    """(mamba_chunk_scan_combined, causal_conv1d_fn or None), or the ImportError text."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # ImportError, or a CUDA error raised at import time
+        return f"{type(e).__name__}: {e}"
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception:
+        causal_conv1d_fn = None  # the torch conv is a small part of the layer's cost
+    return mamba_chunk_scan_combined, causal_conv1d_fn
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(y ⊙ SiLU(z)) · weight, normalised per group of channels (one group per B/C group),
+    so a checkpoint computes the same thing as mamba_ssm's RMSNormGated(norm_before_gate=False)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps, self.group_size = eps, group_size
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = (y.float() * F.silu(z.float())).unflatten(-1, (-1, self.group_size))
+        h = F.rms_norm(h, (self.group_size,), eps=self.eps).flatten(-2)
+        return (h * self.weight.float()).to(y.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 128,
+        headdim: int = 64,
+        expand: int = 2,
+        ngroups: int = 1,
+        d_conv: int = 4,
+        chunk_size: int = 64,
+        kernel: str = "auto",
+        norm_eps: float = 1e-5,
+        A_init: tuple[float, float] = (1.0, 16.0),
+        dt_init: tuple[float, float] = (1e-3, 1e-1),
+    ):
+        super().__init__()
+        d_inner = expand * d_model
+        if d_inner % headdim:
+            raise ValueError(f"expand*d_model={d_inner} is not divisible by headdim={headdim}")
+        nheads = d_inner // headdim
+        if nheads % ngroups:
+            raise ValueError(f"ngroups={ngroups} must divide the number of heads {nheads}")
+        if kernel not in ("auto", "torch", "mamba_ssm"):
+            raise ValueError(f"kernel={kernel!r} is unknown; choose auto, torch or mamba_ssm")
+        self.d_model, self.d_inner, self.d_state = d_model, d_inner, d_state
+        self.headdim, self.nheads, self.ngroups, self.d_conv = headdim, nheads, ngroups, d_conv
+        self.chunk_size, self.kernel = chunk_size, kernel
+        self.A_init, self.dt_init = tuple(A_init), tuple(dt_init)
+        self.conv_dim = d_inner + 2 * ngroups * d_state
+
+        # Order [z, x, B, C, dt] as in mamba_ssm, so weights map one to one.
+        self.in_proj = nn.Linear(d_model, 2 * d_inner + 2 * ngroups * d_state + nheads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1)
+        self.dt_bias = nn.Parameter(torch.empty(nheads))
+        self.A_log = nn.Parameter(torch.empty(nheads))
+        self.D = nn.Parameter(torch.empty(nheads))
+        for name in _FP32_PARAMS:
+            getattr(self, name)._no_weight_decay = True  # mamba_ssm's convention for optimiser grouping
+        self.norm = GatedRMSNorm(d_inner, d_inner // ngroups, norm_eps)
+        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
+        self.scan_fn = ssd_chunked  # the benchmark swaps in the token-by-token reference
+        self.reset_special_parameters()
+
+    @classmethod
+    def from_config(cls, cfg: LoopedLMConfig, d_model: int | None = None) -> "Mamba2Mixer":
+        """The backbone mixer (width cfg.d_model) or StateLoop's state mixer (d_model=cfg.state_dim)."""
+        return cls(
+            d_model=d_model or cfg.d_model,
+            d_state=cfg.d_state,
+            headdim=cfg.headdim,
+            expand=cfg.expand,
+            ngroups=cfg.ngroups,
+            d_conv=cfg.d_conv,
+            chunk_size=cfg.chunk_size,
+            kernel=cfg.kernel,
+            norm_eps=cfg.norm_eps,
+            A_init=getattr(cfg, "mamba_A_init", (1.0, 16.0)),
+            dt_init=getattr(cfg, "mamba_dt_init", (1e-3, 1e-1)),
+        )
+
+    @torch.no_grad()
+    def reset_special_parameters(self) -> None:
+        """A ~ U[A_init] stored as log, softplus(dt_bias) ~ logU[dt_init], D = 1, conv at PyTorch's default.
+        Called by LoopedLM after its generic init (which zeroes every bias, dt_bias and conv bias included)."""
+        lo, hi = self.A_init
+        self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(lo, hi).log())
+        lo, hi = self.dt_init
+        dt = torch.exp(torch.empty_like(self.dt_bias, dtype=torch.float32).uniform_(math.log(lo), math.log(hi)))
+        dt = dt.clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.D.fill_(1.0)
+        self.conv1d.reset_parameters()
+
+    def _apply(self, fn, *args, **kwargs):
+        """Keep A_log, dt_bias and D in fp32 through model.to(bf16) / .half(): exp(A_log) and the
+        decay products lose too much in 8 mantissa bits (mamba_ssm keeps them fp32 for the same reason)."""
+        super()._apply(fn, *args, **kwargs)
+        for name in _FP32_PARAMS:
+            p = getattr(self, name)
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+                if p.grad is not None:
+                    p.grad.data = p.grad.data.float()
+        return self
+
+    # ------------------------------------------------------------------ kernels
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        if self.kernel == "torch":
+            return False
+        ops = _fused_ops() if x.is_cuda else None
+        available = isinstance(ops, tuple)
+        if self.kernel == "mamba_ssm" and not available:
+            why = "the input is not on CUDA" if not x.is_cuda else f"mamba_ssm does not import ({ops})"
+            raise RuntimeError(
+                f"backbone.kernel=mamba_ssm but {why}; install the gpu extra (pip install 'looplab[gpu]') "
+                "on a CUDA machine, or use backbone.kernel=auto / torch"
+            )
+        return available
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, d_model)
+        positions: torch.Tensor | None = None,  # unused: the conv and the scan are position-free
+        valid: torch.Tensor | None = None,  # (B, L) bool, the last T columns are these tokens
+        cache: SSMCache | None = None,
+    ) -> torch.Tensor:
+        Bsz, T, _ = x.shape
+        H, P, G, N, K = self.nheads, self.headdim, self.ngroups, self.d_state, self.d_conv
+        fused = self._use_fused(x)
+        z, xBC, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, H), dim=-1)
+
+        # Left padding must leave real tokens untouched: zero the conv input (else it leaks through
+        # the conv window), then x, B and dt after the conv (the conv bias makes them non-zero), so
+        # a padding step neither decays the state (dt = 0 → exp(0) = 1) nor writes to it.
+        keep = valid[:, -T:, None] if valid is not None else None
+        if keep is not None:
+            xBC = xBC * keep
+        xBC = self._conv(xBC, cache, fused)
+        if keep is not None:
+            xBC = xBC * keep
+        xs, Bm, Cm = xBC.split((self.d_inner, G * N, G * N), dim=-1)
+        xs, Bm, Cm = xs.unflatten(-1, (H, P)), Bm.unflatten(-1, (G, N)), Cm.unflatten(-1, (G, N))
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H), fp32 under autocast too
+        if keep is not None:
+            dt = dt * keep
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+
+        if cache is not None and T == 1:
+            y, state = ssd_step(cache.ssm_state, xs[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], D)
+            y = y[:, None]
+        else:
+            init = cache.ssm_state if cache is not None and cache.length > 0 else None
+            want_state = cache is not None
+            if fused:
+                scan = _fused_ops()[0]
+                out = scan(xs, dt, A, Bm, Cm, self.chunk_size, D=D, initial_states=init, return_final_states=want_state)
+            else:
+                out = self.scan_fn(xs, dt, A, Bm, Cm, self.chunk_size, D=D, initial_state=init, return_final_state=want_state)
+            y, state = out if want_state else (out, None)
+        if cache is not None:
+            cache.ssm_state.copy_(state)
+            cache.length += T
+
+        y = self.norm(y.flatten(-2), z)
+        return self.out_proj(y.to(x.dtype))
+
+    def _conv(self, xBC: torch.Tensor, cache: SSMCache | None, fused: bool) -> torch.Tensor:
+        """Depthwise causal conv + SiLU over (B, T, conv_dim); with a cache the window starts from its history."""
+        T, K = xBC.shape[1], self.d_conv
+        xt = xBC.transpose(1, 2)  # (B, conv_dim, T)
+        if cache is None:
+            causal_conv1d_fn = _fused_ops()[1] if fused else None
+            if causal_conv1d_fn is not None:
+                w = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
+                return causal_conv1d_fn(xt.contiguous(), w, self.conv1d.bias, activation="silu").transpose(1, 2)
+            out = F.conv1d(xt, self.conv1d.weight, self.conv1d.bias, padding=K - 1, groups=self.conv_dim)[..., :T]
+        else:
+            window = torch.cat([cache.conv_state.to(xt.dtype), xt], dim=-1)  # (B, conv_dim, K-1+T)
+            cache.conv_state.copy_(window[..., -(K - 1) :])
+            out = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        return F.silu(out).transpose(1, 2)
+
+    # ------------------------------------------------------------------ cache / cost
+    def allocate_cache(self, batch_size: int, max_len: int, device, dtype) -> SSMCache:
+        """Constant-size state (max_len is not needed); the SSM state stays fp32 like the scan."""
+        return SSMCache(
+            conv_state=torch.zeros(batch_size, self.conv_dim, self.d_conv - 1, device=device, dtype=dtype),
+            ssm_state=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device, dtype=torch.float32),
+        )
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward FLOPs per token: projections, conv, and the chunked scan's matmuls.
+
+        Per token and chunk length Q: C·Bᵀ scores (2·Q·n per group), scores·x (2·Q·p per head),
+        the chunk-state write and the state read (2·n·p each per head); the intra-chunk products
+        are counted over the whole chunk (like attention over all keys).
+        """
+        Q = max(1, min(self.chunk_size, seq_len))
+        proj = 2 * (self.in_proj.weight.numel() + self.out_proj.weight.numel())
+        conv = 2 * self.conv_dim * self.d_conv
+        n, p = self.d_state, self.headdim
+        scan = 2 * Q * n * self.ngroups + self.nheads * (2 * Q * p + 4 * n * p)
+        return proj + conv + scan
+
+
+class Mamba2Layer(nn.Module):
+    """Pre-norm residual Mamba-2 layer: x + Mixer(RMSNorm(x)), then optionally x + SwiGLU(RMSNorm(x))."""
+
+    kind = "M"
+
+    def __init__(self, cfg: LoopedLMConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = Mamba2Mixer.from_config(cfg)
+        if cfg.mamba_mlp:
+            self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+        else:
+            self.mlp_norm = self.mlp = None
+
+    def forward(self, x, positions, valid=None, cache=None):
+        x = x + self.mixer(self.norm(x), positions, valid, cache)
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+    def allocate_cache(self, batch_size, max_len, device, dtype):
+        return self.mixer.allocate_cache(batch_size, max_len, device, dtype)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        flops = self.mixer.flops_per_token(seq_len)
+        if self.mlp is not None:
+            flops += 2 * sum(p.numel() for p in self.mlp.parameters())
+        return flops
