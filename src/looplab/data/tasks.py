@@ -1,0 +1,289 @@
+"""Tokenised synthetic tasks (Mano, p-hop) as map-style datasets and one LightningDataModule.
+
+Every item is three fixed-length tensors of length T = `seq_len`:
+  input_ids   (T,) long  — the sequence without its last token, PAD on the right
+  targets     (T,) long  — targets[t] is the token to predict from position t (the next-token
+                           shift is done here); -100 where there is no loss
+  answer_mask (T,) bool  — the one scored position: its prediction is the answer
+
+Layouts (token names as `decode` prints them):
+  Mano   <bos> Q<k> <prefix tokens: + - * and values> <ans> | answer      (k = operator count)
+  p-hop  <symbols a b c ...> <query> | answer
+The answer is predicted from the <ans>/<query> position. Mano has loss on the
+answer only. p-hop with per_position_loss additionally puts, at every symbol
+position t from which p hops exist, the symbol reached after p hops from t
+(SPEC §5: with the loss on the last position alone nothing beat the ≈ 0.49
+shortcut at tiny scale in 2,500 steps). Accuracy is always scored on the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from looplab.data import mano, phop
+from looplab.data.sampler import STREAM_LENGTH, ResumableSampler
+
+IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
+TASKS = ("phop", "mano")
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "phop": {"n": 32, "p": 3, "alphabet": 4, "test_fraction": 0.5},  # SPEC §5 tiny setting
+    "mano": {"L": 24, "modulus": 23, "test_fraction": 0.5},  # SPEC §5 paper setting
+}
+
+
+class Vocab:
+    """Token names for display; ids are positions in `names`. PAD is id 0."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = list(names)
+        self.ids = {n: i for i, n in enumerate(self.names)}
+        assert len(self.ids) == len(self.names), "duplicate token names"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.names)
+
+    @property
+    def pad_id(self) -> int:
+        return self.ids["<pad>"]
+
+    def __getitem__(self, name: str) -> int:
+        return self.ids[name]
+
+    def decode(self, ids) -> str:
+        """Space-separated names; PAD and ignore-index (negative) ids are dropped."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return " ".join(self.names[i] for i in ids if i >= 0 and i != self.pad_id)
+
+
+@dataclass
+class Encoded:
+    input_ids: np.ndarray
+    targets: np.ndarray
+    answer_mask: np.ndarray
+
+
+class TaskSpec:
+    """What a task needs to become tensors: its example maker, vocabulary, length and encoder."""
+
+    name: str
+    vocab: Vocab
+    seq_len: int
+    make: Callable[..., Any]  # make(seed, split, index) -> example
+
+    def encode(self, ex) -> Encoded:
+        raise NotImplementedError
+
+    def _layout(self, seq: list[int], loss_at: dict[int, int], answer_pos: int) -> Encoded:
+        T = self.seq_len
+        inp = np.full(T, self.vocab.pad_id, dtype=np.int64)
+        inp[: len(seq) - 1] = seq[:-1]
+        tgt = np.full(T, IGNORE, dtype=np.int64)
+        for t, tok in loss_at.items():
+            tgt[t] = tok
+        mask = np.zeros(T, dtype=bool)
+        mask[answer_pos] = True
+        return Encoded(inp, tgt, mask)
+
+
+def _symbol_names(alphabet: int) -> list[str]:
+    return [chr(ord("a") + i) for i in range(alphabet)] if alphabet <= 26 else [f"s{i}" for i in range(alphabet)]
+
+
+class PHopSpec(TaskSpec):
+    name = "phop"
+
+    def __init__(self, n: int, p: int, alphabet: int, test_fraction: float = 0.5, per_position_loss: bool = True):
+        phop.validate_args(n, p, alphabet)
+        self.n, self.p, self.alphabet, self.per_position_loss = n, p, alphabet, per_position_loss
+        self.vocab = Vocab(["<pad>", "<query>", *_symbol_names(alphabet)])
+        self.sym0 = self.vocab.ids["<query>"] + 1  # symbol k is token sym0 + k
+        self.seq_len = n + 1  # symbols + query; the answer is only a target
+        self.make = partial(phop.make_example, n=n, p=p, alphabet=alphabet, test_fraction=test_fraction)
+
+    def encode(self, ex: phop.PHopExample) -> Encoded:
+        seq = [self.sym0 + s for s in ex.symbols] + [self.vocab["<query>"], self.sym0 + ex.answer]
+        loss_at = {}
+        if self.per_position_loss:
+            loss_at = {t: self.sym0 + h for t, h in enumerate(ex.hop_targets) if h >= 0}
+        loss_at[self.n] = self.sym0 + ex.answer
+        return self._layout(seq, loss_at, answer_pos=self.n)
+
+
+class ManoSpec(TaskSpec):
+    name = "mano"
+
+    def __init__(self, L: int, modulus: int = 23, test_fraction: float = 0.5, per_position_loss: bool = True):
+        mano.validate_args(L, modulus)
+        self.L, self.modulus = L, modulus  # per_position_loss has no meaning for Mano: answer loss only
+        self.vocab = Vocab(
+            ["<pad>", "<bos>", "<ans>", *mano.OPS, *(str(v) for v in range(modulus)), *(f"Q{k}" for k in range(1, L + 1))]
+        )
+        self.seq_len = 2 * L + 4  # <bos> Q (2L+1 expression tokens) <ans>; the answer is only a target
+        self.make = partial(mano.make_example, L=L, modulus=modulus, test_fraction=test_fraction)
+
+    def encode(self, ex: mano.ManoExample) -> Encoded:
+        v = self.vocab
+        seq = [v["<bos>"], v[f"Q{ex.n_ops}"], *(v[tok] for tok in ex.prefix), v["<ans>"], v[str(ex.answer)]]
+        ans_pos = len(seq) - 2
+        return self._layout(seq, {ans_pos: v[str(ex.answer)]}, answer_pos=ans_pos)
+
+
+def make_task(task: str, task_args: dict | None = None, per_position_loss: bool = True) -> TaskSpec:
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is unknown; choose one of {TASKS}")
+    given = dict(task_args or {})
+    unknown = sorted(set(given) - set(TASK_DEFAULTS[task]))
+    if unknown:
+        raise ValueError(f"unknown {task} task_args {unknown}; known: {sorted(TASK_DEFAULTS[task])}")
+    args = {**TASK_DEFAULTS[task], **given}
+    cls = PHopSpec if task == "phop" else ManoSpec
+    return cls(**args, per_position_loss=per_position_loss)
+
+
+class TaskDataset(Dataset):
+    """Item i = example i of `split`, tokenised. Pure function of (seed, split, i): any worker,
+    rank or restart sees the same item. The train split is a virtual stream of STREAM_LENGTH items."""
+
+    def __init__(self, spec: TaskSpec, split: str, seed: int, size: int):
+        self.spec, self.split, self.seed, self.size = spec, split, seed, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} outside [0, {self.size})")
+        enc = self.spec.encode(self.spec.make(self.seed, self.split, int(index)))
+        return {
+            "input_ids": torch.from_numpy(enc.input_ids),
+            "targets": torch.from_numpy(enc.targets),
+            "answer_mask": torch.from_numpy(enc.answer_mask),
+        }
+
+
+def _positive_int(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive integer")
+
+
+class TaskDataModule(L.LightningDataModule):
+    """Mano / p-hop for Lightning. `batch_size` is GLOBAL: each of w ranks gets batch_size // w.
+
+    Training is one endless, resumable stream (see looplab.data.sampler): after a restart at
+    trainer.global_step = k the next batch is global batch k·accumulate_grad_batches, so a resumed
+    run sees exactly the batches of an uninterrupted one. The trainer must use
+    `use_distributed_sampler=False` (the sampler shards ranks itself) and count validation in
+    steps (`val_check_interval=<int>`, `check_val_every_n_epoch=None`): the epoch never ends.
+    Validation: the first `val_size` test-split examples; test: the first `test_size`.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        batch_size: int = 64,
+        task_args: dict | None = None,
+        val_size: int = 512,
+        test_size: int = 1024,
+        seed: int = 0,
+        num_workers: int = 0,
+        per_position_loss: bool = True,
+    ):
+        super().__init__()
+        for name, v in (("batch_size", batch_size), ("val_size", val_size), ("test_size", test_size)):
+            _positive_int(name, v)
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be a non-negative integer")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers={num_workers!r} must be a non-negative integer")
+        self.task, self.batch_size, self.seed = task, batch_size, seed
+        self.val_size, self.test_size, self.num_workers = val_size, test_size, num_workers
+        self.spec = make_task(task, dict(task_args) if task_args is not None else None, per_position_loss)
+
+    # ---------------------------------------------------------------- metadata
+    @property
+    def vocab(self) -> Vocab:
+        return self.spec.vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab.vocab_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
+
+    @property
+    def pad_id(self) -> int:
+        return self.spec.vocab.pad_id
+
+    def decode(self, ids) -> str:
+        return self.spec.vocab.decode(ids)
+
+    # ------------------------------------------------------------- distribution
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.global_rank, trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def per_rank_batch_size(self, world_size: int) -> int:
+        if self.batch_size % world_size:
+            raise ValueError(
+                f"batch_size={self.batch_size} is the global batch and must be divisible by the "
+                f"world size {world_size}; pick a multiple of {world_size}"
+            )
+        return self.batch_size // world_size
+
+    def _loader(self, ds: Dataset, sampler, per_rank: int) -> DataLoader:
+        return DataLoader(
+            ds,
+            batch_size=per_rank,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            drop_last=False,
+        )
+
+    # -------------------------------------------------------------- dataloaders
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        per_rank = self.per_rank_batch_size(world)
+        trainer = self.trainer
+        start = 0
+        if trainer is not None:
+            if world > 1 and getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
+                raise ValueError(
+                    "TaskDataModule shards ranks itself; construct the Trainer with use_distributed_sampler=False "
+                    "(Lightning would otherwise try to materialise the endless training stream)"
+                )
+            # batches already consumed = optimizer steps · micro-batches per step
+            start = trainer.global_step * max(1, int(trainer.accumulate_grad_batches)) * self.batch_size
+        sampler = ResumableSampler(self.batch_size, rank, world, start=start, length=STREAM_LENGTH)
+        ds = TaskDataset(self.spec, "train", self.seed, STREAM_LENGTH)
+        return self._loader(ds, sampler, per_rank)
+
+    def _eval_loader(self, size: int) -> DataLoader:
+        rank, world = self._rank_world()
+        per_rank = self.per_rank_batch_size(world)
+        ds = TaskDataset(self.spec, "test", self.seed, size)
+        # DistributedSampler pads the last shard by repeating examples so every rank runs the same
+        # number of batches (uneven counts deadlock per-step metric syncs)
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        return self._loader(ds, sampler, per_rank)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.val_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.test_size)
