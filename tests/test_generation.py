@@ -1,0 +1,288 @@
+"""Cached decoding (SPEC §7) and exit-gate skip_compute (SPEC §4) against full recomputation.
+
+Every backbone × state_mode × exit-gate combination is checked; combinations that need
+the Mamba-2 layer skip (with the reason) only while looplab.models.mamba2 is absent.
+StateLoop's W_o and the exit gate are given random weights: at init W_o is zero (StateLoop
+would equal Vanilla) and the gate is near 0.5 everywhere, which would test little.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import itertools
+
+import pytest
+import torch
+
+from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.cache import KVCache
+from looplab.models.generation import decode_step, generate, sample_next, skip_compute_unsupported
+
+HAS_MAMBA2 = importlib.util.find_spec("looplab.models.mamba2") is not None
+BACKBONES = ("llama", "mamba2", "hybrid")
+STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
+GATES = ("none", "ouro")
+V = 61
+ATOL = 2e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models: intra-op threads only add contention on a shared CPU (seconds per test instead of ms)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def needs_mamba2(backbone: str, state_mode: str) -> bool:
+    return backbone != "llama" or state_mode == "stateloop_mamba2"
+
+
+def combo_params(backbones=BACKBONES, state_modes=STATE_MODES, gates=GATES):
+    out = []
+    for b, s, g in itertools.product(backbones, state_modes, gates):
+        marks = []
+        if needs_mamba2(b, s) and not HAS_MAMBA2:
+            marks.append(pytest.mark.skip(reason="looplab.models.mamba2 is not there yet"))
+        out.append(pytest.param(b, s, g, id=f"{b}-{s}-{g}", marks=marks))
+    return out
+
+
+def make_model(backbone="llama", state_mode="vanilla", exit_gate="none", n_loops=3, seed=0, gate_bias=None) -> LoopedLM:
+    torch.manual_seed(seed)
+    cfg = LoopedLMConfig(
+        vocab_size=V, d_model=32, n_heads=4, n_layers=2, n_loops=n_loops, backbone=backbone,
+        hybrid_pattern="MA", state_mode=state_mode, exit_gate=exit_gate, max_seq_len=64,
+        d_state=8, headdim=16, chunk_size=4, kernel="torch",
+    )
+    model = LoopedLM(cfg).eval()
+    with torch.no_grad():
+        if model.state is not None:
+            model.state.state_out.weight.normal_(0, 0.2)
+        if model.exit_gate is not None:
+            # logit std ≈ 1 around 0: tokens exit at different depths under q = 0.5
+            model.exit_gate.proj.weight.normal_(0, 1 / 32**0.5)
+            model.exit_gate.proj.bias.fill_(-0.3 if gate_bias is None else gate_bias)
+    return model
+
+
+def recompute_greedy(model, prompt, n, exit_threshold=None):
+    """Reference: the full forward pass over the whole prefix at every step, no cache."""
+    seq, logits = prompt, []
+    for _ in range(n):
+        lg = model(seq, exit_threshold=exit_threshold).logits[:, -1]
+        logits.append(lg)
+        seq = torch.cat([seq, lg.argmax(-1, keepdim=True)], 1)
+    return seq, torch.stack(logits, 1)
+
+
+# --------------------------------------------------------- cache == recompute
+@pytest.mark.parametrize("backbone,state_mode,exit_gate", combo_params())
+@torch.no_grad()
+def test_cached_greedy_equals_recompute(backbone, state_mode, exit_gate):
+    model = make_model(backbone, state_mode, exit_gate)
+    prompt = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
+    for q in (None, 0.5) if exit_gate == "ouro" else (None,):
+        out = generate(model, prompt, 6, exit_threshold=q, return_logits=True)
+        ref_seq, ref_logits = recompute_greedy(model, prompt, 6, exit_threshold=q)
+        assert torch.equal(out.sequences, ref_seq)
+        torch.testing.assert_close(out.logits, ref_logits, atol=ATOL, rtol=1e-4)
+        if q is not None:
+            assert out.exit_steps.shape == (2, 6)
+            assert out.exit_steps.min() >= 1 and out.exit_steps.max() <= model.config.n_loops
+
+
+@pytest.mark.parametrize(
+    "backbone,state_mode,exit_gate",
+    combo_params(state_modes=("vanilla", "stateloop_attn", "stateloop_mamba2"), gates=("ouro",)),
+)
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(backbone, state_mode, exit_gate):
+    model = make_model(backbone, state_mode, exit_gate)
+    T, k = 9, 5  # T > chunk_size: the chunked SSD prefill crosses chunk boundaries
+    ids = torch.randint(0, V, (2, T + k), generator=torch.Generator().manual_seed(2))
+    full = model(ids, return_all_loops=True)
+    cache = model.allocate_cache(2, T + k)
+    pre = model(ids[:, :T], cache=cache, return_all_loops=True)
+    torch.testing.assert_close(pre.loop_logits, full.loop_logits[:, :, :T], atol=ATOL, rtol=1e-4)
+    for i in range(k):
+        step = model(ids[:, T + i : T + i + 1], cache=cache, return_all_loops=True)
+        torch.testing.assert_close(step.loop_logits[:, :, 0], full.loop_logits[:, :, T + i], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(step.exit_probs[:, 0], full.exit_probs[:, T + i], atol=ATOL, rtol=1e-4)
+    assert cache.length == T + k
+
+
+# ------------------------------------------------------------- cache memory
+@pytest.mark.parametrize("backbone,state_mode,exit_gate", combo_params(state_modes=("vanilla", "stateloop_attn", "stateloop_mamba2"), gates=("none",)))
+@torch.no_grad()
+def test_cache_memory_growth(backbone, state_mode, exit_gate):
+    model = make_model(backbone, state_mode)
+    cfg = model.config
+    cache = model.allocate_cache(1, 40)
+    sizes = {}
+    model(torch.randint(0, V, (1, 10)), cache=cache)
+    sizes[10] = cache.nbytes()
+    for n in range(11, 31):
+        model(torch.randint(0, V, (1, 1)), cache=cache)
+        sizes[n] = cache.nbytes()
+    n_attn = cfg.layer_types.count("A") + (state_mode == "stateloop_attn")
+    # 2 (k, v) × loops × attention entries × width × 4 bytes per token, and nothing else grows
+    per_token = 2 * cfg.n_loops * n_attn * cfg.d_model * 4
+    for n in sizes:
+        assert sizes[n] - sizes[10] == per_token * (n - 10)
+    if n_attn == 0:  # pure Mamba-2 (state mixer none or Mamba-2): constant in length
+        assert len(set(sizes.values())) == 1 and sizes[10] > 0
+
+
+# ------------------------------------------------------------- left padding
+@pytest.mark.parametrize(
+    "backbone,state_mode,exit_gate",
+    combo_params(state_modes=("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2")),
+)
+@torch.no_grad()
+def test_batched_left_padding_equals_alone(backbone, state_mode, exit_gate):
+    model = make_model(backbone, state_mode, exit_gate)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in (3, 8, 5)]
+    T = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.stack([torch.cat([torch.full((T - len(p),), pad), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(T - len(p)), torch.ones(len(p))]) for p in prompts]).long()
+    q = 0.5 if exit_gate == "ouro" else None
+    batched = generate(model, ids, 5, attention_mask=mask, exit_threshold=q, return_logits=True)
+    for i, p in enumerate(prompts):
+        alone = generate(model, p[None], 5, exit_threshold=q, return_logits=True)
+        assert torch.equal(batched.sequences[i, T:], alone.sequences[0, len(p):])
+        torch.testing.assert_close(batched.logits[i], alone.logits[0], atol=ATOL, rtol=1e-4)
+
+
+def test_right_padding_is_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(model, torch.ones(2, 4, dtype=torch.long), 2, attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+
+
+# ---------------------------------------------------------------- sampling
+@torch.no_grad()
+def test_sampling_limits_and_eos():
+    model = make_model()
+    prompt = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(4))
+    greedy = generate(model, prompt, 6)
+    # top_k=1 and a vanishing top_p leave only the argmax
+    assert torch.equal(generate(model, prompt, 6, temperature=1.0, top_k=1), greedy)
+    assert torch.equal(generate(model, prompt, 6, temperature=0.7, top_p=1e-6), greedy)
+    a = generate(model, prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    b = generate(model, prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    # sampled tokens stay inside the top-k set
+    logits = torch.randn(3, V)
+    top = logits.topk(4).indices
+    for s in range(20):
+        tok = sample_next(logits, 1.0, top_k=4, generator=torch.Generator().manual_seed(s))
+        assert all(int(t) in top[i].tolist() for i, t in enumerate(tok))
+    # eos: row 0 stops at its 3rd greedy token and is padded with eos afterwards
+    eos = int(greedy[0, 4 + 2])
+    out = generate(model, prompt, 6, eos_token_id=eos)
+    first = [int((greedy[r, 4:] == eos).nonzero()[0]) if (greedy[r, 4:] == eos).any() else None for r in range(2)]
+    for r in range(2):
+        if first[r] is not None:
+            assert (out[r, 4 + first[r]:] == eos).all()
+            assert torch.equal(out[r, : 4 + first[r]], greedy[r, : 4 + first[r]])
+    # when every row is done, generation stops early
+    single = generate(model, prompt[:1], 6, eos_token_id=eos)
+    assert single.shape[1] == 4 + first[0] + 1
+
+
+# ------------------------------------------------------------ skip_compute
+LLAMA_STATES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_reset")
+
+
+@pytest.mark.parametrize("state_mode", LLAMA_STATES)
+@torch.no_grad()
+def test_skip_compute_never_exiting_equals_cached(state_mode):
+    model = make_model("llama", state_mode, "ouro", n_loops=4, gate_bias=-20.0)
+    with torch.no_grad():
+        model.exit_gate.proj.weight.zero_()
+    prompt = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    plain = generate(model, prompt, 8, attention_mask=mask, return_logits=True)
+    skip = generate(model, prompt, 8, attention_mask=mask, exit_threshold=0.9, skip_compute=True, return_logits=True)
+    assert torch.equal(skip.sequences, plain.sequences)
+    torch.testing.assert_close(skip.logits, plain.logits, atol=ATOL, rtol=1e-4)
+    assert (skip.exit_steps == 4).all()
+
+
+@pytest.mark.parametrize("state_mode", LLAMA_STATES)
+@torch.no_grad()
+def test_skip_compute_early_exit_uses_threshold_depth_and_reuses_kv(state_mode):
+    """Each skip step gives the logits forward(exit_threshold=q) gives from the same cache, and
+    for every loop r deeper than a row's exit depth e the new position's KV equals loop e's."""
+    model = make_model("llama", state_mode, "ouro", n_loops=4, seed=1, gate_bias=-0.3)
+    R, q = 4, 0.5
+    B, T = 3, 5
+    prompt = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(7))
+    cache = model.allocate_cache(B, T + 12)
+    model(prompt, cache=cache, exit_threshold=q)  # prefill runs every loop
+    keys = [k for (r, k), e in cache.entries.items() if r == 0 and isinstance(e, KVCache)]
+    seen_mixed = seen_all_early = False
+    tok = prompt[:, -1:]
+    for step in range(12):
+        ref_cache = copy.deepcopy(cache)
+        ref = model(tok, cache=ref_cache, exit_threshold=q)
+        logits, exits = decode_step(model, tok, cache, exit_threshold=q, skip_compute=True)
+        assert torch.equal(exits, ref.exit_steps[:, 0])
+        torch.testing.assert_close(logits, ref.logits[:, 0], atol=ATOL, rtol=1e-4)
+        pos = cache.length - 1
+        for b in range(B):
+            e = int(exits[b]) - 1
+            for key in keys:
+                for r in range(R):
+                    got_k, got_v = cache[r, key].k[b, :, pos], cache[r, key].v[b, :, pos]
+                    src = cache[min(r, e), key]
+                    assert torch.equal(got_k, src.k[b, :, pos]) and torch.equal(got_v, src.v[b, :, pos])
+                    if r <= e:  # loops that ran hold the exact values
+                        torch.testing.assert_close(got_k, ref_cache[r, key].k[b, :, pos], atol=ATOL, rtol=1e-4)
+        for key in keys:
+            assert all(cache[r, key].length == cache.length for r in range(R))
+        seen_mixed |= bool((exits < R).any() and (exits != exits[0]).any())
+        seen_all_early |= bool((exits < R).all())
+        tok = logits.argmax(-1, keepdim=True)
+    assert seen_mixed and seen_all_early, "the gate was meant to make rows exit at mixed depths"
+
+
+@torch.no_grad()
+def test_skip_compute_whole_batch_exit_at_depth_one():
+    """A gate that always exits after loop 1: deeper loops are never run, only copied."""
+    model = make_model("llama", "stateloop_attn", "ouro", n_loops=3, gate_bias=20.0)
+    prompt = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(8))
+    out = generate(model, prompt, 5, exit_threshold=0.5, skip_compute=True, return_logits=True)
+    assert (out.exit_steps[:, 1:] == 1).all()
+    # depth-1 logits with a cache whose deeper loops hold depth-1 KV == a 1-loop model's decoding
+    one = LoopedLM(LoopedLMConfig(**{**model.config.to_dict(), "n_loops": 1})).eval()
+    one.load_state_dict(model.state_dict())
+    ref = generate(one, prompt, 5, return_logits=True)
+    assert torch.equal(out.sequences[:, 5:], ref.sequences[:, 5:])
+    torch.testing.assert_close(out.logits[:, 1:], ref.logits[:, 1:], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "backbone,state_mode",
+    [
+        pytest.param(b, s, marks=[] if HAS_MAMBA2 else [pytest.mark.skip(reason="looplab.models.mamba2 is not there yet")])
+        for b, s in (("mamba2", "vanilla"), ("hybrid", "stateloop"), ("llama", "stateloop_mamba2"))
+    ],
+)
+def test_skip_compute_refused_for_ssm(backbone, state_mode):
+    model = make_model(backbone, state_mode, "ouro")
+    assert "recurrent" in skip_compute_unsupported(model.config)
+    with pytest.raises(ValueError, match="every loop must still run"):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
+
+
+def test_skip_compute_needs_gate_and_threshold():
+    with pytest.raises(ValueError, match="exit gate"):
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
+    with pytest.raises(ValueError, match="exit_threshold"):
+        generate(make_model(exit_gate="ouro"), torch.zeros(1, 3, dtype=torch.long), 2, skip_compute=True)
