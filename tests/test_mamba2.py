@@ -14,6 +14,16 @@ from looplab.models.mamba2 import Mamba2Layer, Mamba2Mixer
 from looplab.models.ops.ssd import ssd_chunked, ssd_reference, ssd_step
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are small: a second OpenMP thread only adds spin-waits, which on a loaded
+    2-core machine made the training test 30x slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def naive_recurrence(x, dt, A, B, C, D, state):
     """Written independently of ops.ssd: h ← exp(dt·A)·h + dt·x⊗B, y = h·C + D·x, one token at a time."""
     b, L, h, p = x.shape
