@@ -286,3 +286,34 @@ def test_skip_compute_needs_gate_and_threshold():
         generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
     with pytest.raises(ValueError, match="exit_threshold"):
         generate(make_model(exit_gate="ouro"), torch.zeros(1, 3, dtype=torch.long), 2, skip_compute=True)
+
+
+# ----------------------------------------------------------------------- CLI
+def _save_checkpoint(path, model, dataset):
+    from looplab.checkpoint import looplab_meta
+
+    sd = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": sd, "looplab": looplab_meta(model.config, dataset)}, path)
+
+
+def test_cli_streams_text_and_task_tokens(tmp_path, capsys):
+    from looplab.generate import main
+
+    torch.manual_seed(0)
+    lm = LoopedLM(LoopedLMConfig(vocab_size=4096, d_model=32, n_heads=4, n_layers=1, n_loops=2, exit_gate="ouro")).eval()
+    _save_checkpoint(tmp_path / "lm.ckpt", lm, {"name": "lm_tiny", "tokenizer": "shakespeare-bpe-4096"})
+    main([f"ckpt={tmp_path / 'lm.ckpt'}", "prompt=To be, or not", "max_new_tokens=5", "exit_threshold=0.5"])
+    out = capsys.readouterr()
+    assert out.out.startswith("To be, or not") and len(out.out.strip()) > len("To be, or not")
+    assert "mean exit depth" in out.err
+
+    from looplab.data.tasks import make_task
+
+    vocab = make_task("phop", {"n": 8, "p": 2, "alphabet": 4}).vocab
+    task = LoopedLM(LoopedLMConfig(vocab_size=vocab.vocab_size, d_model=32, n_heads=4, n_layers=1, n_loops=2)).eval()
+    _save_checkpoint(tmp_path / "task.ckpt", task, {"task": "phop", "task_args": {"n": 8, "p": 2, "alphabet": 4}})
+    main([f"ckpt={tmp_path / 'task.ckpt'}", f"prompt={' '.join(vocab.names[2:6])} <query>", "max_new_tokens=2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("prompt:") and len(lines) == 3
+    tid, name = lines[1].split("\t")[:2]
+    assert vocab.names[int(tid)] == name

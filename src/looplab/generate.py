@@ -1,0 +1,120 @@
+"""Generate from a checkpoint: `python -m looplab.generate ckpt=PATH prompt="..." [key=value ...]`.
+
+Keys: ckpt (required), prompt, max_new_tokens (64), temperature (0 = greedy), top_k, top_p,
+exit_threshold (needs an exit gate), skip_compute (true|false), seed (0), device (cpu).
+
+Language-model checkpoints stream decoded text as tokens arrive (the tokenizer named in the
+checkpoint's dataset config). Synthetic-task checkpoints (p-hop, Mano) take the prompt as
+space-separated token names or ids (e.g. prompt="a b a c <query>") and print ids and names.
+With exit_threshold, the mean exit depth is reported at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from looplab.models.generation import stream
+
+DEFAULTS: dict[str, Any] = {
+    "ckpt": None, "prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": None, "top_p": None,
+    "exit_threshold": None, "skip_compute": False, "seed": 0, "device": "cpu",
+}
+
+
+def parse_args(argv: list[str]) -> dict[str, Any]:
+    args = dict(DEFAULTS)
+    for a in argv:
+        key, sep, val = a.partition("=")
+        key = key.lstrip("-").replace("-", "_")
+        if not sep or key not in DEFAULTS:
+            raise SystemExit(f"bad argument {a!r}: use key=value with key in {sorted(DEFAULTS)}")
+        if key in ("ckpt", "prompt", "device"):
+            args[key] = val
+        elif key == "skip_compute":
+            args[key] = val.lower() in ("1", "true", "yes", "on")
+        elif val.lower() in ("none", "null", ""):
+            args[key] = None
+        else:
+            args[key] = int(val) if key in ("max_new_tokens", "top_k", "seed") else float(val)
+    if not args["ckpt"]:
+        raise SystemExit("ckpt=PATH is required (a looplab training checkpoint)")
+    return args
+
+
+class _TaskText:
+    """Synthetic-task vocabulary as a tokenizer: names ↔ ids."""
+
+    def __init__(self, dataset: dict):
+        from looplab.data.tasks import make_task  # lazy: only for task checkpoints
+
+        self.vocab = make_task(dataset["task"], dataset.get("task_args")).vocab
+        self.eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for t in text.split():
+            if t in self.vocab.ids:
+                out.append(self.vocab[t])
+            elif t.isdigit() and int(t) < self.vocab.vocab_size:
+                out.append(int(t))
+            else:
+                raise SystemExit(f"token {t!r} is not in this task's vocabulary {self.vocab.names}")
+        return out
+
+    def name(self, i: int) -> str:
+        return self.vocab.names[i]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from looplab.checkpoint import load_model
+
+    model, meta = load_model(args["ckpt"], map_location=args["device"])
+    dataset = meta.get("dataset") or {}
+    is_task = dataset.get("task") in ("phop", "mano")
+    if is_task:
+        tok = _TaskText(dataset)
+    else:
+        from looplab.data.tokenizer import load_tokenizer  # lazy: model code never needs it
+
+        tok = load_tokenizer(dataset if dataset.get("tokenizer") else "shakespeare-bpe-4096")
+    ids = tok.encode(args["prompt"])
+    if not ids:
+        ids = [tok.eos_id] if tok.eos_id is not None else [0]  # an empty prompt starts from end-of-text
+    input_ids = torch.tensor([ids], device=args["device"])
+    gen = torch.Generator(device=args["device"]).manual_seed(args["seed"])
+
+    steps = stream(
+        model, input_ids, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"],
+        top_p=args["top_p"], eos_token_id=tok.eos_id, exit_threshold=args["exit_threshold"],
+        skip_compute=args["skip_compute"], generator=gen,
+    )
+    new, depths = [], []
+    if is_task:
+        print("prompt:", " ".join(tok.name(i) for i in ids))
+    else:
+        print(args["prompt"], end="", flush=True)
+    for step in steps:
+        t = int(step.tokens[0])
+        new.append(t)
+        if step.exit_steps is not None:
+            depths.append(int(step.exit_steps[0]))
+        if is_task:
+            print(f"{t}\t{tok.name(t)}" + (f"\texit depth {depths[-1]}" if depths else ""), flush=True)
+        else:
+            # decode the whole continuation each time: BPE pieces only become text in context
+            text = tok.decode(new)
+            prev = tok.decode(new[:-1]) if len(new) > 1 else ""
+            print(text[len(prev):], end="", flush=True)
+    if not is_task:
+        print()
+    if depths:
+        R = model.config.n_loops
+        print(f"[mean exit depth {sum(depths) / len(depths):.2f} of {R} over {len(depths)} tokens]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
