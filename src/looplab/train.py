@@ -113,6 +113,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         throughput,
         ThroughputMonitor(batch_size_fn=lambda b: b["input_ids"].shape[0], length_fn=lambda b: b["input_ids"].numel()),
     ]
+    callbacks += [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     if loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.trainer.get("enable_progress_bar", True) is not False:

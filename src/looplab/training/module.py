@@ -146,9 +146,10 @@ class LoopedLMModule(L.LightningModule):
             for r, v in enumerate(series, start=1):
                 values[f"state_{key}_loop{r}"] = v
         self.diagnostics = {}
-        self.log_dict({f"{split}/{k}": v for k, v in values.items()}, sync_dist=True, prog_bar=False)
+        # MeanMetric.compute() already reduces across ranks
+        self.log_dict({f"{split}/{k}": v for k, v in values.items() if k != "acc"}, prog_bar=False)
         if "acc" in values:
-            self.log(f"{split}/acc", values["acc"], prog_bar=True, sync_dist=True)
+            self.log(f"{split}/acc", values["acc"], prog_bar=True)
 
     def validation_step(self, batch, batch_idx):
         self._eval_step(batch, "val")
