@@ -1,0 +1,148 @@
+"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,data] [--out PATH]`
+
+Runs the benchmarks (fp32, CPU unless a part says otherwise), writes `bench/results.json`
+and prints a short table. Parts written by other modules (`mamba2`, `decode`) are imported
+lazily: one that has not landed is recorded as pending, one that fails as an error, and the
+other parts still run. With `--only`, the other parts already in the output file are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+from looplab.bench import common
+
+PARTS = ("train", "mamba2", "decode", "data")
+HEADLINE = {  # the figures SPEC §8 names, per part, and how to print them
+    "train": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_unlooped", "mfu", "transformers_mfu",
+              "matmul_gflops", "peak_memory_ratio_vs_transformers"),
+    "mamba2": ("tokens_per_s", "ratio_vs_transformers"),
+    "decode": ("state_overhead", "ratio_vs_vanilla_r_plus_1", "cached_speedup_512"),
+    "data": ("min_ratio_vs_train_step", "train_steps_per_s"),
+}
+
+
+def _finite(obj):
+    """JSON without NaN/inf (not valid JSON): such values become strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def run_part(name: str, threads: int, quick: bool, results: dict, train_opts: dict) -> dict:
+    try:
+        mod = importlib.import_module(f"looplab.bench.{name}")
+    except ImportError as e:
+        if getattr(e, "name", None) == f"looplab.bench.{name}":
+            return {"status": "pending", "reason": f"looplab.bench.{name} has not landed yet"}
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"}
+    t0 = time.perf_counter()
+    try:
+        if name == "train":
+            res = mod.run(threads, quick, **train_opts)
+        elif name == "data":
+            rate = None
+            tr = results.get("train", {})
+            if "step_s" in tr and tr.get("quick") == quick:
+                rate = 1.0 / common.median(tr["step_s"]["looplab"])
+            res = mod.run(threads, quick, train_steps_per_s=rate)
+        else:
+            res = mod.run(threads, quick)
+    except Exception as e:  # noqa: BLE001 — one failing part must not lose the others' figures
+        traceback.print_exc()
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"}
+    res = dict(res)
+    res.setdefault("status", "ok")
+    res["quick"] = quick
+    res["threads"] = threads
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    res["measured_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return res
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+def table(results: dict) -> str:
+    m = results.get("machine", {})
+    lines = [f"looplab bench — {m.get('cpu')} · {m.get('threads')} threads · torch {m.get('torch')} · "
+             f"transformers {m.get('transformers')} · {m.get('date')}"]
+    for part in PARTS:
+        r = results.get(part)
+        if r is None:
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"  {part:<8} {r.get('status')}: {r.get('reason') or r.get('error', '')}"[:160])
+            continue
+        for k in HEADLINE[part]:
+            if k in r:
+                lines.append(f"  {part:<8} {k:<36} {_fmt(r[k])}")
+        for opt, o in r.get("options", {}).items():
+            fig = f"{o['speedup_vs_default']:.3f}× default" if "speedup_vs_default" in o else o.get("error", "")
+            lines.append(f"  {part:<8} {'option ' + opt:<36} {fig}"[:160])
+        for k, o in r.get("memory_mb", {}).items():
+            if "peak_mb" in o:
+                lines.append(f"  {part:<8} {'peak MB ' + k:<36} {o['peak_mb']:,.0f}")
+        for k in ("lm", "tasks"):
+            if isinstance(r.get(k), dict) and "batches_per_s" in r[k]:
+                lines.append(f"  {part:<8} {k + ' batches/s (× train step)':<36} "
+                             f"{r[k]['batches_per_s']:,.1f} ({r[k]['ratio_vs_train_step']:,.0f}×)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m looplab.bench", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--quick", action="store_true", help="tiny dims and few repeats (smoke test, figures meaningless)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--out", default=os.path.join("bench", "results.json"))
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per candidate (median reported)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile option (slow to compile on CPU)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--no-options", action="store_true", help="skip the speed options (fused AdamW, SDPA math, ...)")
+    args = ap.parse_args(argv)
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    bad = sorted(set(parts) - set(PARTS))
+    if bad:
+        ap.error(f"--only {bad} unknown; choose from {','.join(PARTS)}")
+
+    common.set_threads(args.threads)
+    results: dict = {}
+    if os.path.exists(args.out) and set(parts) != set(PARTS):
+        with open(args.out) as f:
+            results = json.load(f)  # keep parts not rerun
+    results["machine"] = common.machine_info(args.threads)
+    train_opts = {"repeats": args.repeats, "options": not args.no_options, "memory": not args.no_memory}
+    if args.no_compile:
+        train_opts["compile"] = False
+    for part in PARTS:
+        if part in parts:
+            print(f"[bench] {part} …", file=sys.stderr, flush=True)
+            results[part] = run_part(part, args.threads, args.quick, results, train_opts)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(_finite(results), f, indent=1)
+    print(table(results))
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

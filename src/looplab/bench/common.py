@@ -1,0 +1,157 @@
+"""Shared pieces of the benchmarks: the machine, threads, side-by-side timing, the matmul ceiling, peak memory.
+
+Everything is timed **round-robin in one process**: repeat k of every candidate runs
+before repeat k+1 of any, so a machine that gets busier halfway (this one is shared)
+slows all candidates alike and the ratios stay honest. Figures are medians.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)  # CPU training uses no inter-op parallelism; fails once work has started
+    except RuntimeError:
+        pass
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(threads: int) -> dict:
+    info = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "dtype": "float32",
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    try:
+        info["load_average"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return info
+
+
+def time_side_by_side(fns: dict[str, Callable[[], None]], warmup: int = 1, repeats: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each fn, interleaved round-robin after `warmup` untimed calls of each."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """fp32 `torch.mm` throughput at n³ with the current thread count: this machine's ceiling for dense layers."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)  # warm-up: page in the buffers, pick the kernel
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / median(ts) / 1e9
+
+
+# ----------------------------------------------------------------- memory
+# tracemalloc does not see torch's CPU allocations, and the CPU allocator keeps no
+# peak statistics, so peak memory is the process's resident set: each configuration
+# runs in a fresh subprocess, the peak-RSS mark (VmHWM) is reset after setup through
+# /proc/self/clear_refs (Linux ≥ 4.0) and read again after one training step.
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def run_probes(module: str, specs: dict[str, dict], threads: int, parallel: int = 1, timeout: float = 900) -> dict:
+    """Run `python -m <module> --probe '<json spec>'` per spec in fresh processes, `parallel` at a time;
+    return {key: the JSON each printed last} (or {"error": ...})."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out: dict = {}
+    pending = list(specs.items())
+    while pending:
+        batch, pending = pending[:parallel], pending[parallel:]
+        procs = {
+            k: subprocess.Popen([sys.executable, "-m", module, "--probe", json.dumps(s), "--threads", str(threads)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for k, s in batch
+        }
+        for k, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode != 0 or not lines:
+                tail = (stderr or stdout).strip().splitlines()[-3:]
+                out[k] = {"error": f"probe exited {proc.returncode}: {' | '.join(tail)}"}
+            else:
+                out[k] = json.loads(lines[-1])
+    return out
