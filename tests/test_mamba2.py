@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from looplab.models import LoopedLM, LoopedLMConfig
-from looplab.models.mamba2 import Mamba2Layer, Mamba2Mixer
+from looplab.models.mamba2 import Mamba2Layer, Mamba2Mixer, causal_conv_silu
 from looplab.models.ops.ssd import ssd_chunked, ssd_reference, ssd_step
 
 
@@ -88,6 +88,20 @@ def test_chunked_ssd_stable_over_long_strongly_decaying_sequences():
     y, s = ssd_chunked(x, dt, A, B, C, 64, D=D, initial_state=s0, return_final_state=True)
     assert torch.isfinite(y).all()
     assert rel_err(y, y_ref) <= 1e-4 and rel_err(s, s_ref) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- conv
+def test_causal_conv_matches_conv1d_and_gradcheck():
+    x = torch.randn(2, 9, 5, dtype=torch.double, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.double, requires_grad=True)
+    b = torch.randn(5, dtype=torch.double, requires_grad=True)
+    ref = F.silu(F.conv1d(x.transpose(1, 2), w[:, None], b, padding=3, groups=5)[..., :9]).transpose(1, 2)
+    assert torch.allclose(causal_conv_silu(x, w, b), ref)
+    assert torch.autograd.gradcheck(lambda x, w, b: causal_conv_silu(x, w, b), (x, w, b))
+    hist = torch.randn(2, 3, 5, dtype=torch.double)
+    full = causal_conv_silu(torch.cat([hist, x], 1), w, b)[:, 3:]  # history = the previous inputs
+    assert torch.allclose(causal_conv_silu(x, w, b, hist), full)
+    assert torch.autograd.gradcheck(lambda x, w: causal_conv_silu(x, w, None, hist), (x, w))
 
 
 # ----------------------------------------------------------------------------- mixer

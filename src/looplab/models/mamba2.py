@@ -48,6 +48,46 @@ def _fused_ops():
     return mamba_chunk_scan_combined, causal_conv1d_fn
 
 
+class _CausalConvSiLU(torch.autograd.Function):
+    """SiLU(depthwise causal conv1d) in the (B, T, C) layout the projections produce.
+
+    Written as K shifted multiply-adds with a hand-written backward: on CPU this measured
+    ~1.5x faster than F.conv1d, whose (B, C, T) layout costs two transposes and whose
+    depthwise backward is slow. The fused CUDA path uses causal_conv1d instead.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, history):
+        K, T = weight.shape[1], x.shape[1]
+        if history is None:
+            xp = F.pad(x, (0, 0, K - 1, 0))  # (B, K-1+T, C): zeros before the first token
+        else:
+            xp = torch.cat([history, x], dim=1)
+        u = torch.addcmul(bias, xp[:, :T], weight[:, 0]) if bias is not None else xp[:, :T] * weight[:, 0]
+        for k in range(1, K):
+            u.addcmul_(xp[:, k : k + T], weight[:, k])
+        ctx.save_for_backward(xp, weight, u)
+        ctx.has_bias = bias is not None
+        return F.silu(u)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp, weight, u = ctx.saved_tensors
+        K, T = weight.shape[1], grad.shape[1]
+        du = torch.ops.aten.silu_backward(grad.contiguous(), u)
+        dpad = F.pad(du, (0, 0, 0, K - 1))  # input step s feeds outputs s .. s+K-1
+        dx = dpad[:, K - 1 : K - 1 + T] * weight[:, 0]
+        for k in range(1, K):
+            dx.addcmul_(dpad[:, K - 1 - k : K - 1 - k + T], weight[:, k])
+        dw = torch.stack([(du * xp[:, k : k + T]).sum((0, 1)) for k in range(K)], dim=1)
+        return dx, dw, du.sum((0, 1)) if ctx.has_bias else None, None
+
+
+def causal_conv_silu(x, weight, bias=None, history=None):
+    """x (B, T, C), weight (C, K), history (B, K-1, C) or None (zeros) → SiLU(conv) (B, T, C)."""
+    return _CausalConvSiLU.apply(x, weight, bias, history)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm(y ⊙ SiLU(z)) · weight, normalised per group of channels (one group per B/C group),
     so a checkpoint computes the same thing as mamba_ssm's RMSNormGated(norm_before_gate=False)."""
@@ -58,8 +98,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = (y.float() * F.silu(z.float())).unflatten(-1, (-1, self.group_size))
-        h = F.rms_norm(h, (self.group_size,), eps=self.eps).flatten(-2)
+        h = y.float() * F.silu(z.float())
+        if self.group_size == h.shape[-1]:
+            return F.rms_norm(h, (self.group_size,), self.weight.float(), self.eps).to(y.dtype)
+        h = F.rms_norm(h.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps).flatten(-2)
         return (h * self.weight.float()).to(y.dtype)
 
 
@@ -213,19 +255,18 @@ class Mamba2Mixer(nn.Module):
 
     def _conv(self, xBC: torch.Tensor, cache: SSMCache | None, fused: bool) -> torch.Tensor:
         """Depthwise causal conv + SiLU over (B, T, conv_dim); with a cache the window starts from its history."""
-        T, K = xBC.shape[1], self.d_conv
-        xt = xBC.transpose(1, 2)  # (B, conv_dim, T)
+        w = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
         if cache is None:
             causal_conv1d_fn = _fused_ops()[1] if fused else None
             if causal_conv1d_fn is not None:
-                w = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
-                return causal_conv1d_fn(xt.contiguous(), w, self.conv1d.bias, activation="silu").transpose(1, 2)
-            out = F.conv1d(xt, self.conv1d.weight, self.conv1d.bias, padding=K - 1, groups=self.conv_dim)[..., :T]
-        else:
-            window = torch.cat([cache.conv_state.to(xt.dtype), xt], dim=-1)  # (B, conv_dim, K-1+T)
-            cache.conv_state.copy_(window[..., -(K - 1) :])
-            out = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        return F.silu(out).transpose(1, 2)
+                xt = xBC.transpose(1, 2).contiguous()
+                return causal_conv1d_fn(xt, w, self.conv1d.bias, activation="silu").transpose(1, 2)
+            return causal_conv_silu(xBC, w, self.conv1d.bias)
+        history = cache.conv_state.transpose(1, 2).to(xBC.dtype)  # (B, K-1, conv_dim)
+        out = causal_conv_silu(xBC, w, self.conv1d.bias, history)
+        window = torch.cat([history, xBC], dim=1)
+        cache.conv_state.copy_(window[:, -(self.d_conv - 1) :].transpose(1, 2))
+        return out
 
     # ------------------------------------------------------------------ cache / cost
     def allocate_cache(self, batch_size: int, max_len: int, device, dtype) -> SSMCache:
