@@ -1,0 +1,77 @@
+"""The benchmark harness runs end to end in --quick mode and writes well-formed figures.
+
+No timing thresholds: the machine is shared, so only structure and sanity are asserted.
+"""
+
+import json
+import math
+
+import pytest
+
+from looplab.bench import __main__ as runner
+from looplab.bench import common, train
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_issue_formula_matches_model_flops():
+    d = dict(train.QUICK, n_layers=3, n_loops=5)
+    model = train.looplab_model(d)
+    T = d["seq_len"]
+    assert model.flops_per_token(T, training=True) == train.issue_formula_flops(model, T)
+    # the unlooped twin with N·R layers does the same work per token
+    twin = train.looplab_model(d, n_layers=15, n_loops=1)
+    assert twin.flops_per_token(T, training=True) == model.flops_per_token(T, training=True)
+
+
+def test_transformers_reference_has_same_matmul_params_per_layer():
+    d = train.QUICK
+    hf = train.transformers_model(d, n_layers=d["n_layers"] * d["n_loops"])
+    ours = train.looplab_model(d, n_layers=d["n_layers"] * d["n_loops"], n_loops=1)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(hf) == count(ours)
+
+
+def test_unknown_part_is_pending():
+    out = runner.run_part("not_landed_yet", 1, True, {}, {})
+    assert out["status"] == "pending"
+
+
+def test_quick_run_writes_expected_keys(tmp_path):
+    out = tmp_path / "results.json"
+    runner.main(["--quick", "--threads", "1", "--only", "train,data", "--out", str(out)])
+    res = json.loads(out.read_text())
+    m = res["machine"]
+    assert m["threads"] == 1 and m["torch"] and m["cpu"] and m["date"]
+    tr = res["train"]
+    assert tr["status"] == "ok", tr
+    for k in ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_unlooped", "mfu", "matmul_gflops",
+              "transformers_tokens_per_s", "unlooped_tokens_per_s", "peak_memory_mb"):
+        assert _positive_finite(tr[k]), (k, tr.get(k))
+    assert tr["flops_per_token"] == tr["flops_per_token_issue_formula"]
+    for name in ("fused_adamw", "checkpoint_loops", "sdpa_math"):
+        assert _positive_finite(tr["options"][name]["speedup_vs_default"])
+    R = tr["config"]["n_loops"]
+    for k in ("transformers", f"looplab_R{R}", f"looplab_R{R}_checkpoint"):
+        assert _positive_finite(tr["memory_mb"][k]["peak_mb"]), tr["memory_mb"][k]
+    da = res["data"]
+    assert da["status"] == "ok", da
+    assert _positive_finite(da["train_steps_per_s"])
+    for k in ("lm", "tasks"):
+        if da[k].get("status") != "pending":
+            assert _positive_finite(da[k]["batches_per_s"]) and _positive_finite(da[k]["ratio_vs_train_step"])
+
+
+def test_only_keeps_other_parts(tmp_path):
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"decode": {"status": "ok", "state_overhead": 0.1}}))
+    runner.main(["--quick", "--threads", "1", "--only", "train", "--no-memory", "--no-options", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["decode"]["state_overhead"] == 0.1 and res["train"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("n", [64])
+def test_matmul_ceiling_positive(n):
+    assert _positive_finite(common.matmul_gflops(n, repeats=2))
