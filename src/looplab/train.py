@@ -16,7 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from looplab.training.run_utils import build_loggers, git_commit, hydra_context, task_wrapper, write_json_atomic
+from looplab.training.run_utils import build_loggers, git_commit, hydra_context, plain_config, task_wrapper, write_json_atomic
 
 log = logging.getLogger("looplab")
 
@@ -192,7 +192,7 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "overrides": ctx["overrides"],
         "output_dir": str(ctx["output_dir"]),
         "checkpoint": str(Path(ctx["output_dir"]) / "checkpoints" / "last.ckpt"),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": plain_config(cfg),
     }
 
 

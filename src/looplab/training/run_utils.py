@@ -27,6 +27,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+def plain_config(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
+    """The run's config as plain containers, without the `hydra` node (present when tests compose)."""
+    return {
+        k: OmegaConf.to_container(cfg[k], resolve=resolve) if OmegaConf.is_config(cfg[k]) else cfg[k]
+        for k in cfg
+        if k != "hydra"
+    }
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -77,7 +86,7 @@ def task_wrapper(task: Callable[[DictConfig], dict[str, Any]]) -> Callable[[Dict
                     "group": cfg.get("group"),
                     "tags": list(cfg.get("tags") or []),
                     "overrides": ctx["overrides"],
-                    "config": OmegaConf.to_container(cfg, resolve=False),
+                    "config": plain_config(cfg, resolve=False),
                     "wall_time_s": time.time() - start,
                     "git_commit": git_commit(),
                 },
@@ -124,7 +133,7 @@ def build_loggers(cfg: DictConfig, output_dir: Path, run_name: str) -> list:
                 tags=list(cfg.get("tags") or []),
                 save_dir=str(output_dir),
                 offline=offline,
-                config=OmegaConf.to_container(cfg, resolve=True),
+                config=plain_config(cfg),
             )
         ]
     raise ValueError(f"logger={name!r} is unknown; choose wandb, csv or none")
