@@ -170,6 +170,7 @@ def test_sampling_limits_and_eos():
     model = make_model()
     prompt = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(4))
     greedy = generate(model, prompt, 6)
+    assert torch.equal(model.generate(prompt, 6, 0.0), greedy)  # the LoopedLM method delegates here
     # top_k=1 and a vanishing top_p leave only the argmax
     assert torch.equal(generate(model, prompt, 6, temperature=1.0, top_k=1), greedy)
     assert torch.equal(generate(model, prompt, 6, temperature=0.7, top_p=1e-6), greedy)

@@ -205,7 +205,16 @@ class LoopedLM(nn.Module):
 
     # -------------------------------------------------------------- generate
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *args, **kwargs):
+        """Cached generation; see looplab.models.generation.generate for the options."""
         from looplab.models.generation import generate
 
-        return generate(self, input_ids, max_new_tokens, **kwargs)
+        return generate(self, input_ids, max_new_tokens, *args, **kwargs)
+
+    @torch.no_grad()
+    def decode_step(self, input_ids: torch.Tensor, cache: LoopCache, **kwargs):
+        """One cached T = 1 step → (logits (B, V), exit_steps or None); exit_threshold=q,
+        skip_compute=True skips the loops after each token's exit (attention backbones)."""
+        from looplab.models.generation import decode_step
+
+        return decode_step(self, input_ids, cache, **kwargs)

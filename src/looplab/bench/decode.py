@@ -1,0 +1,260 @@
+"""Decoding benchmark (SPEC §7, issue 7; exit-gate skip_compute, SPEC §4): per-token latency.
+
+All models share d 512, N 4, R 4, 8 heads, vocab 8192, batch 1, fp32, random weights, and
+are timed **round-robin in one process** (step k of every model before step k+1 of any), so
+load on this shared machine hits all alike; figures are medians after warm-up. For each
+context length the prompt is prefilled once into the model's cache, then single-token
+decoding steps are timed (each step appends one token, so "context 512" means 512 to
+512 + warmup + repeats tokens).
+
+Ratios (the StateLoop paper's, at its far larger scale: +1.42% and 18.86% less latency):
+  state_overhead            StateLoop(R) / Vanilla(R) − 1
+  ratio_vs_vanilla_r_plus_1 StateLoop(R) / Vanilla(R+1)
+  cached_speedup_512        recompute-from-scratch per token / cached per token at 512 context
+Per context, a ratio is the median over rounds of the ratio of two steps timed back to back;
+scalar ratios are the median over the context lengths of the per-context ratios.
+On an oversubscribed machine use threads=1: with 2 OpenMP threads and other processes
+competing for the cores, every parallel region spin-waits for a descheduled thread and
+per-token times inflate ~15× and scatter (measured here: 0.4 s instead of 27 ms).
+
+skip_compute: a Vanilla Looped model with an Ouro exit gate whose weights are set so tokens
+exit early (w ~ N(0, 1/d) → gate logit std ≈ 1, bias logit(0.4), q = 0.5: about 40% of
+tokens leave after loop 1). Three decoders consume the same tokens (teacher-forced with
+the all-loops greedy choice): all loops (reference), exit depth chosen by the gate with
+every loop computed (`exact_exit`), and skip_compute (deeper loops skipped, their KV reused).
+Quality compares skip_compute's logits to both; with random weights the numbers measure
+the KV-reuse approximation, not a trained model's accuracy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.generation import decode_step
+
+DIMS = dict(d_model=512, n_layers=4, n_loops=4, n_heads=8, vocab_size=8192, batch=1)
+HAS_MAMBA2 = importlib.util.find_spec("looplab.models.mamba2") is not None
+
+
+def _config(**over) -> LoopedLMConfig:
+    d = {k: v for k, v in DIMS.items() if k != "batch"}
+    return LoopedLMConfig(**{**d, "max_seq_len": 1024, "headdim": 64, "kernel": "torch", **over})
+
+
+def candidates() -> dict[str, LoopedLMConfig]:
+    R = DIMS["n_loops"]
+    c = {
+        "vanilla_R": _config(),
+        "vanilla_R+1": _config(n_loops=R + 1),
+        "stateloop_R": _config(state_mode="stateloop"),
+        "stateloop_attn_R": _config(state_mode="stateloop_attn"),
+    }
+    if HAS_MAMBA2:
+        c["stateloop_mamba2_R"] = _config(state_mode="stateloop_mamba2")
+        c["mamba2_R"] = _config(backbone="mamba2")
+        c["hybrid_R"] = _config(backbone="hybrid", hybrid_pattern="MMMA")
+    return c
+
+
+def _build(cfg: LoopedLMConfig, seed: int = 0) -> LoopedLM:
+    torch.manual_seed(seed)
+    model = LoopedLM(cfg).eval()
+    if model.state is not None:  # W_o is zero at init; give it weights so nothing is degenerate
+        with torch.no_grad():
+            model.state.state_out.weight.normal_(0, 0.02)
+    return model
+
+
+@torch.no_grad()
+def _latency(models: dict[str, LoopedLM], contexts, warmup: int, repeats: int, recompute_repeats: int) -> dict:
+    V = DIMS["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"per_token_ms": {}, "recompute_per_token_ms": {}, "_times": {}}
+    for ctx in contexts:
+        prompt = torch.randint(0, V, (DIMS["batch"], ctx), generator=g)
+        tok = prompt[:, -1:]
+        caches = {}
+        for name, m in models.items():
+            caches[name] = m.allocate_cache(DIMS["batch"], ctx + warmup + repeats + 1)
+            m(prompt, cache=caches[name])
+        times = {k: [] for k in models}
+        for i in range(warmup + repeats):
+            for name, m in models.items():  # round-robin
+                t0 = time.perf_counter()
+                decode_step(m, tok, caches[name])
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    times[name].append(dt)
+        out["per_token_ms"][str(ctx)] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        out["_times"][str(ctx)] = times
+        # recompute from scratch: a full forward over the prefix for one new token's logits
+        ref = models.get("vanilla_R")
+        rt = []
+        for _ in range(recompute_repeats):
+            t0 = time.perf_counter()
+            ref(prompt).logits[:, -1]
+            rt.append(time.perf_counter() - t0)
+        if rt:
+            out["recompute_per_token_ms"][str(ctx)] = 1e3 * statistics.median(rt)
+        del caches
+    return out
+
+
+@torch.no_grad()
+def _skip_compute(contexts, steps: int, warmup: int, q: float = 0.5, lam: float = 0.4) -> dict:
+    base = _build(_config(exit_gate="ouro"))
+    d = DIMS["d_model"]
+    with torch.no_grad():
+        base.exit_gate.proj.weight.normal_(0, 1 / math.sqrt(d), generator=torch.Generator().manual_seed(1))
+        base.exit_gate.proj.bias.fill_(math.log(lam / (1 - lam)))
+    V, R = DIMS["vocab_size"], DIMS["n_loops"]
+    g = torch.Generator().manual_seed(2)
+    res: dict = {
+        "gate": f"w ~ N(0, 1/d), b = logit({lam}) = {math.log(lam / (1 - lam)):.3f}, exit_threshold q = {q}",
+        "per_context": {},
+    }
+    for ctx in contexts:
+        prompt = torch.randint(0, V, (1, ctx), generator=g)
+        n = warmup + steps
+        caches = {k: base.allocate_cache(1, ctx + n + 1) for k in ("all_loops", "exact_exit", "skip")}
+        first = None
+        for k, c in caches.items():
+            first = base(prompt, cache=c).logits[:, -1]
+        tok = first.argmax(-1, keepdim=True)
+        times = {k: [] for k in caches}
+        exits_skip, exits_exact = [], []
+        agree_all = agree_exact = agree_exact_vs_all = 0
+        abs_diff, kl = [], []
+        for i in range(n):
+            t0 = time.perf_counter()
+            ref, _ = decode_step(base, tok, caches["all_loops"])
+            t1 = time.perf_counter()
+            exact, e_exact = decode_step(base, tok, caches["exact_exit"], exit_threshold=q)
+            t2 = time.perf_counter()
+            skip, e_skip = decode_step(base, tok, caches["skip"], exit_threshold=q, skip_compute=True)
+            t3 = time.perf_counter()
+            if i >= warmup:
+                times["all_loops"].append(t1 - t0)
+                times["exact_exit"].append(t2 - t1)
+                times["skip"].append(t3 - t2)
+            exits_skip.append(int(e_skip[0]))
+            exits_exact.append(int(e_exact[0]))
+            agree_all += int(skip.argmax() == ref.argmax())
+            agree_exact += int(skip.argmax() == exact.argmax())
+            agree_exact_vs_all += int(exact.argmax() == ref.argmax())
+            abs_diff.append(float((skip - exact).abs().max()))
+            kl.append(float(torch.nn.functional.kl_div(skip.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="sum")))
+            tok = ref.argmax(-1, keepdim=True)  # teacher-forced: every decoder sees the same tokens
+        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        res["per_context"][str(ctx)] = {
+            "per_token_ms": med,
+            "speedup_vs_all_loops": med["all_loops"] / med["skip"],
+            "speedup_vs_exact_exit": med["exact_exit"] / med["skip"],
+            "mean_exit_step": sum(exits_skip) / n,
+            "exit_histogram": [exits_skip.count(t) for t in range(1, R + 1)],
+            "exit_step_agreement_with_exact": sum(a == b for a, b in zip(exits_skip, exits_exact)) / n,
+            "top1_agreement_vs_all_loops": agree_all / n,
+            "top1_agreement_vs_exact_exit": agree_exact / n,
+            "top1_agreement_exact_exit_vs_all_loops": agree_exact_vs_all / n,
+            "max_abs_logit_diff_vs_exact_exit": max(abs_diff),
+            "mean_kl_exact_exit_to_skip": sum(kl) / n,
+            "tokens": n,
+        }
+    pc = res["per_context"]
+    for key in ("speedup_vs_all_loops", "speedup_vs_exact_exit", "mean_exit_step", "top1_agreement_vs_all_loops", "top1_agreement_vs_exact_exit"):
+        res[key] = statistics.median(v[key] for v in pc.values())
+    return res
+
+
+@torch.no_grad()
+def _deep_block(warmup: int, repeats: int, n_layers: int = 24, ctx: int = 64) -> dict:
+    """The state branch costs 3·d·d_s MACs per loop whatever N is, so its share shrinks as the
+    block deepens; the paper's models have 24 layers per block. Same timing at N = 24."""
+    models = {k: _build(_config(n_layers=n_layers, **over)) for k, over in
+              (("vanilla_R", {}), ("vanilla_R+1", {"n_loops": DIMS["n_loops"] + 1}), ("stateloop_R", {"state_mode": "stateloop"}))}
+    lat = _latency(models, (ctx,), warmup, max(repeats // 2, 5), 0)
+    raw = lat["_times"][str(ctx)]
+    f = {k: m.flops_per_token(ctx) for k, m in models.items()}
+    paired = lambda a, b: statistics.median(x / y for x, y in zip(raw[a], raw[b]))  # noqa: E731
+    return {
+        "n_layers": n_layers, "context": ctx, "per_token_ms": lat["per_token_ms"][str(ctx)],
+        "state_overhead": paired("stateloop_R", "vanilla_R") - 1,
+        "ratio_vs_vanilla_r_plus_1": paired("stateloop_R", "vanilla_R+1"),
+        "state_overhead_flops": f["stateloop_R"] / f["vanilla_R"] - 1,
+    }
+
+
+def run(threads: int = 2, quick: bool = False) -> dict:
+    """Per-token decoding latency of every looped model side by side, the paper's ratios,
+    cached-vs-recompute speed-up and the exit-gate skip_compute speed-up and quality."""
+    contexts = (64, 512) if quick else (64, 256, 512)
+    warmup, repeats, recompute_repeats = (2, 8, 1) if quick else (3, 25, 3)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        models = {k: _build(cfg) for k, cfg in candidates().items()}
+        result: dict = {
+            "dims": DIMS, "threads": threads, "contexts": list(contexts), "warmup": warmup, "repeats": repeats,
+            "dtype": "float32", "mamba2_available": HAS_MAMBA2,
+            "params": {k: m.num_parameters()["total"] for k, m in models.items()},
+            "flops_per_token_512": {k: m.flops_per_token(512) for k, m in models.items()},
+        }
+        result.update(_latency(models, contexts, warmup, repeats, recompute_repeats))
+        per, raw = result["per_token_ms"], result.pop("_times")
+
+        def ratio(a, b):
+            # median of the ratios of steps timed back to back: load that drifts between
+            # rounds cancels out, which a ratio of two medians does not guarantee
+            return {c: statistics.median(x / y for x, y in zip(raw[c][a], raw[c][b])) for c in raw}
+
+        so = {c: r - 1 for c, r in ratio("stateloop_R", "vanilla_R").items()}
+        rr = ratio("stateloop_R", "vanilla_R+1")
+        result["state_overhead_per_context"] = so
+        result["ratio_vs_vanilla_r_plus_1_per_context"] = rr
+        result["state_overhead"] = statistics.median(so.values())
+        result["ratio_vs_vanilla_r_plus_1"] = statistics.median(rr.values())
+        result["latency_reduction_vs_vanilla_r_plus_1"] = 1 - result["ratio_vs_vanilla_r_plus_1"]
+        result["state_overhead_attn_mixer"] = statistics.median(r - 1 for r in ratio("stateloop_attn_R", "vanilla_R").values())
+        if "stateloop_mamba2_R" in models:
+            result["state_overhead_mamba2_mixer"] = statistics.median(
+                r - 1 for r in ratio("stateloop_mamba2_R", "vanilla_R").values()
+            )
+        f = result["flops_per_token_512"]
+        result["state_overhead_flops"] = f["stateloop_R"] / f["vanilla_R"] - 1
+        result["ratio_vs_vanilla_r_plus_1_flops"] = f["stateloop_R"] / f["vanilla_R+1"]
+        result["cached_speedup"] = {
+            c: result["recompute_per_token_ms"][c] / per[c]["vanilla_R"] for c in result["recompute_per_token_ms"]
+        }
+        result["cached_speedup_512"] = result["cached_speedup"].get("512")
+        del models
+        if not quick:
+            result["deep_block"] = _deep_block(warmup, repeats)
+        result["skip_compute"] = _skip_compute(contexts[-1:] if quick else (64, 512), steps=12 if quick else 40, warmup=2)
+        result["targets"] = {
+            "state_overhead<=0.02": result["state_overhead"] <= 0.02,
+            "stateloop_R_at_least_15pct_faster_than_vanilla_R+1": result["ratio_vs_vanilla_r_plus_1"] <= 0.85,
+            "cached_speedup_512>=10": (result["cached_speedup_512"] or 0) >= 10,
+        }
+        return result
+    finally:
+        torch.set_num_threads(old)
+
+
+if __name__ == "__main__":  # python -m looplab.bench.decode [--quick] [--threads N] [--out bench/decode.json]
+    args = sys.argv[1:]
+    threads = int(args[args.index("--threads") + 1]) if "--threads" in args else 2
+    out = Path(args[args.index("--out") + 1]) if "--out" in args else Path("bench/decode.json")
+    res = run(threads=threads, quick="--quick" in args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict) or k in ("targets",)}, indent=2))
+    print(f"wrote {out}")
