@@ -1,0 +1,83 @@
+"""python -m looplab.eval CHECKPOINT [options]
+
+Evaluates a checkpoint on its own dataset's held-out split: metric from every
+loop depth, and for gated models the accuracy/perplexity–exit-depth curve over
+thresholds q (table + PNG); optionally zero-shot tasks through lm-eval.
+
+  python -m looplab.eval outputs/.../checkpoints/last.ckpt --thresholds 0.3 0.5 0.7 0.9
+  python -m looplab.eval last.ckpt --zeroshot                 # SPEC §6 suite (needs the hub)
+  python -m looplab.eval last.ckpt --zeroshot looplab_tiny_mc # a local task, offline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def build_datamodule(dataset_meta: dict):
+    import hydra
+
+    cfg = {k: v for k, v in dataset_meta.items() if not k.startswith("_") and k != "name"}
+    if "_target_" not in dataset_meta:
+        raise ValueError("the checkpoint records no dataset (_target_ missing); evaluate it through the Python API instead")
+    cfg["_target_"] = dataset_meta["_target_"]
+    return hydra.utils.instantiate(cfg, _convert_="all")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m looplab.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--split", choices=["test", "val"], default="test")
+    ap.add_argument("--thresholds", type=float, nargs="*", default=[0.3, 0.5, 0.7, 0.9, 1.01], help="exit thresholds q (gated models)")
+    ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--zeroshot", nargs="*", default=None, metavar="TASK", help="lm-eval tasks (none given: the 8-task suite)")
+    ap.add_argument("--limit", type=float, default=None, help="lm-eval: documents per task")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None, help="output folder (default: next to the checkpoint's run folder, eval/)")
+    args = ap.parse_args(argv)
+
+    from looplab.checkpoint import load_model
+    from looplab.eval.exit_sweep import exit_sweep, plot_sweep, sweep_markdown
+
+    model, meta = load_model(args.checkpoint, map_location=args.device)
+    ckpt = Path(args.checkpoint)
+    out_dir = Path(args.out) if args.out else ckpt.resolve().parent.parent / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    dm = build_datamodule(meta["dataset"])
+    if hasattr(dm, "prepare_data"):
+        dm.prepare_data()
+    dm.setup("test" if args.split == "test" else "validate")
+    loader = dm.test_dataloader() if args.split == "test" else dm.val_dataloader()
+    sweep = exit_sweep(model, loader, args.thresholds, max_batches=args.max_batches, device=args.device)
+    is_task = "task" in meta["dataset"]
+    metric = "accuracy" if is_task else "perplexity"
+    report = {"checkpoint": str(ckpt), "split": args.split, "metric": metric, "sweep": sweep}
+    table = sweep_markdown(sweep, metric)
+    plot_sweep(sweep, metric, out_dir / "exit_curve.png")
+    print(table)
+
+    if args.zeroshot is not None:
+        from looplab.eval import DEFAULT_TASKS, run_zeroshot
+
+        tasks = args.zeroshot or DEFAULT_TASKS
+        limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+        report["zeroshot"] = run_zeroshot(str(ckpt), tasks, limit=limit, batch_size=args.batch_size, device=args.device)
+        for task, res in report["zeroshot"]["results"].items():
+            print(f"{task}: " + ", ".join(f"{k}={v:.4f}" for k, v in res.items() if k.startswith("acc")))
+        if report["zeroshot"]["average_acc"] is not None:
+            print(f"average acc over {len(tasks)} task(s): {report['zeroshot']['average_acc']:.4f}")
+
+    (out_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "eval.md").write_text(f"# {ckpt}\n\n{args.split} split, {metric}\n\n{table}")
+    print(f"written: {out_dir / 'eval.json'}, {out_dir / 'eval.md'}, {out_dir / 'exit_curve.png'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
