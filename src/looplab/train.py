@@ -16,7 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from looplab.training.run_utils import build_loggers, git_commit, hydra_context, plain_config, task_wrapper, write_json_atomic
+from looplab.training.run_utils import build_loggers, close_wandb, git_commit, hydra_context, plain_config, task_wrapper, write_json_atomic
 
 log = logging.getLogger("looplab")
 
@@ -138,6 +138,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     results = collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val_metrics, test_metrics, throughput, start, trainer)
     if trainer.is_global_zero:
         write_json_atomic(out_dir / "results.json", results)
+        close_wandb()  # its own run summary first, so ours is the last thing printed
         print_summary(results, out_dir, loggers)
     return results
 

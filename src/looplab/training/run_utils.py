@@ -96,18 +96,23 @@ def task_wrapper(task: Callable[[DictConfig], dict[str, Any]]) -> Callable[[Dict
                 raise
             return None
         finally:
-            try:
-                import sys
-
-                if "wandb" in sys.modules:
-                    import wandb
-
-                    if wandb.run is not None:
-                        wandb.finish()
-            except Exception:  # closing the logger must never mask the real error
-                pass
+            close_wandb()
 
     return wrapped
+
+
+def close_wandb() -> None:
+    """Finish the W&B run if one is open; never raises (it must not mask the real error)."""
+    try:
+        import sys
+
+        if "wandb" in sys.modules:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.finish()
+    except Exception:
+        pass
 
 
 def build_loggers(cfg: DictConfig, output_dir: Path, run_name: str) -> list:
