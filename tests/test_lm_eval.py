@@ -221,3 +221,26 @@ def test_simple_evaluate_runs_local_task_through_registered_adapter(tmp_path):
 
 def test_default_suite_is_the_papers_eight():
     assert DEFAULT_TASKS == ["lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "sciq", "race"]
+
+
+def test_checkpoint_perplexity_rebuilds_the_training_data(tmp_path):
+    import json
+
+    from looplab.data import corpus
+    from looplab.data.lm import LMDataModule
+    from looplab.eval.perplexity import checkpoint_perplexity
+
+    texts = [t[5000:7000] for _, t in corpus.documents()[:12]]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    ds = dict(source="json", data_files=str(data), val_fraction=0.25, seq_len=32, batch_size=4,
+              val_tokens=None, cache_dir=str(tmp_path / "cache"))
+    model = tiny_model(loops=2)
+    path = save_checkpoint(model, tmp_path / "lm.ckpt", **ds)
+    got = checkpoint_perplexity(str(path))
+    dm = LMDataModule(**ds)
+    dm.setup()
+    want = evaluate_perplexity(model, dm.val_dataloader())
+    assert got["tokens"] == want["tokens"] > 0
+    assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
+    assert got["loop_perplexity"] == pytest.approx(want["loop_perplexity"], rel=1e-5)

@@ -250,6 +250,15 @@ class LMDataModule(L.LightningDataModule):
         # the position in the stream is global_step (restored by Lightning); keep what decides the order
         return {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        changed = {k: (state[k], mine[k]) for k in mine if k in state and state[k] != mine[k]}
+        if changed:
+            import warnings
+
+            warnings.warn(f"resuming with a different data order ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}): "
+                          "the stream restarts at global_step in the new order, so some windows are seen twice and others skipped")
+
 
 def batches_per_second(dm: LMDataModule, n: int = 200, warmup: int = 5, start_batch: int = 0) -> float:
     """Throughput of the training loader (for the bench: it should far outrun the training step rate)."""

@@ -127,11 +127,11 @@ class LooplabLM(LM):
         return self.tok.decode(ids)
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        if context == "":
-            return [self.eot_token_id], self.tok.encode(continuation)
         n_space = len(context) - len(context.rstrip())
         if n_space:
             context, continuation = context[:-n_space], context[-n_space:] + continuation
+        if context == "":
+            return [self.eot_token_id], self.tok.encode(continuation)
         whole = self.tok.encode(context + continuation)
         ctx = self.tok.encode(context)
         return ctx, whole[len(ctx):]

@@ -80,3 +80,34 @@ def evaluate_perplexity(
     if exit_threshold is not None:
         result["mean_exit_step"] = exit_sum / tokens
     return result
+
+
+def checkpoint_perplexity(
+    path: str,
+    *,
+    max_batches: int | None = None,
+    val_tokens: int | None = None,
+    batch_size: int | None = None,
+    per_loop: bool = True,
+    exit_threshold: float | None = None,
+    device: str | None = None,
+) -> dict[str, float | int | list[float]]:
+    """Held-out perplexity of a checkpoint on the validation split of the dataset it was trained on
+    (rebuilt from the dataset config stored in the checkpoint; val_tokens / batch_size override it)."""
+    import hydra.utils
+
+    from looplab.checkpoint import load_model
+
+    model, meta = load_model(path)
+    cfg = dict(meta.get("dataset") or {})
+    if not cfg.get("tokenizer"):
+        raise ValueError(f"checkpoint {path!r} was trained on dataset {cfg.get('name', '?')!r}, not on text; perplexity needs an LM checkpoint")
+    if val_tokens is not None:
+        cfg["val_tokens"] = val_tokens
+    if batch_size is not None:
+        cfg["val_batch_size"] = batch_size
+    dm = hydra.utils.instantiate(cfg)
+    dm.setup("validate")
+    if device is not None:
+        model = model.to(device)
+    return evaluate_perplexity(model, dm.val_dataloader(), per_loop=per_loop, max_batches=max_batches, exit_threshold=exit_threshold)
