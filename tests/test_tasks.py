@@ -111,6 +111,23 @@ def test_mano_generator_matches_reference_solver(L, modulus):
                 assert 1 <= ex.n_ops <= L
 
 
+def test_mano_subtree_values_match_solver_on_spans():
+    """subtree_values[t] = value of the largest operator subtree ending at t: the longest well-formed
+    span prefix[s..t] (any well-formed prefix span is a subtree), evaluated by the reference solver."""
+    for i in range(150):
+        ex = mano.make_example(0, "train", i, L=6, modulus=7)
+        for t in range(len(ex.prefix)):
+            ref = -1
+            for s in range(t):  # s < t: spans with at least one operator
+                try:
+                    ref = mano.solve(ex.prefix[s : t + 1], 7)
+                    break
+                except ValueError:
+                    continue
+            assert ex.subtree_values[t] == ref
+        assert ex.subtree_values[-1] == ex.answer
+
+
 def test_mano_solver_on_hand_example():
     # (3 − 5) · 4 + 1 = −7 ≡ 16 (mod 23)
     prefix = ["+", "*", "-", "3", "5", "4", "1"]
@@ -177,6 +194,13 @@ def test_mano_layout_decodes_and_targets():
         assert dm.decode([it["targets"][pos]]) == str(ex.answer)
         assert (it["input_ids"][pos + 1 :] == dm.pad_id).all()
         assert it["input_ids"].dtype == torch.long and it["answer_mask"].dtype == torch.bool
+    sub = TaskDataModule("mano", task_args=dict(L=4, modulus=7, subtree_loss=True))
+    for i in range(30):
+        ex = mano.make_example(0, "train", i, L=4, modulus=7)
+        it = _item(sub, "train", i)
+        want = {2 + t: str(x) for t, x in enumerate(ex.subtree_values) if x >= 0} | {2 * ex.n_ops + 3: str(ex.answer)}
+        got = {t: sub.vocab.names[x] for t, x in enumerate(it["targets"].tolist()) if x != IGNORE}
+        assert got == want
 
 
 # ----------------------------------------------------------------------------- bad arguments

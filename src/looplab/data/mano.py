@@ -31,6 +31,9 @@ class ManoExample:
     answer: int  # value of the expression mod `modulus`
     n_ops: int  # operator count of this example (1..L in training, L in test)
     modulus: int
+    # per prefix position t: value of the largest subtree with >= 1 operator that ends at t, else -1
+    # (intermediate supervision, the Mano analogue of p-hop's per-position hop targets)
+    subtree_values: list[int]
 
 
 def validate_args(L: int, modulus: int) -> None:
@@ -45,8 +48,10 @@ def validate_args(L: int, modulus: int) -> None:
         raise ValueError(f"Mano modulus={modulus} must be >= 2")
 
 
-def _grow(rng: np.random.Generator, ops: int, modulus: int, out: list[str]) -> int:
-    """Append a random tree with `ops` operators to `out` (prefix order); return its value mod m."""
+def _grow(rng: np.random.Generator, ops: int, modulus: int, out: list[str], values: dict[int, int]) -> int:
+    """Append a random tree with `ops` operators to `out` (prefix order); return its value mod m.
+    values[end] = value of each operator subtree, keyed by its last position; an enclosing subtree
+    ending at the same position finishes later and overwrites, so the largest one wins."""
     if ops == 0:
         v = int(rng.integers(modulus))
         out.append(str(v))
@@ -54,13 +59,16 @@ def _grow(rng: np.random.Generator, ops: int, modulus: int, out: list[str]) -> i
     op = OPS[int(rng.integers(len(OPS)))]
     out.append(op)
     left_ops = int(rng.integers(ops))  # uniform in 0..ops−1; the rest go right
-    a = _grow(rng, left_ops, modulus, out)
-    b = _grow(rng, ops - 1 - left_ops, modulus, out)
+    a = _grow(rng, left_ops, modulus, out, values)
+    b = _grow(rng, ops - 1 - left_ops, modulus, out, values)
     if op == "+":
-        return (a + b) % modulus
-    if op == "-":
-        return (a - b) % modulus
-    return (a * b) % modulus
+        v = (a + b) % modulus
+    elif op == "-":
+        v = (a - b) % modulus
+    else:
+        v = (a * b) % modulus
+    values[len(out) - 1] = v
+    return v
 
 
 def make_example(seed: int, split: str, index: int, *, L: int, modulus: int = 23, test_fraction: float = 0.5) -> ManoExample:
@@ -69,10 +77,12 @@ def make_example(seed: int, split: str, index: int, *, L: int, modulus: int = 23
     for _ in range(MAX_ATTEMPTS):
         n_ops = int(rng.integers(1, L + 1)) if split == "train" else L
         prefix: list[str] = []
-        value = _grow(rng, n_ops, modulus, prefix)
+        values: dict[int, int] = {}
+        value = _grow(rng, n_ops, modulus, prefix, values)
         if in_test_split(("mano", modulus, *prefix), test_fraction) != (split == "test"):
             continue  # belongs to the other split
-        return ManoExample(prefix=prefix, answer=value, n_ops=n_ops, modulus=modulus)
+        sub = [values.get(t, -1) for t in range(len(prefix))]
+        return ManoExample(prefix=prefix, answer=value, n_ops=n_ops, modulus=modulus, subtree_values=sub)
     raise RuntimeError(f"Mano L={L}, modulus={modulus}: no {split} expression in {MAX_ATTEMPTS} draws; raise L or modulus")
 
 

@@ -7,7 +7,8 @@ Every item is three fixed-length tensors of length T = `seq_len`:
   answer_mask (T,) bool  — the one scored position: its prediction is the answer
 
 Layouts (token names as `decode` prints them):
-  Mano   <bos> Q<k> <prefix tokens: + - * and values> <ans> | answer      (k = operator count)
+  Mano   <bos> Q<k> <prefix tokens: + - * and values> <ans> | answer      (k = operator count;
+         with task_args.subtree_loss also, at the last token of every operator subtree, its value)
   p-hop  <symbols a b c ...> <query> | answer
 The answer is predicted from the <ans>/<query> position. Mano has loss on the
 answer only. p-hop with per_position_loss additionally puts, at every symbol
@@ -35,7 +36,7 @@ IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
 TASKS = ("phop", "mano")
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "phop": {"n": 32, "p": 3, "alphabet": 4, "test_fraction": 0.5},  # SPEC §5 tiny setting
-    "mano": {"L": 24, "modulus": 23, "test_fraction": 0.5},  # SPEC §5 paper setting
+    "mano": {"L": 24, "modulus": 23, "test_fraction": 0.5, "subtree_loss": False},  # SPEC §5 paper setting
 }
 
 
@@ -121,9 +122,13 @@ class PHopSpec(TaskSpec):
 class ManoSpec(TaskSpec):
     name = "mano"
 
-    def __init__(self, L: int, modulus: int = 23, test_fraction: float = 0.5, per_position_loss: bool = True):
+    def __init__(
+        self, L: int, modulus: int = 23, test_fraction: float = 0.5, subtree_loss: bool = False, per_position_loss: bool = True
+    ):
         mano.validate_args(L, modulus)
-        self.L, self.modulus = L, modulus  # per_position_loss has no meaning for Mano: answer loss only
+        # SPEC: Mano's loss is on the answer. `subtree_loss` (a task arg, off by default; p-hop's
+        # per_position_loss does not switch it) adds the value of every operator subtree at its last token.
+        self.L, self.modulus, self.subtree_loss = L, modulus, bool(subtree_loss)
         self.vocab = Vocab(
             ["<pad>", "<bos>", "<ans>", *mano.OPS, *(str(v) for v in range(modulus)), *(f"Q{k}" for k in range(1, L + 1))]
         )
@@ -134,7 +139,11 @@ class ManoSpec(TaskSpec):
         v = self.vocab
         seq = [v["<bos>"], v[f"Q{ex.n_ops}"], *(v[tok] for tok in ex.prefix), v["<ans>"], v[str(ex.answer)]]
         ans_pos = len(seq) - 2
-        return self._layout(seq, {ans_pos: v[str(ex.answer)]}, answer_pos=ans_pos)
+        loss_at = {}
+        if self.subtree_loss:
+            loss_at = {2 + t: v[str(x)] for t, x in enumerate(ex.subtree_values) if x >= 0}  # 2 = <bos> Q
+        loss_at[ans_pos] = v[str(ex.answer)]
+        return self._layout(seq, loss_at, answer_pos=ans_pos)
 
 
 def make_task(task: str, task_args: dict | None = None, per_position_loss: bool = True) -> TaskSpec:
@@ -198,6 +207,7 @@ class TaskDataModule(L.LightningDataModule):
         per_position_loss: bool = True,
     ):
         super().__init__()
+        self.save_hyperparameters()  # stored in checkpoints, so evaluation can rebuild the same data
         for name, v in (("batch_size", batch_size), ("val_size", val_size), ("test_size", test_size)):
             _positive_int(name, v)
         if not isinstance(seed, int) or seed < 0:
