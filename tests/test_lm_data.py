@@ -355,3 +355,71 @@ def test_lm_tiny_trains_and_validation_perplexity_falls(tiny_files):
     assert before["perplexity"] > 2000  # ≈ uniform over 4096 tokens at init
     assert after["perplexity"] < 0.25 * before["perplexity"]
     assert len(after["loop_perplexity"]) == 2
+
+
+def test_parallel_tokenisation_gives_the_same_tokens(tmp_path, jsonl):
+    path, _ = jsonl
+    one = prepare(_src(path), TOK, tmp_path / "a", num_proc=1, verbose=False)
+    two = prepare(_src(path), TOK, tmp_path / "b", num_proc=2, verbose=False)
+    for split in ("train", "validation"):
+        assert np.array_equal(np.asarray(one[split].open()), np.asarray(two[split].open()))
+        assert one[split].manifest["sha256"] == two[split].manifest["sha256"]
+
+
+def test_streaming_hub_source_offline(tmp_path, monkeypatch, jsonl):
+    """The hub/streaming branch (the Pile's path), fed by a stand-in load_dataset: no network."""
+    import datasets
+
+    _, texts = jsonl
+    calls = {}
+
+    def fake_load_dataset(path, **kw):
+        calls.update(path=path, **kw)
+        return {"train": datasets.Dataset.from_dict({"text": texts[:18], "meta": ["x"] * 18}).to_iterable_dataset(),
+                "validation": datasets.Dataset.from_dict({"text": texts[18:], "meta": ["y"] * 6}).to_iterable_dataset()}
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    src = SourceConfig(source="someone/pile-like", streaming=True, val_split="validation", revision="abc", max_train_tokens=2000)
+    files = prepare(src, TOK, tmp_path / "cache", verbose=False)
+    assert calls["path"] == "someone/pile-like" and calls["streaming"] is True and calls["revision"] == "abc"
+    tok = load_tokenizer(TOK)
+    want = np.concatenate([tok.encode(t) + [tok.eos_id] for t in texts[:18]])[:2000]
+    assert files["train"].num_tokens == 2000 and np.array_equal(np.asarray(files["train"].open()), want)
+    val = _split_docs(np.asarray(files["validation"].open()), tok.eos_id)
+    assert [tok.decode(d) for d in val] == texts[18:]
+    with pytest.raises(ValueError, match="streaming sources need a val_split"):
+        prepare(SourceConfig(source="someone/pile-like", streaming=True), TOK, tmp_path / "cache", verbose=False)
+
+
+def test_lightning_resume_sees_the_uninterrupted_batches(tmp_path, dm):
+    """Fit 6 steps, vs. fit 3 steps + resume from the checkpoint to 6: the same batches in the same order."""
+    import lightning as L
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.seen = []
+
+        def training_step(self, batch, i):
+            self.seen.append(batch["input_ids"].sum().item() * 1000003 + batch["input_ids"][0, 0].item())
+            return (self.w * batch["input_ids"].float().mean()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def trainer(steps, root):
+        return L.Trainer(max_steps=steps, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, default_root_dir=str(root))
+
+    full = Recorder()
+    trainer(6, tmp_path / "a").fit(full, datamodule=dm)
+    first = Recorder()
+    t = trainer(3, tmp_path / "b")
+    t.fit(first, datamodule=dm)
+    t.save_checkpoint(tmp_path / "b.ckpt")
+    second = Recorder()
+    trainer(6, tmp_path / "c").fit(second, datamodule=dm, ckpt_path=str(tmp_path / "b.ckpt"))
+    assert len(full.seen) == 6 and len(first.seen) == 3 and len(second.seen) == 3
+    assert first.seen + second.seen == full.seen
