@@ -107,6 +107,21 @@ def test_stage2_trains_only_the_gate(tiny_overrides, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("state_mode", ["vanilla", "stateloop"])
+def test_vanilla_and_stateloop_both_learn(state_mode, tiny_overrides, tmp_path):
+    """p-hop, 60 steps: the held-out loss falls well below chance for both modes (SPEC §5 tiny setting)."""
+    import math
+
+    res = run_train(tiny_overrides + [f"state_mode={state_mode}", "loop_depth=1x3", "trainer.max_steps=60",
+                                      "trainer.val_check_interval=60", "dataset.batch_size=32", "optim.lr=3e-3",
+                                      "test_after_fit=false"], tmp_path / state_mode)
+    chance = math.log(4)  # uniform over the alphabet
+    assert res["loss"] < 0.9 * chance, res["per_depth"]
+    if state_mode == "stateloop":
+        assert res["state_diagnostics"]["state_to_stream"][-1] > 0  # W_o left zero: the state is being used
+
+
+@pytest.mark.slow
 def test_cli_multirun_with_a_failing_job(tmp_path):
     """-m writes one results.json per job; an impossible job is recorded as failed and the sweep goes on."""
     proc = cli(["-m", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",

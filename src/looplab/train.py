@@ -47,7 +47,7 @@ def load_warm_start(model, path: str) -> list[str]:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar, ThroughputMonitor
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, RichProgressBar, ThroughputMonitor
 
     from looplab.checkpoint import check_compatible, read_checkpoint
     from looplab.training.callbacks import AtomicCheckpointIO, ThroughputRecord
@@ -116,6 +116,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks += [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     if loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.trainer.get("enable_model_summary", True) is not False:
+        callbacks.append(ModelSummary(max_depth=2))  # shows block / state / exit_gate sizes separately
     if cfg.trainer.get("enable_progress_bar", True) is not False:
         callbacks.append(RichProgressBar(leave=True))
     trainer = hydra.utils.instantiate(
@@ -218,8 +220,9 @@ def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None
         table.add_row(*row)
     console.print(table)
     tps = results["throughput"]["tokens_per_s"]
+    overhead = f" (state branch +{100 * results['state_branch_overhead']:.2f}%)" if results["params"]["state_branch"] else ""
     console.print(f"steps {results['global_step']} · {tps or 0:,.0f} training tokens/s · wall {results['wall_time_s']:.0f} s"
-                  f" · params {results['params']['total']:,}")
+                  f" · params {results['params']['total']:,}{overhead}")
     console.print(f"run folder:  {out_dir}")
     console.print(f"results:     {out_dir / 'results.json'}")
     console.print(f"checkpoint:  {results['checkpoint']}")
