@@ -236,7 +236,7 @@ def test_checkpoint_perplexity_rebuilds_the_training_data(tmp_path):
     ds = dict(source="json", data_files=str(data), val_fraction=0.25, seq_len=32, batch_size=4,
               val_tokens=None, cache_dir=str(tmp_path / "cache"))
     model = tiny_model(loops=2)
-    path = save_checkpoint(model, tmp_path / "lm.ckpt", **ds)
+    path = save_checkpoint(model, tmp_path / "lm.ckpt", **ds, _vocab_size=4096, _tokenizer_spec=TOK)  # as train.py stores it
     got = checkpoint_perplexity(str(path))
     dm = LMDataModule(**ds)
     dm.setup()

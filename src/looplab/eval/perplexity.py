@@ -99,7 +99,8 @@ def checkpoint_perplexity(
     from looplab.checkpoint import load_model
 
     model, meta = load_model(path)
-    cfg = dict(meta.get("dataset") or {})
+    # the training run stores extra facts under '_'-prefixed keys (_vocab_size, ...): not constructor arguments
+    cfg = {k: v for k, v in (meta.get("dataset") or {}).items() if not k.startswith("_") or k == "_target_"}
     if not cfg.get("tokenizer"):
         raise ValueError(f"checkpoint {path!r} was trained on dataset {cfg.get('name', '?')!r}, not on text; perplexity needs an LM checkpoint")
     if val_tokens is not None:
