@@ -1,7 +1,6 @@
 """Cached decoding (SPEC §7) and exit-gate skip_compute (SPEC §4) against full recomputation.
 
-Every backbone × state_mode × exit-gate combination is checked; combinations that need
-the Mamba-2 layer skip (with the reason) only while looplab.models.mamba2 is absent.
+Every backbone (llama, mamba2, hybrid) × state_mode × exit-gate combination is checked.
 StateLoop's W_o and the exit gate are given random weights: at init W_o is zero (StateLoop
 would equal Vanilla) and the gate is near 0.5 everywhere, which would test little.
 """
@@ -9,7 +8,6 @@ would equal Vanilla) and the gate is near 0.5 everywhere, which would test littl
 from __future__ import annotations
 
 import copy
-import importlib.util
 import itertools
 
 import pytest
@@ -19,7 +17,6 @@ from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.cache import KVCache
 from looplab.models.generation import decode_step, generate, sample_next, skip_compute_unsupported
 
-HAS_MAMBA2 = importlib.util.find_spec("looplab.models.mamba2") is not None
 BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
 GATES = ("none", "ouro")
@@ -36,18 +33,8 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def needs_mamba2(backbone: str, state_mode: str) -> bool:
-    return backbone != "llama" or state_mode == "stateloop_mamba2"
-
-
 def combo_params(backbones=BACKBONES, state_modes=STATE_MODES, gates=GATES):
-    out = []
-    for b, s, g in itertools.product(backbones, state_modes, gates):
-        marks = []
-        if needs_mamba2(b, s) and not HAS_MAMBA2:
-            marks.append(pytest.mark.skip(reason="looplab.models.mamba2 is not there yet"))
-        out.append(pytest.param(b, s, g, id=f"{b}-{s}-{g}", marks=marks))
-    return out
+    return [pytest.param(b, s, g, id=f"{b}-{s}-{g}") for b, s, g in itertools.product(backbones, state_modes, gates)]
 
 
 def make_model(backbone="llama", state_mode="vanilla", exit_gate="none", n_loops=3, seed=0, gate_bias=None) -> LoopedLM:
@@ -139,7 +126,7 @@ def test_cache_memory_growth(backbone, state_mode, exit_gate):
 # ------------------------------------------------------------- left padding
 @pytest.mark.parametrize(
     "backbone,state_mode,exit_gate",
-    combo_params(state_modes=("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2")),
+    combo_params(state_modes=("vanilla", "stateloop_attn", "stateloop_mamba2")),  # the mixers see padding
 )
 @torch.no_grad()
 def test_batched_left_padding_equals_alone(backbone, state_mode, exit_gate):
@@ -268,13 +255,7 @@ def test_skip_compute_whole_batch_exit_at_depth_one():
     torch.testing.assert_close(out.logits[:, 1:], ref.logits[:, 1:], atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "backbone,state_mode",
-    [
-        pytest.param(b, s, marks=[] if HAS_MAMBA2 else [pytest.mark.skip(reason="looplab.models.mamba2 is not there yet")])
-        for b, s in (("mamba2", "vanilla"), ("hybrid", "stateloop"), ("llama", "stateloop_mamba2"))
-    ],
-)
+@pytest.mark.parametrize("backbone,state_mode", [("mamba2", "vanilla"), ("hybrid", "stateloop"), ("llama", "stateloop_mamba2")])
 def test_skip_compute_refused_for_ssm(backbone, state_mode):
     model = make_model(backbone, state_mode, "ouro")
     assert "recurrent" in skip_compute_unsupported(model.config)
@@ -318,3 +299,19 @@ def test_cli_streams_text_and_task_tokens(tmp_path, capsys):
     assert lines[0].startswith("prompt:") and len(lines) == 3
     tid, name = lines[1].split("\t")[:2]
     assert vocab.names[int(tid)] == name
+
+
+# ----------------------------------------------------------------- benchmark
+def test_decode_bench_quick_at_tiny_dims(monkeypatch):
+    from looplab.bench import decode
+
+    monkeypatch.setattr(decode, "DIMS", dict(d_model=32, n_layers=2, n_loops=2, n_heads=4, vocab_size=64, batch=1))
+    res = decode.run(threads=1, quick=True)
+    for key in ("state_overhead", "ratio_vs_vanilla_r_plus_1", "cached_speedup_512"):
+        assert isinstance(res[key], float) and res[key] == res[key]  # present and not NaN
+    assert set(res["per_token_ms"]) == {"64", "512"}
+    assert "vanilla_R+1" in res["per_token_ms"]["512"] and "stateloop_R" in res["per_token_ms"]["512"]
+    assert {"mamba2_R", "hybrid_R", "stateloop_mamba2_R"} <= set(res["per_token_ms"]["512"])
+    sc = res["skip_compute"]
+    assert 1 <= sc["mean_exit_step"] < 2  # the biased gate makes tokens leave before the last loop
+    assert sc["per_context"]["512"]["exit_step_agreement_with_exact"] > 0.5
