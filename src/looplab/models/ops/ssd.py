@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 __all__ = ["ssd_chunked", "ssd_step", "ssd_reference", "segsum"]
 
-# Decay factors below exp(-60) ≈ 1e-26 are flushed to exactly zero. Left alone they become
-# subnormal floats (below 1.2e-38 = exp(-87)), and x86 CPUs run arithmetic on subnormals
-# ~100x slower: with trained-looking decays this made the scan's exp/matmuls 10-20x slower
+# Log-decays are floored at −60 (factor ≈ 1e-26). Left alone, exp of a long chunk's decay gives
+# subnormal floats (below 1.2e-38 = exp(−87)), and x86 CPUs run arithmetic on subnormals ~100x
+# slower: at Mamba-2's init (A·dt up to 1.6 per step) this made the scan ~3x slower overall
 # (measured). A factor of 1e-26 next to the always-present undecayed term is far below fp32
 # resolution, so nothing measurable is lost.
 LOG_DECAY_FLOOR = -60.0
@@ -92,13 +92,16 @@ def ssd_chunked(
 
     # 1. intra-chunk: y[t] = Σ_{s≤t} (C_t·B_s) exp(a_cum[t] − a_cum[s]) dt_s x_s.
     # The difference of chunk-local cumsums is bounded by one chunk's decay, as in the fused kernels.
-    scores = Cc @ Bc.transpose(-1, -2)  # (b, g, 1, c, Q, Q), once per group
+    # The causal mask goes on the per-group scores, and the per-head log-decays are clamped into
+    # [floor, 0] (the acausal half, ≥ 0, becomes exp(0) = 1 and is zeroed by the mask): two passes
+    # over the (heads, Q, Q) tensor fewer than masking it per head, fwd and bwd.
     causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
-    decay = _decay((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(~causal, float("-inf")))
+    scores = (Cc @ Bc.transpose(-1, -2)).masked_fill(~causal, 0.0)  # (b, g, 1, c, Q, Q), once per group
+    decay = torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).clamp(LOG_DECAY_FLOOR, 0.0))
     y = (scores * decay) @ xdt  # (b, g, hg, c, Q, p)
 
     # 2. state contributed by each chunk, at its end: Σ_s exp(a_cum[-1] − a_cum[s]) B_s ⊗ dt_s x_s
-    decay_to_end = _decay(a_cum[..., -1:] - a_cum)  # (b, g, hg, c, Q)
+    decay_to_end = torch.exp((a_cum[..., -1:] - a_cum).clamp_min(LOG_DECAY_FLOOR))  # (b, g, hg, c, Q)
     chunk_states = Bc.transpose(-1, -2) @ (xdt * decay_to_end[..., None])  # (b, g, hg, c, n, p)
 
     # 3. state passing: start_k = Σ_{m≤k} exp(S_k − S_m)·states_m, states_0 = initial state
@@ -112,7 +115,7 @@ def ssd_chunked(
     start_states, final_state = states[:, :, :, :-1], states[:, :, :, -1]
 
     # 4. inter-chunk: each step reads the state at its chunk's start, decayed up to the step
-    y = y + (Cc @ start_states) * _decay(a_cum)[..., None]
+    y = y + (Cc @ start_states) * torch.exp(a_cum.clamp_min(LOG_DECAY_FLOOR))[..., None]
 
     y = y.permute(0, 3, 4, 1, 2, 5).reshape(b, c * Q, h, p)[:, :L]
     if D is not None:
