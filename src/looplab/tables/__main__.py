@@ -1,0 +1,116 @@
+"""python -m looplab.tables {run,report,list,isoflop,zeroshot} ...
+
+  run N [--scale tiny|paper] [--dry-run] [--extra KEY=VALUE ...] [--seeds 1,2,3] [--logger csv|wandb|none]
+        [--hardware fsdp|slurm|...] [--out-root outputs/tables] [--table-dir experiments/tables]
+      every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report
+  report N [--scale ...]      only aggregate the existing results.json files into experiments/tables/tableN.{md,csv,png}
+  list                        the tables and their experiments at both scales
+  isoflop (--target-flops F | --like NxR) [--backbone llama_410m] [--state-mode vanilla] [--seq-len T] [--tolerance 0.01]
+  zeroshot N [--scale paper] [--tasks a,b] [--limit K]   zero-shot suite on every trained checkpoint of table N
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from looplab.tables import report, runner, spec
+
+
+def _seeds(s: str | None) -> list[int] | None:
+    return [int(x) for x in s.split(",")] if s else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m looplab.tables", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    # `make tableN-report` passes no scale: take it from the environment (make exports SCALE=... given on its command line)
+    default_scale = os.environ.get("SCALE", "tiny")
+
+    def common(sp):
+        sp.add_argument("number", type=int)
+        sp.add_argument("--scale", default=default_scale, choices=spec.SCALES)
+        sp.add_argument("--out-root", type=Path, default=runner.DEFAULT_OUT_ROOT, help="where the sweeps write their runs")
+        sp.add_argument("--table-dir", type=Path, default=report.DEFAULT_TABLE_DIR, help="where tableN.{md,csv,png} go")
+        sp.add_argument("--decode-json", type=Path, default=runner.DEFAULT_DECODE_JSON, help="table 4's benchmark output")
+
+    r = sub.add_parser("run", help="run the table's sweeps, then the report")
+    common(r)
+    r.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
+    r.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides appended to every command")
+    r.add_argument("--seeds", default=None, help="comma-separated seeds; the report averages them (mean ± std)")
+    r.add_argument("--logger", default=None, help="csv (tiny default), wandb (paper default) or none")
+    r.add_argument("--hardware", default=None, help="e.g. slurm on a cluster (default: the experiment's own)")
+    r.add_argument("--zeroshot", action=argparse.BooleanOptionalAction, default=None,
+                   help="evaluate the zero-shot suite after training (default: table 1 at paper scale)")
+
+    rep = sub.add_parser("report", help="aggregate existing results.json files")
+    common(rep)
+    rep.add_argument("--no-plot", action="store_true")
+
+    sub.add_parser("list", help="the tables and their experiments")
+
+    iso = sub.add_parser("isoflop", help="N⊗R pairs with matching analytic FLOPs/token")
+    g = iso.add_mutually_exclusive_group(required=True)
+    g.add_argument("--target-flops", type=float)
+    g.add_argument("--like", help="N x R whose FLOPs are the target, e.g. 24x1")
+    iso.add_argument("--backbone", default="llama_tiny")
+    iso.add_argument("--state-mode", default="vanilla")
+    iso.add_argument("--seq-len", type=int, default=None, help="default: the preset's max_seq_len")
+    iso.add_argument("--tolerance", type=float, default=0.01)
+    iso.add_argument("--max-layers", type=int, default=None)
+    iso.add_argument("--max-loops", type=int, default=12)
+    iso.add_argument("--vocab-size", type=int, default=None, help="for presets whose vocabulary comes from the dataset")
+
+    zs = sub.add_parser("zeroshot", help="zero-shot suite on every trained checkpoint of a table")
+    common(zs)
+    zs.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (default: the 8-task suite)")
+    zs.add_argument("--limit", type=float, default=None)
+    zs.add_argument("--batch-size", type=int, default=8)
+    zs.add_argument("--device", default=None)
+    zs.add_argument("--overwrite", action="store_true")
+
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        records = runner.run(a.number, a.scale, a.out_root, logger=a.logger, extra=a.extra, seeds=_seeds(a.seeds),
+                             hardware=a.hardware, decode_json=a.decode_json, dry_run=a.dry_run, zeroshot=a.zeroshot,
+                             table_dir=a.table_dir)
+        return 0 if a.dry_run or all(r["returncode"] in (0, None) for r in records) else 1
+    if a.cmd == "report":
+        kwargs = {"decode_json": a.decode_json} if spec.get(a.number).kind == "decode" else {}
+        table = report.build(a.number, a.scale, a.out_root, **kwargs)
+        paths = report.write(table, a.table_dir, plot=not a.no_plot)
+        print(table.markdown())
+        print("wrote " + ", ".join(str(x) for x in paths))
+        return 0
+    if a.cmd == "list":
+        for n, t in spec.TABLES.items():
+            print(f"table {n}: {t.title}")
+            for scale in spec.SCALES:
+                exps = [s.folder for s in t.sweeps_for(scale)] or ["python -m looplab.bench.decode"]
+                print(f"  {scale:>5}: {', '.join(exps)}")
+        return 0
+    if a.cmd == "isoflop":
+        from looplab.tables.isoflop import format_pairs, matching_pairs
+
+        target, pairs = matching_pairs(a.target_flops, a.like, backbone=a.backbone, state_mode=a.state_mode, seq_len=a.seq_len,
+                                       tolerance=a.tolerance, max_layers=a.max_layers, max_loops=a.max_loops,
+                                       vocab_size=a.vocab_size)
+        print(format_pairs(target, pairs, a.backbone, a.seq_len))
+        return 0
+    if a.cmd == "zeroshot":
+        from looplab.tables.zeroshot import evaluate_table
+
+        tasks = a.tasks.split(",") if a.tasks else None
+        written = evaluate_table(a.number, a.scale, a.out_root, tasks=tasks, limit=a.limit, batch_size=a.batch_size,
+                                 device=a.device, overwrite=a.overwrite)
+        print(f"wrote {len(written)} zeroshot.json file(s); `python -m looplab.tables report {a.number} --scale {a.scale}` adds them")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""PNG plots of the tables (matplotlib, Agg backend: no display needed).
+
+- loop depth (table 2): perplexity vs R, one line per arm;
+- exit gate (table 8): accuracy vs mean exit depth, fixed loops / stage 1 / stage 2 per backbone;
+- task tables (5, 6): accuracy vs R per experiment (bars when N varies);
+- LM tables (1, 3, 7): perplexity per configuration (bars).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+if TYPE_CHECKING:
+    from looplab.tables.report import Table
+
+
+def _split_nr(s: str) -> tuple[int, int] | None:
+    try:
+        n, r = s.split("⊗")
+        return int(n), int(r)
+    except (ValueError, AttributeError):
+        return None
+
+
+def _mean_std(table: "Table", row, col):
+    from looplab.tables.report import Stat
+
+    v = row.get(col)
+    if isinstance(v, Stat):
+        return v.mean, v.std or 0.0
+    return (v, 0.0) if isinstance(v, (int, float)) else (None, 0.0)
+
+
+def plot_depth(table: "Table", ax) -> None:
+    lines: dict[str, list[tuple[int, float, float]]] = {}
+    for row in table.rows:
+        nr = _split_nr(row["N⊗R"])
+        m, s = _mean_std(table, row, "perplexity")
+        if nr and m is not None:
+            lines.setdefault(str(row.get("arm") or row["state"]), []).append((nr[1], m, s))
+    for name, pts in sorted(lines.items()):
+        pts.sort()
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=name)
+    ax.set_xlabel("loops R")
+    ax.set_ylabel("perplexity (held-out)")
+    ax.legend()
+
+
+def plot_exit(table: "Table", ax) -> None:
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for row in table.rows:
+        x, _ = _mean_std(table, row, "mean exit step")
+        y, _ = _mean_std(table, row, "accuracy")
+        if x is not None and y is not None:
+            lines.setdefault(f"{row['experiment']} · {row['mode']}", []).append((x, y))
+    styles = {"fixed loops": "o-", "stage 1": "s--", "stage 2": "^:"}
+    for name, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(name.split(" · ")[-1], "x-"), label=name)
+    ax.set_xlabel("mean exit step (loops used)")
+    ax.set_ylabel("accuracy")
+    ax.legend(fontsize=7)
+
+
+def plot_bars(table: "Table", ax, metric: str) -> None:
+    labels, means, stds = [], [], []
+    for row in table.rows:
+        m, s = _mean_std(table, row, metric)
+        if m is None:
+            continue
+        arm = row.get("arm")
+        labels.append(f"{row['experiment']}\n{row['N⊗R']}" + (f" {arm}" if arm else ""))
+        means.append(m)
+        stds.append(s)
+    ax.bar(range(len(means)), means, yerr=stds, capsize=3, color="tab:blue")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(metric)
+
+
+def plot_task(table: "Table", ax) -> None:
+    """Accuracy vs R for experiments whose N is fixed; bars otherwise."""
+    by_exp: dict[str, list[tuple[int, int, float, float]]] = {}
+    for row in table.rows:
+        nr = _split_nr(row["N⊗R"])
+        m, s = _mean_std(table, row, "accuracy")
+        if nr and m is not None:
+            by_exp.setdefault(row["experiment"], []).append((*nr, m, s))
+    if any(len({p[0] for p in pts}) > 1 for pts in by_exp.values()):
+        plot_bars(table, ax, "accuracy")
+        return
+    for name, pts in sorted(by_exp.items()):
+        pts.sort(key=lambda p: p[1])
+        ax.errorbar([p[1] for p in pts], [p[2] for p in pts], yerr=[p[3] for p in pts], marker="o", capsize=3,
+                    label=f"{name} (N={pts[0][0]})")
+    ax.set_xlabel("loops R")
+    ax.set_ylabel("accuracy (held-out)")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8)
+
+
+def plot_table(table: "Table", path: Path) -> Path | None:
+    """Draw the table's figure into `path` (PNG); None when the table kind has no plot (decode)."""
+    kind = table.spec.kind
+    if kind == "decode":
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if kind == "depth":
+        plot_depth(table, ax)
+    elif kind == "exit":
+        plot_exit(table, ax)
+    elif kind == "task":
+        plot_task(table, ax)
+    else:
+        plot_bars(table, ax, "perplexity")
+    ax.set_title(f"Table {table.spec.number}: {table.spec.title} ({table.scale})", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,193 @@
+"""Run a table: its multirun commands in order, then the report.
+
+Each sweep is one `python -m looplab.train -m +experiment=X ...` subprocess with the
+table's W&B group and tags and its own sweep folder, so `report` finds the runs
+again. A sweep that fails (non-zero exit, a crashed job) is logged and the next
+one still runs: the report lists what is missing or failed. Stage-2 sweeps (table 8)
+warm-start from an earlier sweep's checkpoint, resolved from its results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from looplab.tables.spec import Sweep, TableSpec, get
+
+DEFAULT_OUT_ROOT = Path("outputs/tables")
+DEFAULT_DECODE_JSON = Path("bench/decode.json")
+
+
+@dataclass
+class Command:
+    argv: list[str]
+    sweep: Sweep | None = None
+    note: str = ""
+    seed: int | None = None
+
+    def __str__(self) -> str:
+        return shlex.join(self.argv)
+
+
+def sweep_dir(out_root: Path, number: int, scale: str, sweep: Sweep) -> Path:
+    return Path(out_root) / f"table{number}" / scale / sweep.folder
+
+
+def default_logger(scale: str) -> str:
+    # tiny runs log to CSV (no W&B service process on a small CPU box); paper runs to W&B
+    # (offline without WANDB_API_KEY; `make sync-wandb` uploads)
+    return "csv" if scale == "tiny" else "wandb"
+
+
+def _override_list(key: str, values) -> str:
+    return f"{key}={','.join(str(v) for v in values)}"
+
+
+def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, logger: str, extra: list[str],
+                  seeds: list[int] | None, hardware: str | None, init_from: str | None = None,
+                  seed: int | None = None) -> Command:
+    tags = list(dict.fromkeys([f"table{spec.number}", scale, sw.experiment, *sw.experiment_tags()]))
+    argv = [sys.executable, "-m", "looplab.train", "-m", f"+experiment={sw.experiment}",
+            f"group=table{spec.number}-{scale}", f"tags=[{','.join(tags)}]",
+            f"hydra.sweep.dir={sweep_dir(out_root, spec.number, scale, sw)}", f"logger={logger}"]
+    if hardware:
+        argv.append(f"hardware={hardware}")
+    argv += [_override_list(k, v) for k, v in sw.params]
+    argv += list(sw.fixed)
+    if init_from is not None:
+        argv.append(f"exit_gate.init_from={init_from}")
+        if seed is not None:
+            argv += [f"seed={seed}", f"hydra.sweep.subdir=seed{seed}"]
+    elif seeds:
+        argv.append(_override_list("seed", seeds))
+    argv += list(extra)
+    return Command(argv, sw, seed=seed)
+
+
+def _parse(overrides: list[str]) -> dict[str, str]:
+    out = {}
+    for o in overrides or []:
+        if "=" in o:
+            k, v = o.split("=", 1)
+            out[k.lstrip("+~")] = v
+    return out
+
+
+def resolve_init_from(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, seed: int | None,
+                      seeds: list[int] | None, dry_run: bool) -> str | None:
+    """Checkpoint of the earlier sweep's job that this stage-2 sweep starts from.
+
+    Real runs read it from the job's results.json (status ok); a dry run predicts the
+    job folder from Hydra's job numbering (jobs are numbered in grid order).
+    """
+    src_name, match = sw.init_from
+    src = next(s for s in spec.sweeps_for(scale) if s.folder == src_name)
+    want = dict(match)
+    if seed is not None:
+        want["seed"] = str(seed)
+    src_dir = sweep_dir(out_root, spec.number, scale, src)
+    if not dry_run:
+        for path in sorted(src_dir.glob("*/results.json")):
+            try:
+                r = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if r.get("status") == "ok" and all(_parse(r.get("overrides")).get(k) == v for k, v in want.items()):
+                return r.get("checkpoint") or str(path.parent / "checkpoints" / "last.ckpt")
+        return None
+    for i, combo in enumerate(src.grid(seeds)):
+        if all(combo.get(k) == v for k, v in want.items()):
+            return str(src_dir / str(i) / "checkpoints" / "last.ckpt")
+    return str(src_dir / "<job with " + ",".join(f"{k}={v}" for k, v in want.items()) + ">" / "checkpoints" / "last.ckpt")
+
+
+def decode_command(scale: str, decode_json: Path, extra: list[str]) -> Command:
+    argv = [sys.executable, "-m", "looplab.bench.decode", "--out", str(decode_json)]
+    # tiny: quick mode, one thread (two OpenMP threads on a loaded 2-core box spin-wait, see bench/decode.py)
+    argv += ["--quick", "--threads", "1"] if scale == "tiny" else []
+    return Command(argv + list(extra), note="decoding benchmark")
+
+
+def zeroshot_command(spec: TableSpec, scale: str, out_root: Path) -> Command:
+    return Command([sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale,
+                    "--out-root", str(out_root)], note="8-task zero-shot average of every trained checkpoint")
+
+
+def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: str | None = None,
+         extra: list[str] | None = None, seeds: list[int] | None = None, hardware: str | None = None,
+         decode_json: Path = DEFAULT_DECODE_JSON, dry_run: bool = True, zeroshot: bool | None = None) -> list[Command]:
+    """The commands of table `number` at `scale` (stage-2 paths predicted when dry_run)."""
+    spec = get(number)
+    logger = logger or default_logger(scale)
+    extra = list(extra or [])
+    if spec.kind == "decode":
+        return [decode_command(scale, decode_json, extra)]
+    cmds: list[Command] = []
+    for sw in spec.sweeps_for(scale):
+        if sw.init_from is None:
+            cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware))
+        else:
+            for seed in seeds or [None]:
+                path = resolve_init_from(spec, scale, sw, out_root, seed, seeds, dry_run=True)
+                cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds,
+                                          hardware=hardware, init_from=path, seed=seed))
+    if zeroshot if zeroshot is not None else (number == 1 and scale == "paper"):
+        cmds.append(zeroshot_command(spec, scale, out_root))
+    return cmds
+
+
+def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: str | None = None,
+        extra: list[str] | None = None, seeds: list[int] | None = None, hardware: str | None = None,
+        decode_json: Path = DEFAULT_DECODE_JSON, dry_run: bool = False, zeroshot: bool | None = None,
+        table_dir: Path | None = None, env: dict[str, str] | None = None) -> list[dict]:
+    """Run (or with dry_run print) every command of the table, then write the report.
+
+    Returns one record per command: argv, returncode (None when skipped or dry), seconds.
+    """
+    spec = get(number)
+    cmds = plan(number, scale, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware,
+                decode_json=decode_json, dry_run=True, zeroshot=zeroshot)
+    records = []
+    run_env = {**os.environ, **(env or {})}
+    for cmd in cmds:
+        if cmd.sweep is not None and cmd.sweep.init_from is not None and not dry_run:
+            # stage 2: the earlier sweep has run by now; take its real checkpoint
+            path = resolve_init_from(spec, scale, cmd.sweep, out_root, cmd.seed, seeds, dry_run=False)
+            if path is None:
+                msg = f"skipped: the run {cmd.sweep.init_from} that stage 2 starts from has no ok results.json"
+                print(f"[table{number}] {msg}\n  {cmd}", flush=True)
+                records.append({"argv": cmd.argv, "returncode": None, "skipped": msg, "seconds": 0.0})
+                continue
+            cmd.argv = [a if not a.startswith("exit_gate.init_from=") else f"exit_gate.init_from={path}" for a in cmd.argv]
+        print(f"[table{number}] {cmd}", flush=True)
+        if dry_run:
+            records.append({"argv": cmd.argv, "returncode": None, "seconds": 0.0})
+            continue
+        t0 = time.time()
+        try:
+            rc = subprocess.run(cmd.argv, env=run_env).returncode
+        except OSError as e:  # a command that cannot even start must not stop the table
+            print(f"[table{number}] could not start: {e}", flush=True)
+            rc = -1
+        dt = time.time() - t0
+        if rc != 0:
+            print(f"[table{number}] exited with {rc} after {dt:.0f} s; going on (the report lists missing/failed runs)", flush=True)
+        records.append({"argv": cmd.argv, "returncode": rc, "seconds": dt})
+    if not dry_run:
+        log = Path(out_root) / f"table{number}" / scale / "runner.json"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps({"table": number, "scale": scale, "commands": records}, indent=2))
+        from looplab.tables.report import build, write
+
+        kwargs = {"decode_json": decode_json} if spec.kind == "decode" else {}
+        table = build(number, scale, out_root, **kwargs)
+        paths = write(table, table_dir) if table_dir else write(table)
+        print(table.markdown(), flush=True)
+        print(f"[table{number}] wrote " + ", ".join(str(p) for p in paths), flush=True)
+    return records

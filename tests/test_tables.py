@@ -1,0 +1,334 @@
+"""Paper tables: specs compose, runner commands, report aggregation (seeds, missing, failed), plots,
+iso-FLOP helper vs FlopCounterMode, the analysis notebook, and table 6 end to end (slow)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import ROOT, compose
+from looplab.tables import report, runner, spec
+from looplab.tables.__main__ import main as tables_main
+
+SHRINK = ["trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+          "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "dataset.batch_size=8",
+          "dataset.val_size=8", "dataset.test_size=8", "backbone.d_model=32", "backbone.n_heads=2"]
+
+
+# ----------------------------------------------------------------------------- synthetic results.json
+def fake_result(sweep: spec.Sweep, combo: dict[str, str], *, layers=1, loops=None, backbone="llama", state="vanilla",
+                acc=0.5, ppl=None, seed=1234, exit_gate="none", exit=None, per_depth_acc=None, status="ok") -> dict:
+    if "loop_depth" in combo:
+        layers, loops = (int(x) for x in combo["loop_depth"].split("x"))
+    loops = loops or 4
+    overrides = [f"+experiment={sweep.experiment}", *sweep.combo_overrides(combo)]
+    if "seed" not in combo:
+        overrides.append(f"seed={seed}")
+    if status != "ok":
+        return {"status": "failed", "error": "RuntimeError: boom\ntraceback...", "overrides": overrides, "task_name": sweep.experiment}
+    per_depth_acc = per_depth_acc or [acc * (k + 1) / loops for k in range(loops)]
+    return {
+        "status": "ok", "task_name": sweep.experiment, "seed": seed, "overrides": overrides,
+        "model": {"backbone": backbone, "layers": layers, "loops": loops, "state_mode": state, "exit_gate": exit_gate,
+                  "exit_stage": None, "d_model": 32},
+        "accuracy": acc, "loss": 1.0 - acc / 2, "perplexity": ppl,
+        "per_depth": {"acc": per_depth_acc, "loss": [2.0 - a for a in per_depth_acc]},
+        "exit": exit or {}, "params": {"total": 1000 * layers, "state_branch": 0, "exit_gate": 0},
+        "state_branch_overhead": 0.0, "flops_per_token": {"forward": 100 * layers * loops, "training": 300 * layers * loops, "seq_len": 33},
+        "global_step": 20, "checkpoint": "ckpt",
+    }
+
+
+def write_run(folder: Path, data: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(data))
+    return folder
+
+
+def table_root(out_root: Path, n: int, sw: spec.Sweep, scale: str = "tiny") -> Path:
+    return out_root / f"table{n}" / scale / sw.folder
+
+
+# ----------------------------------------------------------------------------- specs
+@pytest.mark.parametrize("scale", ["tiny", pytest.param("paper", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("number", sorted(spec.TABLES))
+def test_every_table_spec_composes(number, scale):
+    """Every sweep's experiment exists and every grid entry composes into a valid model config."""
+    from looplab.training.compose import model_config_from_cfg
+
+    t = spec.get(number)
+    for scale in [scale]:
+        sweeps = t.sweeps_for(scale)
+        assert sweeps or t.kind == "decode"
+        for sw in sweeps:
+            assert sw.experiment_file().exists(), sw.experiment
+            grid = sw.grid()
+            assert grid and len(grid) == len({tuple(c.items()) for c in grid})
+            for combo in grid:
+                over = [f"+experiment={sw.experiment}", *sw.combo_overrides(combo), *sw.fixed]
+                if sw.init_from:
+                    over.append("exit_gate.init_from=some.ckpt")
+                cfg = compose(over)
+                mc = model_config_from_cfg(cfg, vocab_size=64)
+                if "loop_depth" in combo:
+                    assert f"{mc.n_layers}x{mc.n_loops}" == combo["loop_depth"]
+                if "loop_depth.loops" in combo:
+                    assert mc.n_loops == int(combo["loop_depth.loops"])
+                if "exit_gate" in combo:
+                    assert mc.exit_gate == combo["exit_gate"]
+
+
+def test_paper_dry_run_prints_exact_commands(capsys):
+    assert tables_main(["run", "8", "--scale", "paper", "--dry-run", "--seeds", "1,2"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[table8]")]
+    assert len(lines) == 3 + 3 * 2  # three fixed/stage-1 sweeps, then stage 2 per experiment and seed
+    first = lines[0]
+    for part in ("-m looplab.train -m", "+experiment=exit_gate_mamba", "group=table8-paper", "exit_gate=none,ouro",
+                 "seed=1,2", "hydra.sweep.dir=outputs/tables/table8/paper/exit_gate_mamba", "logger=wandb"):
+        assert part in first
+    # stage 2 of seed 2 starts from the fixed-loop job of seed 2: grid order (none,1) (none,2) (ouro,1) (ouro,2) -> job 1
+    stage2 = [l for l in lines if "exit_gate_mamba_stage2" in l]
+    assert "exit_gate.init_from=outputs/tables/table8/paper/exit_gate_mamba/1/checkpoints/last.ckpt" in stage2[1]
+    assert "seed=2" in stage2[1] and "exit_gate.stage=stage2" in stage2[1]
+    # table 1 at paper scale ends with the zero-shot evaluation
+    cmds = runner.plan(1, "paper")
+    assert cmds[-1].argv[2:5] == ["looplab.tables", "zeroshot", "1"]
+    assert any("backbone" in a for a in spec.get(1).sweeps_for("paper")[0].grid_params())
+
+
+def test_runner_goes_on_after_a_failed_sweep_and_resolves_stage2(tmp_path, monkeypatch):
+    """A failing command does not stop the table; stage 2 takes the fixed-loop run's real checkpoint."""
+    calls = []
+    t8 = spec.get(8).sweeps_for("tiny")
+    src = t8[1]  # exit_gate_llama_tiny
+
+    def fake_run(argv, env=None):
+        calls.append(argv)
+        if any(a == f"+experiment={src.experiment}" for a in argv) and not any("stage2" in a for a in argv):
+            # the llama fixed/stage-1 sweep "runs": its fixed-loop job writes results.json
+            ckpt = tmp_path / "somewhere" / "last.ckpt"
+            write_run(table_root(tmp_path / "out", 8, src) / "0", {**fake_result(src, {"exit_gate": "none"}), "checkpoint": str(ckpt)})
+        return subprocess.CompletedProcess(argv, 1 if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
+    records = runner.run(8, "tiny", tmp_path / "out", logger="none", table_dir=tmp_path / "tables")
+    assert [r["returncode"] for r in records[:3]] == [1, 0, 0]
+    assert len(calls) == 4  # 3 first sweeps + only the llama stage 2 (the others have nothing to start from)
+    assert f"exit_gate.init_from={tmp_path / 'somewhere' / 'last.ckpt'}" in calls[-1]
+    skipped = [r for r in records if r.get("skipped")]
+    assert len(skipped) == 2
+    md = (tmp_path / "tables" / "table8.md").read_text()
+    assert "exit_gate_mamba_tiny exit_gate=none" in md and "exit_gate_llama_tiny_stage2" in md  # listed as missing
+    assert json.loads((tmp_path / "out" / "table8" / "tiny" / "runner.json").read_text())["commands"][0]["returncode"] == 1
+
+
+# ----------------------------------------------------------------------------- report
+def test_report_seeds_missing_failed(tmp_path):
+    out = tmp_path / "out"
+    phop, mamba = spec.get(6).sweeps_for("tiny")
+    g = phop.grid()  # 1x1, 1x2, 1x4
+    # 1x1: two seeds -> mean ± std; 1x2: one ok; 1x4: failed only; mamba: 1x1 ok, others missing; plus an extra run
+    write_run(table_root(out, 6, phop) / "0", fake_result(phop, g[0], acc=0.4, seed=1))
+    write_run(table_root(out, 6, phop) / "3", fake_result(phop, g[0], acc=0.6, seed=2))
+    write_run(table_root(out, 6, phop) / "1", fake_result(phop, g[1], acc=0.9))
+    write_run(table_root(out, 6, phop) / "2", fake_result(phop, g[2], status="failed"))
+    write_run(table_root(out, 6, mamba) / "0", fake_result(mamba, mamba.grid()[0], acc=0.3, backbone="mamba2"))
+    write_run(table_root(out, 6, mamba) / "9", fake_result(mamba, {"loop_depth": "1x3"}, acc=0.7, backbone="mamba2"))
+    (table_root(out, 6, mamba) / "7").mkdir()
+    (table_root(out, 6, mamba) / "7" / "results.json").write_text("{not json")
+
+    table = report.build(6, "tiny", out)
+    paths = report.write(table, tmp_path / "tables")
+    assert [p.name for p in paths] == ["table6.md", "table6.csv", "table6.png"]
+    rows = list(csv.DictReader((tmp_path / "tables" / "table6.csv").open()))
+    assert [(r["experiment"], r["N⊗R"]) for r in rows] == [("phop_tiny", "1⊗1"), ("phop_tiny", "1⊗2"), ("phop_mamba_tiny", "1⊗1"),
+                                                         ("phop_mamba_tiny (extra)", "1⊗3")]
+    assert float(rows[0]["accuracy"]) == pytest.approx(0.5) and float(rows[0]["accuracy std"]) == pytest.approx(0.1414, abs=1e-3)
+    assert rows[0]["accuracy n"] == "2" and rows[0]["seeds"] == "2"
+    assert float(rows[1]["accuracy"]) == pytest.approx(0.9) and rows[1]["accuracy std"] == ""
+    md = (tmp_path / "tables" / "table6.md").read_text()
+    assert "0.500 ± 0.141" in md
+    assert "Missing runs (2)" in md and "phop_mamba_tiny loop_depth=1x4" in md and "phop_mamba_tiny loop_depth=1x8" in md
+    assert "Failed runs (2)" in md and "phop_tiny loop_depth=1x4 — RuntimeError: boom" in md and "unreadable results.json" in md
+    # the report side never imports the model or the trainer
+    code = "import sys, looplab.tables.report, looplab.tables.plots; print(any(m.startswith(('looplab.models','looplab.train','lightning')) for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_lm_depth_and_reset_tables(tmp_path):
+    out = tmp_path / "out"
+    sw = spec.get(2).sweeps_for("tiny")[0]
+    for i, combo in enumerate(sw.grid()):
+        R = int(combo["loop_depth.loops"])
+        ppl = 30.0 - R if combo["arm"] == "looped" else 28.0 - R
+        write_run(table_root(out, 2, sw) / str(i), fake_result(sw, combo, loops=R, ppl=ppl, state=combo["arm"].replace("looped", "vanilla")))
+    t2 = report.build(2, "tiny", out)
+    assert len(t2.rows) == 10 and not t2.missing and not t2.failed
+    gaps = {(r["arm"], r["N⊗R"]): r["gap vs looped"] for r in t2.rows}
+    assert gaps[("stateloop", "1⊗5")] == pytest.approx(2.0) and gaps[("looped", "1⊗5")] is None
+    assert report.write(t2, tmp_path / "tables")[-1].stat().st_size > 1000  # the ppl-vs-R PNG
+    assert "zero-shot avg: n/a" in t2.markdown()
+
+    sw3 = spec.get(3).sweeps_for("tiny")[0]
+    for i, combo in enumerate(sw3.grid()):
+        write_run(table_root(out, 3, sw3) / str(i), fake_result(sw3, combo, loops=3, ppl=20.0 if combo["arm"] == "stateloop" else 21.5))
+    (table_root(out, 3, sw3) / "0" / "zeroshot.json").write_text(json.dumps({"average_acc": 0.25}))
+    t3 = report.build(3, "tiny", out)
+    delta = {r["arm"]: r["Δ vs carry"] for r in t3.rows}
+    assert delta == {"stateloop": 0.0, "stateloop_reset": pytest.approx(1.5)}
+    assert t3.rows[0]["zero-shot avg"].mean == 0.25
+
+
+def test_exit_gate_table_rows_and_plot(tmp_path):
+    out = tmp_path / "out"
+    sweeps = spec.get(8).sweeps_for("tiny")
+    first, stage2 = sweeps[1], sweeps[4]  # llama
+    assert stage2.init_from[0] == first.folder
+    exit_stats = {"0.5": {"acc": 0.7, "loss": 0.9, "mean_step": 2.5, "answer_step": 2.0},
+                  "0.9": {"acc": 0.8, "loss": 0.8, "mean_step": 3.2, "answer_step": 3.0}}
+    write_run(table_root(out, 8, first) / "0", fake_result(first, {"exit_gate": "none"}, per_depth_acc=[0.2, 0.5, 0.7, 0.85]))
+    write_run(table_root(out, 8, first) / "1", fake_result(first, {"exit_gate": "ouro"}, exit_gate="ouro", exit=exit_stats))
+    s2 = {q: {**v, "acc": v["acc"] + 0.05} for q, v in exit_stats.items()}
+    write_run(table_root(out, 8, stage2) / "0", fake_result(stage2, {}, exit_gate="ouro", exit=s2))
+    t = report.build(8, "tiny", out)
+    llama = [r for r in t.rows if r["experiment"] == "exit_gate_llama_tiny"]
+    assert [(r["mode"], r["setting"]) for r in llama] == [
+        ("fixed loops", "exit at step 1"), ("fixed loops", "exit at step 2"), ("fixed loops", "exit at step 3"),
+        ("fixed loops", "exit at step 4"), ("stage 1", "q = 0.5"), ("stage 1", "q = 0.9"), ("stage 2", "q = 0.5"), ("stage 2", "q = 0.9")]
+    assert llama[2]["accuracy"].mean == 0.7 and llama[2]["mean exit step"] == 3.0
+    assert llama[7]["accuracy"].mean == pytest.approx(0.85) and llama[7]["mean exit step"].mean == 3.2
+    assert len(t.missing) == 6  # mamba and stateloop: none, ouro and stage 2 each
+    png = report.write(t, tmp_path / "tables")[-1]
+    assert png.name == "table8.png" and png.stat().st_size > 1000
+
+
+def test_decode_table_from_benchmark_json(tmp_path):
+    data = {"dims": {"d_model": 512}, "threads": 1, "dtype": "float32", "params": {"vanilla_R": 10, "stateloop_R": 11},
+            "flops_per_token_512": {"vanilla_R": 100, "stateloop_R": 101},
+            "per_token_ms": {"64": {"vanilla_R": 2.0, "stateloop_R": 2.1}, "512": {"vanilla_R": 3.0, "stateloop_R": 3.1}},
+            "recompute_per_token_ms": {"512": 40.0}, "state_overhead": 0.03, "cached_speedup_512": 13.3,
+            "skip_compute": {"speedup_vs_all_loops": 1.4}}
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(data))
+    t = report.build(4, "tiny", tmp_path, decode_json=path)
+    assert [r["model"] for r in t.rows] == ["vanilla_R", "stateloop_R", "vanilla_R, no cache (recompute)"]
+    assert t.rows[1]["ms/token @512"] == 3.1 and t.summary["cached_speedup_512"] == 13.3
+    assert t.summary["skip_compute.speedup_vs_all_loops"] == 1.4
+    missing = report.build(4, "tiny", tmp_path, decode_json=tmp_path / "nope" / "decode.json")
+    assert not missing.rows and "not found" in missing.missing[0]
+    assert report.write(missing, tmp_path / "tables")[0].read_text().count("Missing runs (1)") == 1
+
+
+# ----------------------------------------------------------------------------- iso-FLOP helper
+TINY = ["backbone.d_model=32", "backbone.n_heads=2", "backbone.ffn_hidden=64"]
+
+
+@pytest.mark.parametrize("state_mode,tolerance", [("vanilla", 0.01), ("stateloop", 0.3)])
+def test_isoflop_pairs_match_flop_counter(state_mode, tolerance):
+    """Every listed N⊗R pair's FLOPs/token is what FlopCounterMode measures (within 1%) and within tolerance of the target."""
+    from looplab.models import LoopedLM
+    from looplab.tables.isoflop import matching_pairs, model_config
+
+    T = 16
+    target, pairs = matching_pairs(like="4x1", backbone="llama_tiny", state_mode=state_mode, seq_len=T, vocab_size=37,
+                                   overrides=TINY, max_loops=6, tolerance=tolerance)
+    names = [p.name for p in pairs]
+    assert names[0] == "4x1" and pairs[0].rel_error == 0
+    if state_mode == "vanilla":
+        assert set(names) == {"4x1", "2x2", "1x4"}  # N·R = 4 and nothing else within 1%
+        assert len({p.params for p in pairs}) == 3  # iso-FLOP, not iso-parameter
+    else:  # the state branch runs once per loop: 1⊗4 costs more than 4⊗1
+        assert {"2x2", "1x4"} <= set(names)
+        assert next(p for p in pairs if p.name == "1x4").rel_error > next(p for p in pairs if p.name == "2x2").rel_error > 0
+    ids = torch.randint(0, 37, (2, T))
+    for p in pairs:
+        if p.name not in ("4x1", "2x2", "1x4", "3x1", "1x3"):
+            continue
+        model = LoopedLM(model_config("llama_tiny", state_mode, p.layers, p.loops, vocab_size=37, overrides=TINY))
+        counter = FlopCounterMode(display=False)
+        with counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+            model(ids)
+        measured = counter.get_total_flops() / (2 * T)
+        assert measured == pytest.approx(p.flops, rel=0.01), p
+        assert abs(measured - target) <= (tolerance + 0.01) * target
+        assert p.flops == model.flops_per_token(T)
+
+
+def test_isoflop_cli_target_and_like(capsys):
+    assert tables_main(["isoflop", "--like", "24x1", "--backbone", "mamba2_140m", "--max-loops", "6"]) == 0
+    out = capsys.readouterr().out
+    for pair in ("24⊗1", "12⊗2", "6⊗4", "4⊗6", "8⊗3"):
+        assert pair in out
+    from looplab.tables.isoflop import matching_pairs
+
+    target, _ = matching_pairs(like="6x4", backbone="llama_410m", max_loops=8)
+    t2, pairs = matching_pairs(target_flops=target, backbone="llama_410m", max_loops=8, max_layers=24)
+    assert t2 == target and pairs[0].rel_error == 0 and {p.name for p in pairs if p.rel_error == 0} >= {"6x4", "24x1", "3x8"}
+    with pytest.raises(ValueError, match="exactly one"):
+        matching_pairs()
+
+
+# ----------------------------------------------------------------------------- notebook
+def test_analysis_notebook_executes(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    out = tmp_path / "out"
+    phop = spec.get(6).sweeps_for("tiny")[0]
+    for i, combo in enumerate(phop.grid()):
+        write_run(table_root(out, 6, phop) / str(i), fake_result(phop, combo, acc=0.3 + 0.2 * i))
+    sw2 = spec.get(2).sweeps_for("tiny")[0]
+    for i, combo in enumerate(sw2.grid()[:4]):
+        write_run(table_root(out, 2, sw2) / str(i), fake_result(sw2, combo, loops=int(combo["loop_depth.loops"]), ppl=20.0 + i))
+    nb = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
+    env = {"LOOPLAB_TABLES_ROOT": str(out), "LOOPLAB_TABLES_SCALE": "tiny", "LOOPLAB_TABLES_FIGDIR": str(tmp_path / "figs"),
+           "LOOPLAB_DECODE_JSON": str(tmp_path / "none.json")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits the environment
+    try:
+        NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "phop_tiny" in text and "0.700" in text and "Missing runs" in text
+    assert (tmp_path / "figs" / "table6.png").exists() and (tmp_path / "figs" / "table2.png").exists()
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_table6_tiny_end_to_end(tmp_path):
+    """`python -m looplab.tables run 6 --scale tiny` (shrunk) trains every grid entry; the table's rows are the runs' results."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-m", "looplab.tables", "run", "6", "--scale", "tiny", "--logger", "none",
+                           "--out-root", str(tmp_path / "out"), "--table-dir", str(tmp_path / "tables"), "--extra", *SHRINK],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "out" / "table6" / "tiny").rglob("results.json"))]
+    assert len(results) == 6 and all(r["status"] == "ok" for r in results)
+    assert all(r["group"] == "table6-tiny" and "table6" in r["tags"] for r in results)
+    rows = list(csv.DictReader((tmp_path / "tables" / "table6.csv").open()))
+    assert len(rows) == 6
+    for r in results:
+        nr = f"{r['model']['layers']}⊗{r['model']['loops']}"
+        row = next(x for x in rows if x["experiment"] == r["task_name"] and x["N⊗R"] == nr)
+        assert float(row["accuracy"]) == pytest.approx(r["accuracy"], abs=1e-6)
+        assert int(row["params"]) == r["params"]["total"] and int(row["FLOPs/token"]) == r["flops_per_token"]["forward"]
+        assert row["backbone"] == r["model"]["backbone"] and int(row["steps"]) == 4
+    md = (tmp_path / "tables" / "table6.md").read_text()
+    assert "Missing runs (0): none" in md and "Failed runs (0): none" in md
+    assert (tmp_path / "tables" / "table6.png").exists()
