@@ -423,3 +423,20 @@ def test_lightning_resume_sees_the_uninterrupted_batches(tmp_path, dm):
     trainer(6, tmp_path / "c").fit(second, datamodule=dm, ckpt_path=str(tmp_path / "b.ckpt"))
     assert len(full.seen) == 6 and len(first.seen) == 3 and len(second.seen) == 3
     assert first.seen + second.seen == full.seen
+
+
+@pytest.mark.slow
+def test_prepare_cli_writes_manifests(tmp_path, jsonl):
+    import subprocess
+    import sys
+
+    path, _ = jsonl
+    env = {**os.environ, "LOOPLAB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "looplab.data.prepare", "dataset=hf", "dataset.source=json", f"dataset.data_files={path}",
+           "dataset.num_proc=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    manifests = sorted((tmp_path / "cache").glob("*/*.json"))
+    assert [m.name for m in manifests] == ["train.json", "validation.json"]
+    m = json.loads(manifests[0].read_text())
+    assert m["source"]["data_files"] == str(path) and "train:" in res.stdout and f"{m['num_tokens']:,} tokens" in res.stdout
