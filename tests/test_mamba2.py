@@ -179,6 +179,14 @@ def test_ssm_parameters_stay_fp32_under_bf16():
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
 
 
+def test_scan_stays_fp32_under_autocast():
+    x, dt, A, B, C, D, s0 = random_ssm(L=20)
+    ref = ssd_chunked(x, dt, A, B, C, 8, D=D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ssd_chunked(x, dt, A, B, C, 8, D=D)
+    assert y.dtype == torch.float32 and torch.equal(y, ref)
+
+
 def test_init_follows_spec():
     m = Mamba2Mixer(64, d_state=16, headdim=8, kernel="torch")  # 16 heads
     A = torch.exp(m.A_log)

@@ -42,6 +42,31 @@ def _decay(log_decay: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_decay.masked_fill(log_decay < LOG_DECAY_FLOOR, float("-inf")))
 
 
+class _DecayedScores(torch.autograd.Function):
+    """M[..., t, s] = scores[t, s] · exp(clamp(a_cum[t] − a_cum[s], floor, 0)): the intra-chunk matrix.
+
+    scores (b, g, 1, c, Q, Q) are per group and already causally masked; a_cum (b, g, hg, c, Q)
+    per head. A hand-written backward, because autograd's chain (sub → clamp → exp → broadcast
+    mul) makes ~10 passes over the (heads, Q, Q) tensor and this one makes 5: with M saved,
+    ∂L/∂(log-decay) = dM ⊙ M, which is already zero above the diagonal (masked scores) and
+    negligible below the floor, so no masks are needed.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, a_cum):
+        decay = (a_cum[..., :, None] - a_cum[..., None, :]).clamp_(LOG_DECAY_FLOOR, 0.0).exp_()
+        M = scores * decay
+        ctx.save_for_backward(decay, M)
+        return M
+
+    @staticmethod
+    def backward(ctx, dM):
+        decay, M = ctx.saved_tensors
+        dscores = (dM * decay).sum(2, keepdim=True)
+        dlog = dM * M
+        return dscores, dlog.sum(-1) - dlog.sum(-2)
+
+
 def segsum(a: torch.Tensor) -> torch.Tensor:
     """Stable segment sums: out[..., i, j] = a[..., j+1] + … + a[..., i] for j ≤ i, −inf above the diagonal.
 
@@ -57,6 +82,19 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~torch.tril(ones), float("-inf"))
 
 
+def _fp32(fn):
+    """Run the scan in fp32 even inside an autocast region (bf16 decay products lose the state)."""
+
+    def wrapper(*args, **kwargs):
+        device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        with torch.autocast(device_type=device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return wrapper
+
+
+@_fp32
 def ssd_chunked(
     x: torch.Tensor,  # (b, L, h, p)
     dt: torch.Tensor,  # (b, L, h), positive (after softplus)
@@ -92,13 +130,11 @@ def ssd_chunked(
 
     # 1. intra-chunk: y[t] = Σ_{s≤t} (C_t·B_s) exp(a_cum[t] − a_cum[s]) dt_s x_s.
     # The difference of chunk-local cumsums is bounded by one chunk's decay, as in the fused kernels.
-    # The causal mask goes on the per-group scores, and the per-head log-decays are clamped into
-    # [floor, 0] (the acausal half, ≥ 0, becomes exp(0) = 1 and is zeroed by the mask): two passes
-    # over the (heads, Q, Q) tensor fewer than masking it per head, fwd and bwd.
+    # The causal mask goes on the per-group scores; the per-head log-decays are clamped into
+    # [floor, 0] (the acausal half, ≥ 0, becomes exp(0) = 1 and is zeroed by the mask).
     causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
     scores = (Cc @ Bc.transpose(-1, -2)).masked_fill(~causal, 0.0)  # (b, g, 1, c, Q, Q), once per group
-    decay = torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).clamp(LOG_DECAY_FLOOR, 0.0))
-    y = (scores * decay) @ xdt  # (b, g, hg, c, Q, p)
+    y = _DecayedScores.apply(scores, a_cum) @ xdt  # (b, g, hg, c, Q, p)
 
     # 2. state contributed by each chunk, at its end: Σ_s exp(a_cum[-1] − a_cum[s]) B_s ⊗ dt_s x_s
     decay_to_end = torch.exp((a_cum[..., -1:] - a_cum).clamp_min(LOG_DECAY_FLOOR))  # (b, g, hg, c, Q)
@@ -126,6 +162,7 @@ def ssd_chunked(
     return y, final_state.transpose(-1, -2).reshape(b, h, p, n)
 
 
+@_fp32
 def ssd_step(
     state: torch.Tensor,  # (b, h, p, n)
     x: torch.Tensor,  # (b, h, p)
