@@ -1,0 +1,180 @@
+"""Scale-out on the CPU (gloo): DDP and FSDP give the single-process gradients of a looped model.
+
+The block of a looped model is applied R times in one forward, so a sharded layer is
+gathered R times and its gradient accumulates R contributions before the reduction;
+these tests check that on 2 CPU processes against one process on the same global batch.
+One spawn runs every strategy (process start-up dominates on a loaded CPU); a strategy
+this PyTorch cannot run on CPU/gloo is recorded with its error and its test skipped
+with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from looplab.models import LoopedLM, LoopedLMConfig
+
+pytestmark = pytest.mark.slow
+WORLD, B, T, V = 2, 4, 12, 37
+STRATEGIES = ("ddp", "fsdp2", "fsdp1")
+
+
+def make_model(seed: int = 0) -> LoopedLM:
+    """A looped StateLoop model (2⊗3) whose every parameter gets a gradient (W_o is zero at init)."""
+    torch.manual_seed(seed)
+    cfg = LoopedLMConfig(vocab_size=V, d_model=32, n_heads=2, ffn_hidden=64, n_layers=2, n_loops=3, state_mode="stateloop_attn")
+    model = LoopedLM(cfg)
+    with torch.no_grad():
+        model.state.state_out.weight.normal_(0, 0.05)
+    return model
+
+
+def global_batch() -> torch.Tensor:
+    return torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
+
+
+def _clean(name: str) -> str:
+    for junk in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module."):
+        name = name.replace(junk, "")
+    return name
+
+
+def _grads_ddp(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model())
+    loss_of(model, ids).backward()
+    return {_clean(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _grads_fsdp2(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for layer in model.block:  # one unit per backbone layer, as hardware=fsdp wraps them
+        fully_shard(layer)
+    fully_shard(model)
+    loss_of(model, ids).backward()
+    return {_clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _grads_fsdp1(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """FullyShardedDataParallel with the policy of looplab.training.distributed (what Lightning's FSDPStrategy uses)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from looplab.training.distributed import block_layer_classes
+
+    model = FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy(block_layer_classes()), use_orig_params=True)
+    loss_of(model, ids).backward()
+    with FSDP.summon_full_params(model, with_grads=True):
+        return {_clean(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    ids = global_batch()
+    local = ids[rank * B // WORLD:(rank + 1) * B // WORLD]  # each rank its half of the same global batch
+    for name, fn in (("ddp", _grads_ddp), ("fsdp2", _grads_fsdp2), ("fsdp1", _grads_fsdp1)):
+        try:
+            res = {"grads": fn(rank, local)}
+        except Exception as e:  # recorded: the test skips with this reason
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        dist.barrier()
+        if rank == 0:
+            torch.save(res, os.path.join(out_dir, f"{name}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def distributed_grads(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    model = make_model()
+    loss_of(model, global_batch()).backward()
+    reference = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return reference, {s: torch.load(out / f"{s}.pt", weights_only=False) for s in STRATEGIES}
+
+
+def _compare(reference, res, strategy):
+    if "error" in res:
+        pytest.skip(f"{strategy} on CPU/gloo is not supported by torch {torch.__version__}: {res['error']}")
+    grads = res["grads"]
+    assert set(grads) == set(reference), set(grads) ^ set(reference)
+    for n, g in reference.items():
+        assert g.abs().sum() > 0, f"{n} has no gradient in the reference"  # every branch is exercised
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{strategy} {n}: {m}")
+
+
+def test_ddp_two_processes_equal_one_process(distributed_grads):
+    reference, results = distributed_grads
+    assert "error" not in results["ddp"], results["ddp"].get("traceback")
+    _compare(reference, results["ddp"], "ddp")
+
+
+def test_fsdp2_fully_shard_looped_block_equals_one_process(distributed_grads):
+    """FSDP2 (fully_shard per backbone layer): each layer is all-gathered at each of its R uses."""
+    reference, results = distributed_grads
+    _compare(reference, results["fsdp2"], "FSDP2 fully_shard")
+
+
+def test_fsdp1_layer_wrapping_equals_one_process(distributed_grads):
+    """FSDP1 with looplab's wrap policy (the one Lightning's FSDPStrategy runs under hardware=fsdp)."""
+    reference, results = distributed_grads
+    _compare(reference, results["fsdp1"], "FSDP1 FullyShardedDataParallel")
+
+
+# ----------------------------------------------------------------------------- Hydra multirun + DDP
+def test_hydra_multirun_ddp_children_run_only_their_job(tmp_path):
+    """-m with hardware=ddp on 2 CPU processes: each job's rank-1 child runs that job alone, in the job's folder.
+
+    Stock Lightning relaunches children with the original argv (`-m` + the sweep), so each child
+    re-expands the sweep (one extra "Launching 2 jobs" per child); looplab.training.hydra_ddp
+    rebuilds the child command from the job's own overrides.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT / "tests")}
+    args = ["-m", "hardware=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "logger=none",
+            "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "dataset.batch_size=8",
+            "dataset.val_size=8", "dataset.test_size=8", "backbone.d_model=32", "backbone.n_heads=2", "backbone.ffn_hidden=64",
+            "loop_depth=1x1,1x2", f"hydra.sweep.dir={tmp_path}/sweep"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "ddp_multirun_app.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("Launching 2 jobs") == 1, "a DDP child re-expanded the -m sweep"
+    for job, loops in ((0, 1), (1, 2)):
+        folder = tmp_path / "sweep" / str(job)
+        res = json.loads((folder / "results.json").read_text())
+        assert res["status"] == "ok" and res["model"]["loops"] == loops and res["global_step"] == 4
+        assert res["throughput"]["tokens"] == 4 * 8 * 33  # rank 0's half of every global batch of 8
+        child_log = (folder / "train_ddp_process_1.log").read_text()
+        assert f"1x{loops}" in child_log and "Launching" not in child_log
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
