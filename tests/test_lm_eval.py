@@ -244,3 +244,30 @@ def test_checkpoint_perplexity_rebuilds_the_training_data(tmp_path):
     assert got["tokens"] == want["tokens"] > 0
     assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
     assert got["loop_perplexity"] == pytest.approx(want["loop_perplexity"], rel=1e-5)
+
+
+def test_generate_fallback_without_cached_decoder_gives_the_same_text(monkeypatch):
+    model = tiny_model()
+    lm = LooplabLM.from_model(model, TOK, batch_size=2)
+    reqs = requests("generate_until", *[(p, {"until": ["\n\n"], "max_gen_toks": 5}) for p in ("Good my lord", "What, ho")])
+    cached = lm.generate_until(reqs)
+
+    def no_decoder(*a, **k):
+        raise ImportError("looplab.models.generation unavailable")
+
+    monkeypatch.setattr(model, "generate", no_decoder)
+    assert lm.generate_until(reqs) == cached
+
+
+def test_exit_threshold_scores_from_the_gate_selected_depths():
+    model = tiny_model(exit_gate="ouro")
+    tok = load_tokenizer(TOK)
+    lm = LooplabLM.from_model(model, TOK, exit_threshold=0.5)
+    ctx, cont = tok.encode("Once more unto the breach"), tok.encode(", dear friends")
+    (lp, _), = lm.loglikelihood(requests("loglikelihood", ("Once more unto the breach", ", dear friends")))
+    with torch.no_grad():
+        logits = model(torch.tensor([ctx + cont[:-1]]), exit_threshold=0.5).logits[0].double()
+    want = torch.log_softmax(logits, -1)[-len(cont):].gather(-1, torch.tensor(cont)[:, None]).sum().item()
+    assert lp == pytest.approx(want, abs=1e-3)
+    with pytest.raises(ValueError, match="exit gate"):
+        LooplabLM.from_model(tiny_model(), TOK, exit_threshold=0.5)
