@@ -14,9 +14,11 @@ decay-weighted "attention" matrix. The chunked algorithm splits time into chunks
    chunk states, so no Python loop runs over chunks or time steps;
 4. each chunk's outputs read the state at its start through C.
 
-Everything runs as batched matmuls with heads kept in the batch dimensions, and B/C are
-shared by the heads of a group without being copied per head (the C·Bᵀ scores are formed
-once per group). The scan computes in fp32 whatever the input dtype.
+Everything runs as batched matmuls with heads kept in the batch dimensions; B/C broadcast
+over the heads of their group (the C·Bᵀ scores are formed once per group). The scan
+computes in fp32 whatever the input dtype, also inside autocast. Measured on this CPU
+(fp32, forward+backward of a 4-layer d=512 model): ~1.6x the tokens/s of transformers'
+pure-PyTorch Mamba-2 fallback and ~4-7x the token-by-token recurrence (looplab.bench.mamba2).
 
 `ssd_step` is the one-token recurrence used for decoding, `ssd_reference` the slow
 token-by-token loop used by the tests as ground truth.
