@@ -213,6 +213,10 @@ def test_simple_evaluate_runs_local_task_through_registered_adapter(tmp_path):
         correct += int(max(range(len(scores)), key=scores.__getitem__) == d["answer"])
     assert acc == pytest.approx(correct / 20)
 
+
+@pytest.mark.slow
+def test_run_zeroshot_on_a_checkpoint(tmp_path):
+    path = save_checkpoint(tiny_model(loops=2), tmp_path / "lm.ckpt")
     summary = run_zeroshot(path, tasks=["looplab_tiny_mc"], include_defaults=False, batch_size=4, limit=10)
     assert summary["n_samples"]["looplab_tiny_mc"] == 10 and 0 <= summary["average_acc"] <= 1
     with pytest.raises(ValueError, match="unknown lm-eval task"):
