@@ -10,11 +10,13 @@ Layouts (token names as `decode` prints them):
   Mano   <bos> Q<k> <prefix tokens: + - * and values> <ans> | answer      (k = operator count;
          with task_args.subtree_loss also, at the last token of every operator subtree, its value)
   p-hop  <symbols a b c ...> <query> | answer
-The answer is predicted from the <ans>/<query> position. Mano has loss on the
-answer only. p-hop with per_position_loss additionally puts, at every symbol
+The answer is predicted from the <ans>/<query> position; accuracy is always
+scored there. Loss: p-hop with `per_position_loss` adds, at every symbol
 position t from which p hops exist, the symbol reached after p hops from t
 (SPEC §5: with the loss on the last position alone nothing beat the ≈ 0.49
-shortcut at tiny scale in 2,500 steps). Accuracy is always scored on the answer.
+shortcut at tiny scale in 2,500 steps). Mano's loss is on the answer (SPEC);
+`task_args.subtree_loss` adds the value of each operator subtree at its last
+token, which tiny CPU Mano runs need (answer-only loss stayed near chance).
 """
 
 from __future__ import annotations
