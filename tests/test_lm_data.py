@@ -387,6 +387,11 @@ def test_streaming_hub_source_offline(tmp_path, monkeypatch, jsonl):
     assert files["train"].num_tokens == 2000 and np.array_equal(np.asarray(files["train"].open()), want)
     val = _split_docs(np.asarray(files["validation"].open()), tok.eos_id)
     assert [tok.decode(d) for d in val] == texts[18:]
+    # a prepared streaming source opens without contacting the hub (offline evaluation of a Pile run)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("hub contacted for a prepared cache"))
+    again = prepare(src, TOK, tmp_path / "cache", verbose=False)
+    assert again["train"].path == files["train"].path
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     with pytest.raises(ValueError, match="streaming sources need a val_split"):
         prepare(SourceConfig(source="someone/pile-like", streaming=True), TOK, tmp_path / "cache", verbose=False)
 

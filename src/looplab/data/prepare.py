@@ -132,10 +132,29 @@ def _hold_out_indices(n: int, fraction: float) -> np.ndarray:
     return np.sort(np.random.default_rng(20240601).permutation(n)[:k])
 
 
+def source_fingerprint(src: SourceConfig) -> str | None:
+    """What identifies the source's content, computed without reading it through `datasets`
+    (so a prepared cache opens offline); None for a downloaded hub dataset, whose fingerprint
+    comes from its `datasets` cache (load_source)."""
+    if src.is_embedded:
+        return "shakespeare:" + corpus.fingerprint(corpus.documents()) + f":val={src.val_fraction}"
+    if src.is_local:
+        fp = hashlib.sha256()
+        for p in _local_files(src.data_files):
+            fp.update(f"{p.resolve()}:{_file_digest(p)}\n".encode())
+        out = f"local:{src.source}:{fp.hexdigest()}"
+    elif src.streaming:
+        out = f"hub:{src.source}:{src.subset}:{src.revision}"
+    else:
+        return None
+    return out + (f":val={src.val_fraction}" if src.val_split is None else "")
+
+
 def load_source(src: SourceConfig) -> tuple[dict[str, Any], str]:
     """{split: datasets.Dataset | IterableDataset} with a `text` column, plus the source fingerprint."""
     import datasets
 
+    fingerprint = source_fingerprint(src)
     if src.is_embedded:
         docs = corpus.documents()
         val = corpus.held_out([n for n, _ in docs], src.val_fraction)
@@ -144,13 +163,9 @@ def load_source(src: SourceConfig) -> tuple[dict[str, Any], str]:
             "validation": [(n, t) for n, t in docs if n in val],
         }
         out = {s: datasets.Dataset.from_dict({"name": [n for n, _ in d], "text": [t for _, t in d]}) for s, d in by_split.items()}
-        return out, "shakespeare:" + corpus.fingerprint(docs) + f":val={src.val_fraction}"
+        return out, fingerprint
 
     if src.is_local:
-        files = _local_files(src.data_files)
-        fp = hashlib.sha256()
-        for p in files:
-            fp.update(f"{p.resolve()}:{_file_digest(p)}\n".encode())
         data_files = src.data_files
         if isinstance(data_files, str):
             data_files = os.path.expanduser(data_files)
@@ -158,15 +173,14 @@ def load_source(src: SourceConfig) -> tuple[dict[str, Any], str]:
             raw = datasets.load_dataset(src.source, data_files=data_files)
         except Exception as e:
             raise ValueError(f"cannot read {src.source} files {src.data_files!r}: {e}") from e
-        fingerprint = f"local:{src.source}:{fp.hexdigest()}"
     else:
         kw = dict(name=src.subset, revision=src.revision, streaming=src.streaming)
         if src.data_files is not None:
             kw["data_files"] = src.data_files
         raw = datasets.load_dataset(src.source, **kw)
-        fingerprint = f"hub:{src.source}:{src.subset}:{src.revision}"
-        if not src.streaming:
-            fingerprint += ":" + ",".join(f"{k}={v._fingerprint}" for k, v in sorted(raw.items()))
+        if fingerprint is None:
+            fingerprint = f"hub:{src.source}:{src.subset}:{src.revision}:" + ",".join(f"{k}={v._fingerprint}" for k, v in sorted(raw.items()))
+            fingerprint += f":val={src.val_fraction}" if src.val_split is None else ""
 
     if src.train_split not in raw:
         raise ValueError(f"source {src.source!r} has no split {src.train_split!r} (splits: {list(raw)}); set train_split")
@@ -181,7 +195,6 @@ def load_source(src: SourceConfig) -> tuple[dict[str, Any], str]:
         held = _hold_out_indices(len(train), src.val_fraction)
         keep = np.setdiff1d(np.arange(len(train)), held)
         train, val = train.select(keep), train.select(held)
-        fingerprint += f":val={src.val_fraction}"
     for name, ds in (("train", train), ("validation", val)):
         cols = ds.column_names if ds.column_names is not None else list(ds.features or {})
         if cols and src.text_field not in cols:
@@ -323,7 +336,9 @@ def prepare(src: SourceConfig, tokenizer: str | LMTokenizer, cache_dir: str | os
             num_proc: int = 1, batch_docs: int = 64, eos_token: str | None = None, verbose: bool = True) -> dict[str, TokenFile]:
     """Prepare (or reuse) the train and validation token files of a source; returns {split: TokenFile}."""
     tok = tokenizer if isinstance(tokenizer, LMTokenizer) else load_tokenizer(tokenizer, eos_token)
-    splits, fingerprint = load_source(src)
+    splits, fingerprint = None, source_fingerprint(src)
+    if fingerprint is None:  # a downloaded hub dataset: its fingerprint comes from the datasets cache
+        splits, fingerprint = load_source(src)
     folder = cache_folder(cache_dir, src, fingerprint, tok)
     limits = {"train": src.max_train_tokens, "validation": src.max_val_tokens}
     out = {}
@@ -331,6 +346,9 @@ def prepare(src: SourceConfig, tokenizer: str | LMTokenizer, cache_dir: str | os
         if (folder / f"{split}.json").is_file():
             out[split] = load_split(folder, split, source_fingerprint=fingerprint, tokenizer_hash=tok.hash)
             continue
+        if splits is None:
+            splits, fingerprint2 = load_source(src)
+            assert fingerprint2 == fingerprint, (fingerprint2, fingerprint)
         folder.mkdir(parents=True, exist_ok=True)
         out[split] = tf = _write_split(splits[split], split, folder, tok, src, fingerprint, num_proc, batch_docs, limits[split])
         if verbose:
