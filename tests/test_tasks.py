@@ -254,6 +254,11 @@ def test_sampler_resume_equals_uninterrupted_stream():
         assert _batches(ResumableSampler(B, start=k * B), B, 12 - k) == full[k:]
     with pytest.raises(ValueError, match="start=5"):
         ResumableSampler(B, start=5)
+    step = [0]
+    s = ResumableSampler(B, start=lambda: step[0] * B)  # read at every iter()
+    assert next(iter(s)) == 0
+    step[0] = 3
+    assert next(iter(s)) == 24 and len(s) == STREAM_LENGTH - 24
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -307,6 +312,12 @@ def test_datamodule_resume_and_ddp_shards_match_single_stream():
             parts.append(b)
         for k in full[step]:
             assert torch.equal(torch.cat([p[k] for p in parts]), full[step][k])
+    # the same DataLoader iterated again later (a new Lightning epoch) continues from the current step
+    dm.trainer = _fake_trainer(step=0)
+    dl = dm.train_dataloader()
+    assert torch.equal(next(iter(dl))["input_ids"], full[0]["input_ids"])
+    dm.trainer.global_step = 5
+    assert torch.equal(next(iter(dl))["input_ids"], full[5]["input_ids"])
     bad = TaskDataModule(**kw)
     bad.trainer = _fake_trainer(0, world=2)
     bad.trainer._accelerator_connector.use_distributed_sampler = True

@@ -272,15 +272,17 @@ class TaskDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         per_rank = self.per_rank_batch_size(world)
         trainer = self.trainer
-        start = 0
-        if trainer is not None:
-            if world > 1 and getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
-                raise ValueError(
-                    "TaskDataModule shards ranks itself; construct the Trainer with use_distributed_sampler=False "
-                    "(Lightning would otherwise try to materialise the endless training stream)"
-                )
-            # batches already consumed = optimizer steps · micro-batches per step
-            start = trainer.global_step * max(1, int(trainer.accumulate_grad_batches)) * self.batch_size
+        if trainer is not None and world > 1 and getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
+            raise ValueError(
+                "TaskDataModule shards ranks itself; construct the Trainer with use_distributed_sampler=False "
+                "(Lightning would otherwise try to materialise the endless training stream)"
+            )
+
+        def start() -> int:  # read at every iter(): the restored step on resume, the current one on a new epoch
+            if trainer is None:
+                return 0
+            return trainer.global_step * max(1, int(trainer.accumulate_grad_batches)) * self.batch_size
+
         sampler = ResumableSampler(self.batch_size, rank, world, start=start, length=STREAM_LENGTH)
         ds = TaskDataset(self.spec, "train", self.seed, STREAM_LENGTH)
         return self._loader(ds, sampler, per_rank)
