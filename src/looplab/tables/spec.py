@@ -138,8 +138,9 @@ TABLES: dict[int, TableSpec] = {
                  {"tiny": (sweep("stateloop_reset_tiny"),), "paper": (sweep("stateloop_reset"),)}, "perplexity",
                  notes={"tiny": "2⊗3 llama d128, embedded corpus, 300 steps", "paper": "6⊗4 at 410M on the Pile"}),
     4: TableSpec(4, "Decoding latency per generated token", "decode", {"tiny": (), "paper": ()}, "per_token_ms",
-                 notes={"tiny": "bench/decode.json from `python -m looplab.bench.decode --quick --threads 1` (d 512, 4⊗4, fp32 CPU)",
-                        "paper": "bench/decode.json from the full `python -m looplab.bench.decode` (d 512, 4⊗4 plus a 24-layer block)"}),
+                 notes={"tiny": "bench/decode.json of the decoding benchmark, fp32 on the CPU (`make table4` runs it in quick mode "
+                                "with 1 thread; the full run adds context 256 and a 24-layer block)",
+                        "paper": "bench/decode.json of the full `python -m looplab.bench.decode` (d 512, 4⊗4 plus a 24-layer block)"}),
     5: TableSpec(5, "Mano: accuracy per N⊗R", "task",
                  {"tiny": (sweep("mano_tiny"), sweep("mano_mamba_tiny"), sweep("mano_hybrid_tiny")),
                   "paper": (sweep("mano_paper"), sweep("mano_mamba"), sweep("mano_hybrid"))}, "accuracy",
