@@ -14,6 +14,37 @@ from looplab.models.cache import KVCache
 from looplab.models.config import LoopedLMConfig
 
 
+# --- CPU autograd -------------------------------------------------------------
+# On CPU every elementwise op streams its (B, T, width) operands through memory, and a
+# training step of the issue-9 config spends a third of its time outside the matmuls.
+# Autograd's generic backward of rms_norm (ten element-wise ops), of rotate-half RoPE (a
+# chunk and a cat per call) and of silu(gate)·up (a cat of the two halves' gradients) does
+# needless passes, so on CPU these three get hand-written backward passes with the same
+# forward arithmetic. CUDA keeps torch's own kernels (fused rms_norm backward, autocast).
+
+
+def _hand_autograd(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)  # what F.rms_norm runs
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x * rstd
+        gw = (g * xhat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        gxhat = g * weight
+        dot = (gxhat * xhat).mean(-1, keepdim=True)
+        gx = gxhat.sub_(xhat.mul_(dot)).mul_(rstd)  # rstd·(ĝ − x̂·mean(ĝ·x̂))
+        return gx, gw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -21,6 +52,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _hand_autograd(x) and x.dtype == self.weight.dtype:
+            return _RMSNormFn.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -37,7 +70,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B or 1, T) → cos, sin of shape (B or 1, 1, T, hd/2)."""
-        if int(positions.max()) >= self.cos.shape[0]:
+        # the bound check syncs on a data-dependent value: skipped under torch.compile, where it
+        # would split every layer's graph in two (an out-of-range index still fails there)
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} exceeds max_seq_len={self.cos.shape[0]}; "
                 "raise backbone.max_seq_len"
@@ -46,9 +81,33 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if _hand_autograd(x):
+        return _RoPEFn.apply(x, cos, sin)
+    x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE written into one output (no temporaries, no cat)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out
+
+
+class _RoPEFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, -sin), None, None  # a rotation's transpose is the rotation by −θ
 
 
 def attention_mask(valid: torch.Tensor | None, T: int, L: int, device) -> torch.Tensor | None:
@@ -104,6 +163,27 @@ class CausalSelfAttention(nn.Module):
         return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, device, dtype)
 
 
+class _SiluMulFn(torch.autograd.Function):
+    """silu(gate)·up of the fused gate_up projection; the backward writes both halves' gradients
+    into one (B, T, 2·hidden) buffer and recomputes silu instead of keeping it alive."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, g):
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad = torch.empty_like(gate_up)
+        g_gate, g_up = grad.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), g, out=g_up)
+        torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=g_gate)
+        return grad
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -111,7 +191,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _hand_autograd(gate_up):
+            return self.down_proj(_SiluMulFn.apply(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
