@@ -64,17 +64,29 @@ def machine_info(threads: int) -> dict:
     return info
 
 
-def time_side_by_side(fns: dict[str, Callable[[], None]], warmup: int = 1, repeats: int = 3) -> dict[str, list[float]]:
-    """Seconds per call of each fn, interleaved round-robin after `warmup` untimed calls of each."""
+def time_side_by_side(
+    fns: dict[str, Callable[[], None]], warmup: int = 1, repeats: int = 3, cpu_times: dict | None = None
+) -> dict[str, list[float]]:
+    """Wall seconds per call of each fn, interleaved round-robin after `warmup` untimed calls of each.
+
+    If `cpu_times` is a dict, it receives this process's CPU seconds per call as well: on a
+    machine shared with other jobs the wall clock includes time spent descheduled, the CPU
+    clock does not (with one thread it is the steadier figure; with several it also counts
+    the threads' spin-waits).
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    if cpu_times is not None:
+        cpu_times.update(cpu)
     return times
 
 

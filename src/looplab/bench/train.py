@@ -201,11 +201,13 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     n_mm = 1 if quick else 3
     candidates["matmul_2048"] = _mm_step(2048, n_mm)
 
-    times = common.time_side_by_side(candidates, warmup=1, repeats=repeats)
+    cpu: dict = {}
+    times = common.time_side_by_side(candidates, warmup=1, repeats=repeats, cpu_times=cpu)
     med = {k: common.median(v) for k, v in times.items()}
     ceiling = n_mm * 2 * 2048**3 / med.pop("matmul_2048") / 1e9
     fpt = base.flops_per_token(T, training=True)
     tok = {k: B * T / s for k, s in med.items()}
+    cpu_med = {k: common.median(v) for k, v in cpu.items()}
 
     def mfu(k: str) -> float:
         return tok[k] * fpt / (ceiling * 1e9)
@@ -223,7 +225,11 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         "matmul_gflops": ceiling,
         "flops_per_token": fpt,
         "flops_per_token_issue_formula": issue_formula_flops(base, T),
+        # the same ratio from CPU seconds: steadier when other jobs share the cores (see common.py)
+        "ratio_vs_transformers_cpu_time": cpu_med["transformers"] / cpu_med["looplab"],
+        "ratio_vs_unlooped_cpu_time": cpu_med["unlooped"] / cpu_med["looplab"],
         "step_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
+        "step_cpu_s": {k: [round(t, 4) for t in v] for k, v in cpu.items()},
         "repeats": repeats,
     }
     opts = {}
