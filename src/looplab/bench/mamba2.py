@@ -13,6 +13,7 @@ is next-token cross-entropy, so the ratio compares like with like.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -63,8 +64,8 @@ def _train_step(model, ids, hf: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _time(models: dict, ids: torch.Tensor, warmup: int, repeats: int) -> dict[str, float]:
-    """Median seconds per training step; models run round-robin so load changes hit all alike."""
+def _time(models: dict, ids: torch.Tensor, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per training step, per repeat; models run round-robin so load changes hit all alike."""
     times: dict[str, list[float]] = {k: [] for k in models}
     for i in range(warmup + repeats):
         for name, (model, hf) in models.items():
@@ -72,7 +73,7 @@ def _time(models: dict, ids: torch.Tensor, warmup: int, repeats: int) -> dict[st
             _train_step(model, ids, hf)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def run(threads: int = 2, quick: bool = False) -> dict:
@@ -96,14 +97,19 @@ def run(threads: int = 2, quick: bool = False) -> dict:
             result["transformers_version"] = transformers.__version__
         except ImportError as e:  # the bench extra is not installed
             result["transformers_error"] = str(e)
-        seconds = _time(models, ids, warmup, repeats)
+        # On a shared machine, OpenMP threads > free cores make every op wait on descheduled
+        # threads: measured here 10-50x slower steps at 2 threads under load 8 on 2 cores.
+        result["loadavg_1m_before"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        times = _time(models, ids, warmup, repeats)
         step = {"step": (_looplab_model(d, step=True), False)}
-        seconds.update(_time(step, ids, 1, 1 if quick else 2))
+        times.update(_time(step, ids, 1, 1 if quick else 2))
         models.update(step)
 
         tokens = d["batch"] * d["seq_len"]
+        seconds = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: tokens / v for k, v in seconds.items()}
         result["seconds_per_step"] = seconds
+        result["seconds_per_step_min"] = {k: min(v) for k, v in times.items()}
         result["tokens_per_s"] = tps
         result["ratio_vs_step"] = tps["chunked"] / tps["step"]
         if "transformers" in tps:
