@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from looplab.bench.common import machine_info
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.generation import decode_step
 
@@ -203,6 +205,7 @@ def run(threads: int = 2, quick: bool = False) -> dict:
     try:
         models = {k: _build(cfg) for k, cfg in candidates().items()}
         result: dict = {
+            "machine": machine_info(threads),
             "dims": DIMS, "threads": threads, "contexts": list(contexts), "warmup": warmup, "repeats": repeats,
             "dtype": "float32", "mamba2_available": HAS_MAMBA2,
             "params": {k: m.num_parameters()["total"] for k, m in models.items()},
@@ -239,6 +242,12 @@ def run(threads: int = 2, quick: bool = False) -> dict:
         if not quick:
             result["deep_block"] = _deep_block(warmup, repeats)
         result["skip_compute"] = _skip_compute(contexts[-1:] if quick else (64, 512), steps=12 if quick else 40, warmup=2)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if threads > 1 and load > (os.cpu_count() or 1):
+            result["warning"] = (
+                f"load average {load:.1f} > {os.cpu_count()} cores with threads={threads}: OpenMP spin-waits "
+                "inflate and scatter per-token times; rerun with --threads 1 for usable ratios"
+            )
         result["targets"] = {
             "state_overhead<=0.02": result["state_overhead"] <= 0.02,
             "stateloop_R_at_least_15pct_faster_than_vanilla_R+1": result["ratio_vs_vanilla_r_plus_1"] <= 0.85,
