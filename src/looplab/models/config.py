@@ -47,6 +47,8 @@ class LoopedLMConfig:
     chunk_size: int = 64
     mamba_mlp: bool = False  # add a SwiGLU MLP after each Mamba-2 mixer
     kernel: str = "auto"  # auto | torch | mamba_ssm
+    mamba_A_init: tuple[float, float] = (1.0, 16.0)  # A = −exp(A_log), exp(A_log) ~ U[a, b]
+    mamba_dt_init: tuple[float, float] = (1e-3, 1e-1)  # softplus(dt_bias) ~ logU[a, b]
 
     # --- StateLoop (SPEC §3) -------------------------------------------------
     state_mode: str = "vanilla"
@@ -68,8 +70,8 @@ class LoopedLMConfig:
             self.ffn_hidden = 64 * -(-int(8 * self.d_model / 3) // 64)
         if self.state_dim is None:
             self.state_dim = self.d_model
-        self.state_A_init = tuple(self.state_A_init)
-        self.state_dt_init = tuple(self.state_dt_init)
+        for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
+            setattr(self, name, tuple(getattr(self, name)))
         self.validate()
 
     # ------------------------------------------------------------------------
@@ -121,10 +123,9 @@ class LoopedLMConfig:
         if self.state_mode == "stateloop_mamba2":
             d_inner = self.expand * self.state_dim
             need(d_inner % self.headdim == 0, f"expand*state_dim={d_inner} is not divisible by headdim={self.headdim}")
-        lo, hi = self.state_A_init
-        need(0 < lo <= hi, f"state_A_init={self.state_A_init} must satisfy 0 < a <= b")
-        lo, hi = self.state_dt_init
-        need(0 < lo <= hi, f"state_dt_init={self.state_dt_init} must satisfy 0 < a <= b")
+        for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
+            lo, hi = getattr(self, name)
+            need(0 < lo <= hi, f"{name}={getattr(self, name)} must satisfy 0 < a <= b")
 
     # ------------------------------------------------------------------------
     @property
@@ -147,8 +148,8 @@ class LoopedLMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["state_A_init"] = list(self.state_A_init)
-        d["state_dt_init"] = list(self.state_dt_init)
+        for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
+            d[name] = list(getattr(self, name))
         return d
 
     @classmethod

@@ -161,8 +161,8 @@ class Mamba2Mixer(nn.Module):
             chunk_size=cfg.chunk_size,
             kernel=cfg.kernel,
             norm_eps=cfg.norm_eps,
-            A_init=getattr(cfg, "mamba_A_init", (1.0, 16.0)),
-            dt_init=getattr(cfg, "mamba_dt_init", (1e-3, 1e-1)),
+            A_init=cfg.mamba_A_init,
+            dt_init=cfg.mamba_dt_init,
         )
 
     @torch.no_grad()
