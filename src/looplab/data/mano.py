@@ -8,7 +8,10 @@ split uses exactly L (the hardest length the model is asked to handle).
 
 Paper configs use modulus 23; at tiny CPU scale 23 did not learn in minutes
 (the 3 × 23² arithmetic facts are the bottleneck), so the modulus is an
-argument. Determinism and the content-hash train/test partition are described
+argument. Measured here (d 64, 4 heads, batch 128, 2,000 steps, AdamW 3e-3,
+L 3, modulus 5, chance 0.2): answer accuracy 1⊗1 0.37 / 1⊗4 0.46 with the
+answer loss only, 1⊗1 0.37 / 1⊗2 0.50 / 1⊗4 0.58 with the subtree-value loss
+(`subtree_values`, used by looplab.data.tasks when task_args.subtree_loss). Determinism and the content-hash train/test partition are described
 in looplab.data.splits.
 """
 

@@ -7,8 +7,9 @@ contiguous shard [b·B + r·B/w, b·B + (r+1)·B/w). Starting at sample `start`
 uninterrupted run would have seen, on any number of ranks, with no state to
 checkpoint. `start` may be a callable read at every `iter()`, so a DataLoader
 that Lightning iterates again (a new "epoch", e.g. with limit_train_batches)
-continues from the current step instead of replaying. The stream is virtual: nothing is allocated, so its length can be
-far beyond any run (STREAM_LENGTH) and must never be materialised with list().
+continues from the current step instead of replaying. The stream is virtual:
+nothing is allocated, so its length can be far beyond any run (STREAM_LENGTH)
+and must never be materialised with list().
 """
 
 from __future__ import annotations
