@@ -159,7 +159,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         compile: bool | None = None, memory: bool = True) -> dict:
     common.set_threads(threads)
     d = dict(QUICK if quick else FULL)
-    repeats = repeats or (2 if quick else 5)
+    repeats = repeats or (2 if quick else 3)
     compile = (not quick) if compile is None else compile
     N, R, T, B = d["n_layers"], d["n_loops"], d["seq_len"], d["batch"]
     torch.manual_seed(0)
@@ -207,16 +207,20 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     ceiling = n_mm * 2 * 2048**3 / med.pop("matmul_2048") / 1e9
     fpt = base.flops_per_token(T, training=True)
     tok = {k: B * T / s for k, s in med.items()}
-    cpu_med = {k: common.median(v) for k, v in cpu.items()}
 
     def mfu(k: str) -> float:
         return tok[k] * fpt / (ceiling * 1e9)
 
+    def paired(other: str, t: dict, base: str = "looplab") -> float:
+        """Median over rounds of other/looplab: the two run back to back within a round, so a load
+        change between rounds cancels (steadier than a ratio of medians on a shared machine)."""
+        return common.median([o / s for o, s in zip(t[other], t[base])])
+
     res = {
         "config": dict(d, model=f"{N}x{R}"),
         "tokens_per_s": tok["looplab"],
-        "ratio_vs_transformers": tok["looplab"] / tok["transformers"],
-        "ratio_vs_unlooped": tok["looplab"] / tok["unlooped"],
+        "ratio_vs_transformers": paired("transformers", times),
+        "ratio_vs_unlooped": paired("unlooped", times),
         "mfu": mfu("looplab"),
         "transformers_tokens_per_s": tok["transformers"],
         "transformers_mfu": mfu("transformers"),
@@ -226,8 +230,8 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         "flops_per_token": fpt,
         "flops_per_token_issue_formula": issue_formula_flops(base, T),
         # the same ratio from CPU seconds: steadier when other jobs share the cores (see common.py)
-        "ratio_vs_transformers_cpu_time": cpu_med["transformers"] / cpu_med["looplab"],
-        "ratio_vs_unlooped_cpu_time": cpu_med["unlooped"] / cpu_med["looplab"],
+        "ratio_vs_transformers_cpu_time": paired("transformers", cpu),
+        "ratio_vs_unlooped_cpu_time": paired("unlooped", cpu),
         "step_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
         "step_cpu_s": {k: [round(t, 4) for t in v] for k, v in cpu.items()},
         "repeats": repeats,
@@ -235,7 +239,8 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     opts = {}
     for k in tok:
         if k.startswith("opt_"):
-            opts[k[4:]] = {"tokens_per_s": tok[k], "speedup_vs_default": tok[k] / tok["looplab"], "mfu": mfu(k),
+            opts[k[4:]] = {"tokens_per_s": tok[k], "speedup_vs_default": paired("looplab", times, base=k), "mfu": mfu(k),
+                           "speedup_vs_default_cpu_time": paired("looplab", cpu, base=k),
                            **option_info.get(k, {})}
     for k, v in option_info.items():
         if "error" in v:
