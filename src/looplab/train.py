@@ -56,6 +56,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     start = time.time()
     ctx = hydra_context()
+    for name in ("lightning.pytorch", "lightning.fabric"):  # Hydra's handlers already print and file them
+        logging.getLogger(name).handlers.clear()
     out_dir = Path(ctx["output_dir"])
     if cfg.hardware.get("num_threads"):
         torch.set_num_threads(int(cfg.hardware.num_threads))

