@@ -144,12 +144,12 @@ TABLES: dict[int, TableSpec] = {
     5: TableSpec(5, "Mano: accuracy per N⊗R", "task",
                  {"tiny": (sweep("mano_tiny"), sweep("mano_mamba_tiny"), sweep("mano_hybrid_tiny")),
                   "paper": (sweep("mano_paper"), sweep("mano_mamba"), sweep("mano_hybrid"))}, "accuracy",
-                 notes={"tiny": "L = 4, modulus 7, d 64, 1500 steps (modulus 23 does not learn in CPU-minutes, SPEC §5)",
+                 notes={"tiny": "the mano_*_tiny experiments, small L and modulus (conf/dataset/mano.yaml and the experiment files; modulus 23 does not learn in CPU-minutes, SPEC §5); `steps` gives each run's training steps",
                         "paper": "L = 24, modulus 23: 4⊗1, 4⊗6, 24⊗1"}),
     6: TableSpec(6, "p-hop induction: accuracy per N⊗R", "task",
                  {"tiny": (sweep("phop_tiny"), sweep("phop_mamba_tiny")), "paper": (sweep("phop_paper"), sweep("phop_mamba"))},
                  "accuracy",
-                 notes={"tiny": "n = 32, p = 3, alphabet 4, d 64, 1500 steps", "paper": "n = 256, p = 32, alphabet 4"}),
+                 notes={"tiny": "n = 32, p = 3, alphabet 4, d 64 (phop_*_tiny); `steps` gives each run's training steps", "paper": "n = 256, p = 32, alphabet 4"}),
     7: TableSpec(7, "Iso-parameter and iso-FLOP language modelling", "lm",
                  {"tiny": tuple(sweep(e) for e in ("lm_mamba_isoparam_tiny", "lm_mamba_isoflop_tiny",
                                                    "lm_hybrid_isoparam_tiny", "lm_hybrid_isoflop_tiny")),
@@ -160,7 +160,7 @@ TABLES: dict[int, TableSpec] = {
     8: TableSpec(8, "Exit gate: fixed loops vs stage 1 vs stage 2", "exit",
                  {"tiny": _exit_sweeps(["exit_gate_mamba_tiny", "exit_gate_llama_tiny", "exit_gate_stateloop_tiny"]),
                   "paper": _exit_sweeps(["exit_gate_mamba", "exit_gate_llama", "exit_gate_stateloop"])}, "accuracy",
-                 notes={"tiny": "1⊗4 on p-hop (n 32, p 3), 1500 steps; stage 2 warm-starts from the fixed-loop run",
+                 notes={"tiny": "1⊗4 on p-hop (n 32, p 3); stage 2 warm-starts from the fixed-loop run",
                         "paper": "4⊗4 on the Pile (accuracy = next-token accuracy)"}),
 }
 
