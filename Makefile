@@ -39,7 +39,7 @@ bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/resul
 	$(PY) -m looplab.bench
 
 table%-report: $(STAMP) ## aggregate existing results.json of table N into experiments/tables/tableN.{md,csv}
-	$(PY) -m looplab.tables report $*
+	$(PY) -m looplab.tables report $* --scale $(SCALE)
 
 table%: $(STAMP)
 	$(PY) -m looplab.tables run $* --scale $(SCALE)

@@ -150,8 +150,8 @@ def test_hydra_multirun_ddp_children_run_only_their_job(tmp_path):
     """-m with hardware=ddp on 2 CPU processes: each job's rank-1 child runs that job alone, in the job's folder.
 
     Stock Lightning relaunches children with the original argv (`-m` + the sweep), so each child
-    re-expands the sweep (one extra "Launching 2 jobs" per child); looplab.training.hydra_ddp
-    rebuilds the child command from the job's own overrides.
+    re-expands the sweep (one extra "Launching 2 jobs" per child); looplab.train wraps each job in
+    looplab.training.hydra_ddp.per_job_ddp, which rebuilds the child command from the job's own overrides.
     """
     import json
     import subprocess
@@ -165,7 +165,7 @@ def test_hydra_multirun_ddp_children_run_only_their_job(tmp_path):
             "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "dataset.batch_size=8",
             "dataset.val_size=8", "dataset.test_size=8", "backbone.d_model=32", "backbone.n_heads=2", "backbone.ffn_hidden=64",
             "loop_depth=1x1,1x2", f"hydra.sweep.dir={tmp_path}/sweep"]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "ddp_multirun_app.py"), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "looplab.train", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

@@ -235,7 +235,10 @@ def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    results = task_wrapper(train)(cfg)
+    from looplab.training.hydra_ddp import per_job_ddp
+
+    with per_job_ddp():  # DDP children run this job only, not the whole -m sweep (see hydra_ddp.py)
+        results = task_wrapper(train)(cfg)
     if results is None:
         return None
     return results.get("accuracy") if results.get("accuracy") is not None else results.get("loss")

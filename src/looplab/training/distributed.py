@@ -23,8 +23,9 @@ def fsdp_strategy(sharding_strategy: str = "FULL_SHARD", activation_checkpointin
     A looped block calls every wrapped layer R times per forward. FSDP gathers
     a layer's shards before each call and frees them after (reshard after
     forward), and its gradient hooks accumulate the R contributions before the
-    reduce-scatter; tests/test_distributed.py checks the gradients against a
-    single process where the platform supports FSDP.
+    reduce-scatter. Lightning's FSDPStrategy is FSDP1, which needs an accelerator
+    (torch 2.13 refuses CPU); tests/test_distributed.py checks the reused-block
+    gradients under FSDP2 `fully_shard` on 2 CPU processes instead, and skips FSDP1.
     """
     from lightning.pytorch.strategies import FSDPStrategy
 
