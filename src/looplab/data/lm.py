@@ -23,7 +23,6 @@ batch), capped at `val_tokens`.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import lightning as L
@@ -258,14 +257,3 @@ class LMDataModule(L.LightningDataModule):
 
             warnings.warn(f"resuming with a different data order ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}): "
                           "the stream restarts at global_step in the new order, so some windows are seen twice and others skipped")
-
-
-def batches_per_second(dm: LMDataModule, n: int = 200, warmup: int = 5, start_batch: int = 0) -> float:
-    """Throughput of the training loader (for the bench: it should far outrun the training step rate)."""
-    it = iter(dm.train_batches(start_batch))
-    for _ in range(warmup):
-        next(it)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        next(it)
-    return n / (time.perf_counter() - t0)
