@@ -46,10 +46,14 @@ class CrashAtStep(L.Callback):
             raise RuntimeError(f"simulated crash at step {self.step}")
 
 
-@pytest.mark.parametrize("dataset", ["phop", "mano"])
-def test_fast_dev_run(dataset, tiny_overrides, tmp_path):
-    res = run_train(tiny_overrides + [f"dataset={dataset}", "trainer.fast_dev_run=true"], tmp_path / dataset)
-    assert res["status"] == "ok"
+@pytest.mark.parametrize(
+    "dataset, backbone, depth",
+    [("phop", "llama_tiny", "1x2"), ("mano", "llama_tiny", "1x2"), ("phop", "mamba2_tiny", "1x2"), ("mano", "hybrid_tiny", "2x2")],
+)
+def test_fast_dev_run(dataset, backbone, depth, tiny_overrides, tmp_path):
+    res = run_train(tiny_overrides + [f"dataset={dataset}", f"backbone={backbone}", f"loop_depth={depth}",
+                                      "++backbone.headdim=16", "trainer.fast_dev_run=true"], tmp_path / dataset)
+    assert res["status"] == "ok" and res["model"]["backbone"] == backbone.split("_")[0]
     assert (tmp_path / dataset / "results.json").exists()
 
 
