@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from looplab.models.exit_gate import threshold_exit_steps
+from looplab.models.exit_gate import logits_at_depth, threshold_exit_steps
 
 IGNORE = -100
 
@@ -83,8 +83,7 @@ def exit_sweep(
             if gated:
                 for q, row in zip(thresholds, q_rows):
                     steps = threshold_exit_steps(out.exit_probs, q)
-                    idx = (steps - 1)[None, ..., None].expand(1, B, T, out.loop_logits.shape[-1])
-                    row.update(out.loop_logits.gather(0, idx)[0], targets, scored, steps)
+                    row.update(logits_at_depth(out.loop_logits, steps), targets, scored, steps)
                 mixed = torch.einsum("btr,rbtv->btv", out.exit_probs, out.loop_logits)  # SPEC §4: weighted logits
                 expected.update(mixed, targets, scored, out.exit_probs)
     finally:

@@ -49,6 +49,12 @@ def threshold_exit_steps(exit_probs: torch.Tensor, q: float) -> torch.Tensor:
     return first.long() + 1
 
 
+def logits_at_depth(loop_logits: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Per-token readout at a chosen depth: loop_logits (R, B, T, V), steps (B, T) 1-based → (B, T, V)."""
+    idx = (steps - 1)[None, ..., None].expand(1, *steps.shape, loop_logits.shape[-1])
+    return loop_logits.gather(0, idx)[0]
+
+
 def entropy(p: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     return -(p * torch.log(p.clamp_min(eps))).sum(-1)
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from looplab.models.cache import LoopCache
 from looplab.models.config import LoopedLMConfig
-from looplab.models.exit_gate import ExitGate, exit_distribution, threshold_exit_steps
+from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth, threshold_exit_steps
 from looplab.models.llama import AttentionLayer, RMSNorm
 from looplab.models.state import StateBranch
 
@@ -177,8 +177,7 @@ class LoopedLM(nn.Module):
             else:
                 out.exit_steps = threshold_exit_steps(out.exit_probs, exit_threshold)
         if out.exit_steps is not None:
-            idx = (out.exit_steps - 1)[None, :, :, None].expand(1, B, T, loop_logits.shape[-1])
-            out.logits = loop_logits.gather(0, idx).squeeze(0)
+            out.logits = logits_at_depth(loop_logits, out.exit_steps)
         return out
 
     def _run_block(self, x, r, positions, valid, cache):

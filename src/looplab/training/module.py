@@ -19,7 +19,7 @@ from torchmetrics import MeanMetric
 
 from looplab.checkpoint import looplab_meta
 from looplab.models import LoopedLM, LoopedLMConfig
-from looplab.models.exit_gate import stage1_loss, stage2_loss, threshold_exit_steps
+from looplab.models.exit_gate import logits_at_depth, stage1_loss, stage2_loss, threshold_exit_steps
 
 IGNORE = -100
 
@@ -121,8 +121,7 @@ class LoopedLMModule(L.LightningModule):
             self.metric(split, "exit_expected_step").update((probs * steps).sum(-1).mean(), weight=n_tok)
             for q in self.thresholds:
                 chosen = threshold_exit_steps(out.exit_probs, q)  # (B, T)
-                idx = (chosen - 1)[None, ..., None].expand(1, *chosen.shape, loop_logits.shape[-1])
-                logits_q = loop_logits.gather(0, idx)[0]
+                logits_q = logits_at_depth(loop_logits, chosen)
                 nll = per_token_loss(logits_q, targets)
                 self.metric(split, f"exit_q{q}_loss").update(nll.mean(), weight=n_tok)
                 self.metric(split, f"exit_q{q}_mean_step").update(chosen[mask].float().mean(), weight=n_tok)
