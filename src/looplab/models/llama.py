@@ -24,7 +24,9 @@ from looplab.models.config import LoopedLMConfig
 
 
 def _hand_autograd(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+    # under torch.compile the plain ops are better: inductor fuses them, while a custom
+    # autograd.Function splits the layer's graph around itself
+    return x.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
 
 
 class _RMSNormFn(torch.autograd.Function):
