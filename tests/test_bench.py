@@ -51,8 +51,13 @@ def test_quick_run_writes_expected_keys(tmp_path):
               "transformers_tokens_per_s", "unlooped_tokens_per_s", "peak_memory_mb"):
         assert _positive_finite(tr[k]), (k, tr.get(k))
     assert tr["flops_per_token"] == tr["flops_per_token_issue_formula"]
-    for name in ("fused_adamw", "checkpoint_loops", "sdpa_math"):
+    for name in ("foreach_adamw", "checkpoint_loops", "sdpa_math"):
         assert _positive_finite(tr["options"][name]["speedup_vs_default"])
+    # MFU uses the ceiling measured around each step; best is one of the measured configurations
+    lo, hi = tr["matmul_gflops_range"]
+    assert 0 < lo <= tr["matmul_gflops"] <= hi
+    assert tr["best"]["config"] in {"default", *tr["options"]}
+    assert tr["best"]["tokens_per_s"] >= tr["tokens_per_s"]
     R = tr["config"]["n_loops"]
     for k in ("transformers", f"looplab_R{R}", f"looplab_R{R}_checkpoint"):
         assert _positive_finite(tr["memory_mb"][k]["peak_mb"]), tr["memory_mb"][k]

@@ -23,7 +23,7 @@ from looplab.bench import common
 PARTS = ("train", "mamba2", "decode", "data")
 HEADLINE = {  # the figures SPEC §8 names, per part, and how to print them
     "train": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_cpu_time", "ratio_vs_unlooped", "mfu",
-              "transformers_mfu", "matmul_gflops", "peak_memory_mb", "peak_memory_ratio_vs_transformers"),
+              "transformers_mfu", "matmul_gflops", "matmul_gflops_range", "peak_memory_mb", "peak_memory_ratio_vs_transformers"),
     "mamba2": ("tokens_per_s", "ratio_vs_transformers"),
     "decode": ("state_overhead", "ratio_vs_vanilla_r_plus_1", "cached_speedup_512"),
     "data": ("min_ratio_vs_train_step", "train_steps_per_s"),
@@ -77,6 +77,8 @@ def _fmt(v) -> str:
         return str(v)
     if isinstance(v, float):
         return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+    if isinstance(v, (list, tuple)):
+        return " – ".join(_fmt(x) for x in v)
     return str(v)
 
 
@@ -94,6 +96,10 @@ def table(results: dict) -> str:
         for k in HEADLINE[part]:
             if k in r:
                 lines.append(f"  {part:<8} {k:<36} {_fmt(r[k])}")
+        if isinstance(r.get("best"), dict):
+            b = r["best"]
+            lines.append(f"  {part:<8} {'best: ' + b['config']:<36} {_fmt(b['tokens_per_s'])} tok/s · "
+                         f"{b['ratio_vs_transformers']:.3f}× transformers · MFU {b['mfu']:.3f}")
         for opt, o in r.get("options", {}).items():
             fig = f"{o['speedup_vs_default']:.3f}× default" if "speedup_vs_default" in o else o.get("error", "")
             lines.append(f"  {part:<8} {'option ' + opt:<36} {fig}"[:160])
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per candidate (median reported)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile option (slow to compile on CPU)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    ap.add_argument("--no-options", action="store_true", help="skip the speed options (fused AdamW, SDPA math, ...)")
+    ap.add_argument("--no-options", action="store_true", help="skip the speed options (foreach AdamW, SDPA math, ...)")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     bad = sorted(set(parts) - set(PARTS))

@@ -65,7 +65,12 @@ def machine_info(threads: int) -> dict:
 
 
 def time_side_by_side(
-    fns: dict[str, Callable[[], None]], warmup: int = 1, repeats: int = 3, cpu_times: dict | None = None
+    fns: dict[str, Callable[[], None]],
+    warmup: int = 1,
+    repeats: int = 3,
+    cpu_times: dict | None = None,
+    ceiling: Callable[[], float] | None = None,
+    local_ceilings: dict | None = None,
 ) -> dict[str, list[float]]:
     """Wall seconds per call of each fn, interleaved round-robin after `warmup` untimed calls of each.
 
@@ -73,21 +78,47 @@ def time_side_by_side(
     machine shared with other jobs the wall clock includes time spent descheduled, the CPU
     clock does not (with one thread it is the steadier figure; with several it also counts
     the threads' spin-waits).
+
+    If `ceiling` is given (a call returning GFLOP/s, see `matmul_probe`), it runs right
+    before and right after every timed call, and `local_ceilings` receives the mean of the
+    two per call: this VM's matmul throughput drifts by ±25% over seconds (measured
+    185–290 GFLOP/s within 30 s of an idle machine), so a utilisation figure must divide
+    by the ceiling of the same moment, not by one measured a minute earlier.
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
+    local: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            before = ceiling() if ceiling else 0.0
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
+            if ceiling:
+                local[k].append((before + ceiling()) / 2)
     if cpu_times is not None:
         cpu_times.update(cpu)
+    if local_ceilings is not None and ceiling:
+        local_ceilings.update(local)
     return times
+
+
+def matmul_probe(n: int = 2048, calls: int = 1) -> Callable[[], float]:
+    """A call that runs `calls` fp32 `torch.mm` at n³ and returns their GFLOP/s (the ceiling probe)."""
+    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    torch.mm(a, b, out=out)  # page in the buffers, pick the kernel
+
+    def probe() -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(a, b, out=out)
+        return calls * 2 * n**3 / (time.perf_counter() - t0) / 1e9
+
+    return probe
 
 
 def median(xs: list[float]) -> float:

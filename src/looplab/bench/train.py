@@ -5,12 +5,16 @@ Candidates are built with the same width, heads, FFN, vocabulary and sequence, s
 the same FLOPs per token; they are timed round-robin in one process (common.py), together
 with the fp32 `torch.mm` 2048³ ceiling, so MFU and ratios see the same machine load:
 
-- `looplab`       LoopedLM N⊗R, eager, foreach AdamW (the training default on CPU)
-- `transformers`  LlamaForCausalLM with N·R distinct layers (SDPA attention)
+- `looplab`       LoopedLM N⊗R as `python -m looplab.train` runs it: eager, fused AdamW
+- `transformers`  LlamaForCausalLM with N·R distinct layers (SDPA attention), the same fused AdamW
 - `unlooped`      LoopedLM (N·R)⊗1: the same code without weight sharing
-- options, each a copy of `looplab` with one change: fused AdamW, the math SDPA backend,
-  per-loop activation checkpointing, `torch.compile` of every block layer (compiled once,
-  reused by all R loops; may be slow or unavailable on CPU — the error is recorded).
+- options, each a copy of `looplab` with one change: foreach AdamW, the math SDPA backend,
+  per-loop activation checkpointing, `torch.compile` of every block layer (`compile=true`:
+  compiled once, reused by all R loops; needs a C++ toolchain on CPU — an error is recorded).
+
+MFU divides by the matmul ceiling measured right before and after each timed step
+(common.time_side_by_side): this VM's matmul speed drifts by ±25% within seconds.
+`best` is the fastest looplab configuration measured, with its name.
 
 Peak memory runs in fresh subprocesses (see common.py for why RSS): one training step's
 peak resident memory above the RSS before the model was built (parameters, gradients,
@@ -75,8 +79,8 @@ def issue_formula_flops(model: LoopedLM, seq_len: int) -> int:
 
 
 # ------------------------------------------------------------------- steps
-def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool = False, seed: int = 0):
-    """A closure running one full training step on fixed random tokens."""
+def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool = True, seed: int = 0):
+    """A closure running one full training step on fixed random tokens (fused AdamW unless fused=False: foreach)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, d["vocab"], (d["batch"], d["seq_len"] + 1), generator=g)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -92,16 +96,6 @@ def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool 
         opt.zero_grad(set_to_none=True)
 
     return step, opt
-
-
-def _mm_step(n: int, calls: int):
-    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-
-    def fn() -> None:
-        for _ in range(calls):
-            torch.mm(a, b, out=out)
-
-    return fn
 
 
 # ------------------------------------------------------------------ memory
@@ -159,7 +153,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         compile: bool | None = None, memory: bool = True) -> dict:
     common.set_threads(threads)
     d = dict(QUICK if quick else FULL)
-    repeats = repeats or (2 if quick else 3)
+    repeats = repeats or (2 if quick else 5)
     compile = (not quick) if compile is None else compile
     N, R, T, B = d["n_layers"], d["n_loops"], d["seq_len"], d["batch"]
     torch.manual_seed(0)
@@ -172,7 +166,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     }
     option_info: dict = {}
     if options:
-        candidates["opt_fused_adamw"] = make_step(copy.deepcopy(base), d, fused=True)[0]
+        candidates["opt_foreach_adamw"] = make_step(copy.deepcopy(base), d, fused=False)[0]
 
         ckpt = copy.deepcopy(base)
         ckpt.checkpoint_loops = True
@@ -198,18 +192,20 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
                 candidates["opt_compile"] = comp_step
             except Exception as e:  # noqa: BLE001 — CPU inductor needs a C++ toolchain; record why
                 option_info["opt_compile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    n_mm = 1 if quick else 3
-    candidates["matmul_2048"] = _mm_step(2048, n_mm)
-
     cpu: dict = {}
-    times = common.time_side_by_side(candidates, warmup=1, repeats=repeats, cpu_times=cpu)
+    local: dict = {}
+    probe_mm = common.matmul_probe(256 if quick else 2048)
+    times = common.time_side_by_side(candidates, warmup=1, repeats=repeats, cpu_times=cpu,
+                                     ceiling=probe_mm, local_ceilings=local)
     med = {k: common.median(v) for k, v in times.items()}
-    ceiling = n_mm * 2 * 2048**3 / med.pop("matmul_2048") / 1e9
+    all_ceilings = [c for v in local.values() for c in v]
+    ceiling = common.median(all_ceilings)
     fpt = base.flops_per_token(T, training=True)
     tok = {k: B * T / s for k, s in med.items()}
 
     def mfu(k: str) -> float:
-        return tok[k] * fpt / (ceiling * 1e9)
+        """Median over calls of achieved FLOP/s / the ceiling measured around that call."""
+        return common.median([B * T * fpt / t / (c * 1e9) for t, c in zip(times[k], local[k])])
 
     def paired(other: str, t: dict, base: str = "looplab") -> float:
         """Median over rounds of other/looplab: the two run back to back within a round, so a load
@@ -227,6 +223,8 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         "unlooped_tokens_per_s": tok["unlooped"],
         "unlooped_mfu": mfu("unlooped"),
         "matmul_gflops": ceiling,
+        "matmul_gflops_range": [min(all_ceilings), max(all_ceilings)],
+        "mfu_vs_median_ceiling": tok["looplab"] * fpt / (ceiling * 1e9),
         "flops_per_token": fpt,
         "flops_per_token_issue_formula": issue_formula_flops(base, T),
         # the same ratio from CPU seconds: steadier when other jobs share the cores (see common.py)
@@ -234,6 +232,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         "ratio_vs_unlooped_cpu_time": paired("unlooped", cpu),
         "step_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
         "step_cpu_s": {k: [round(t, 4) for t in v] for k, v in cpu.items()},
+        "ceiling_gflops": {k: [round(c, 1) for c in v] for k, v in local.items()},
         "repeats": repeats,
     }
     opts = {}
@@ -247,6 +246,15 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
             opts[k[4:]] = v
     if opts:
         res["options"] = opts
+    # the fastest looplab configuration (every option computes the same training step)
+    best = max((k for k in tok if k == "looplab" or k.startswith("opt_")), key=lambda k: tok[k])
+    res["best"] = {
+        "config": "default" if best == "looplab" else best[4:],
+        "tokens_per_s": tok[best],
+        "ratio_vs_transformers": paired("transformers", times, base=best),
+        "ratio_vs_transformers_cpu_time": paired("transformers", cpu, base=best),
+        "mfu": mfu(best),
+    }
     del candidates, base
     gc.collect()
     if memory:
