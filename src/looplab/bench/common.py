@@ -1,8 +1,9 @@
 """Shared pieces of the benchmarks: the machine, threads, side-by-side timing, the matmul ceiling, peak memory.
 
 Everything is timed **round-robin in one process**: repeat k of every candidate runs
-before repeat k+1 of any, so a machine that gets busier halfway (this one is shared)
-slows all candidates alike and the ratios stay honest. Figures are medians.
+before repeat k+1 of any (odd rounds in reverse order), so a machine that gets busier
+halfway (this one is shared) slows all candidates alike and the ratios stay honest.
+Figures are medians.
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ def time_side_by_side(
     times: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     local: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+    order = list(fns)
+    for r in range(repeats):
+        # ABBA: odd rounds run in reverse, so a drift within a round favours no candidate
+        for k in order if r % 2 == 0 else order[::-1]:
+            fn = fns[k]
             before = ceiling() if ceiling else 0.0
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
