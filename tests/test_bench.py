@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from looplab.bench import __main__ as runner
 from looplab.bench import common, train
@@ -80,3 +81,20 @@ def test_only_keeps_other_parts(tmp_path):
 @pytest.mark.parametrize("n", [64])
 def test_matmul_ceiling_positive(n):
     assert _positive_finite(common.matmul_gflops(n, repeats=2))
+
+
+def test_cuda_without_gpu_is_refused(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal path does not apply")
+    with pytest.raises(SystemExit):
+        runner.main(["--quick", "--device", "cuda", "--only", "train"])
+    assert "--device cuda" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quick_run_on_cuda(tmp_path):
+    out = tmp_path / "results.json"
+    runner.main(["--quick", "--device", "cuda", "--only", "train", "--no-compile", "--out", str(out)])
+    tr = json.loads(out.read_text())["train"]
+    assert tr["status"] == "ok", tr
+    assert tr["dtype"] == "bf16 autocast" and _positive_finite(tr["mfu"]) and _positive_finite(tr["peak_memory_mb"])

@@ -89,11 +89,11 @@ def test_compiled_layer_is_one_graph():
                     reason="torch.compile on CPU needs a C++ compiler (inductor)")
 def test_compiled_model_matches_eager():
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     eager, compiled = _tiny_looped(), _tiny_looped()
-    for layer in compiled.block:
-        layer.compile(dynamic=False)
+    compiled.compile_block(dynamic=False)
     ids = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(1))
     outs = []
     for m in (eager, compiled):
@@ -104,3 +104,35 @@ def test_compiled_model_matches_eager():
     for n, g in outs[0][1].items():
         torch.testing.assert_close(outs[1][1][n], g, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their keys
+
+    # evaluation and cached decoding stay eager: no new compilation for their changing shapes
+    frames = counters["stats"]["unique_graphs"]
+    assert frames >= 1  # the training forward above did run compiled
+    compiled.eval()
+    with torch.no_grad():
+        cache = compiled.allocate_cache(2, 16)
+        for t in range(3):
+            step = compiled(ids[:, t : t + 1], cache=cache).logits
+        full = compiled(ids[:, :3]).logits
+    torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == frames
+
+
+@pytest.mark.parametrize(
+    ("value", "d_model", "accelerator", "expected"),
+    [(True, 64, "cpu", True), (False, 1024, "cpu", False), ("auto", 64, "cpu", False),
+     ("auto", 1024, "gpu", False), ("auto", 512, "cpu", shutil.which("c++") or shutil.which("g++"))],
+)
+def test_resolve_compile(value, d_model, accelerator, expected):
+    from looplab.training.run_utils import resolve_compile
+
+    on, why = resolve_compile(value, d_model, accelerator)
+    assert on == bool(expected) and why.startswith("compile=")
+
+
+def test_resolve_compile_rejects_unknown_value():
+    from looplab.models.config import ConfigError
+    from looplab.training.run_utils import resolve_compile
+
+    with pytest.raises(ConfigError, match="compile='fast'"):
+        resolve_compile("fast", 512, "cpu")

@@ -16,7 +16,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from looplab.training.run_utils import build_loggers, close_wandb, git_commit, hydra_context, plain_config, task_wrapper, write_json_atomic
+from looplab.training.run_utils import (
+    build_loggers, close_wandb, git_commit, hydra_context, plain_config, resolve_compile, task_wrapper, write_json_atomic,
+)
 
 log = logging.getLogger("looplab")
 
@@ -67,6 +69,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     dm = build_datamodule(cfg)
     model_cfg = model_config_from_cfg(cfg, vocab_size=getattr(dm, "vocab_size", None))
     objective = objective_from_cfg(cfg)
+    use_compile, compile_why = resolve_compile(cfg.get("compile", False), model_cfg.d_model, str(cfg.trainer.accelerator))
     dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
     for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
         if hasattr(dm, attr):
@@ -98,9 +101,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.info("warm start from %s (new, untrained: %s)", warm, sorted({k.split(".")[0] for k in missing}) or "none")
     if objective["exit_stage"] == "stage2":
         module.freeze_all_but_gate()
-    if cfg.get("compile"):
-        for layer in module.model.block:
-            layer.compile()  # each layer compiled once; the R loops reuse the compiled code
+    log.info(compile_why)
+    if use_compile:
+        module.model.compile_block()  # each layer compiled once; the R loops reuse the compiled code
 
     params = module.model.num_parameters()
     seq_len = int(getattr(dm, "seq_len", model_cfg.max_seq_len))
@@ -190,7 +193,8 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "params": params,
         "state_branch_overhead": params["state_branch"] / max(1, base),
         "flops_per_token": {"forward": flops_fwd, "training": 3 * flops_fwd, "seq_len": seq_len},
-        "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens},
+        "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens,
+                       "compiled": module.model._compiled_layers is not None},
         "global_step": trainer.global_step,
         "wall_time_s": time.time() - start,
         "git_commit": git_commit(),

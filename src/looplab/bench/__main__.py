@@ -1,4 +1,4 @@
-"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,data] [--out PATH]`
+"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,data] [--device cpu|cuda] [--out PATH]`
 
 Runs the benchmarks (fp32, CPU unless a part says otherwise), writes `bench/results.json`
 and prints a short table. Parts written by other modules (`mamba2`, `decode`) are imported
@@ -122,12 +122,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per candidate (median reported)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile option (slow to compile on CPU)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the training-step part runs (cuda: bf16 autocast, GPU-sized dims); the others stay on CPU")
     ap.add_argument("--no-options", action="store_true", help="skip the speed options (foreach AdamW, SDPA math, ...)")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     bad = sorted(set(parts) - set(PARTS))
     if bad:
         ap.error(f"--only {bad} unknown; choose from {','.join(PARTS)}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine")
 
     common.set_threads(args.threads)
     results: dict = {}
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.out) as f:
             results = json.load(f)  # keep parts not rerun
     results["machine"] = common.machine_info(args.threads)
-    train_opts = {"repeats": args.repeats, "options": not args.no_options, "memory": not args.no_memory}
+    train_opts = {"repeats": args.repeats, "options": not args.no_options, "memory": not args.no_memory,
+                  "device": args.device}
     if args.no_compile:
         train_opts["compile"] = False
     for part in PARTS:

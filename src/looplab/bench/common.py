@@ -111,15 +111,24 @@ def time_side_by_side(
     return times
 
 
-def matmul_probe(n: int = 2048, calls: int = 1) -> Callable[[], float]:
-    """A call that runs `calls` fp32 `torch.mm` at n³ and returns their GFLOP/s (the ceiling probe)."""
-    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+def matmul_probe(n: int = 2048, calls: int = 1, device: str = "cpu", dtype=torch.float32) -> Callable[[], float]:
+    """A call that runs `calls` `torch.mm` at n³ and returns their GFLOP/s (the ceiling probe).
+
+    fp32 on the CPU; on CUDA the training dtype (bf16: the tensor-core ceiling), synchronised.
+    """
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    cuda = torch.device(device).type == "cuda"
     torch.mm(a, b, out=out)  # page in the buffers, pick the kernel
 
     def probe() -> float:
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(calls):
             torch.mm(a, b, out=out)
+        if cuda:
+            torch.cuda.synchronize()
         return calls * 2 * n**3 / (time.perf_counter() - t0) / 1e9
 
     return probe

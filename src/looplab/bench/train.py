@@ -5,12 +5,14 @@ Candidates are built with the same width, heads, FFN, vocabulary and sequence, s
 the same FLOPs per token; they are timed round-robin in one process (common.py), together
 with the fp32 `torch.mm` 2048³ ceiling, so MFU and ratios see the same machine load:
 
-- `looplab`       LoopedLM N⊗R as `python -m looplab.train` runs it: eager, fused AdamW
-- `transformers`  LlamaForCausalLM with N·R distinct layers (SDPA attention), the same fused AdamW
+- `looplab`       LoopedLM N⊗R as `python -m looplab.train` runs it: fused AdamW, and the block
+                  compiled exactly when `compile=auto` would (on CPU at d_model ≥ 512: here, yes)
+- `transformers`  LlamaForCausalLM with N·R distinct layers (SDPA attention, eager), the same fused AdamW
 - `unlooped`      LoopedLM (N·R)⊗1: the same code without weight sharing
-- options, each a copy of `looplab` with one change: foreach AdamW, the math SDPA backend,
-  per-loop activation checkpointing, `torch.compile` of every block layer (`compile=true`:
-  compiled once, reused by all R loops; needs a C++ toolchain on CPU — an error is recorded).
+- options, each a copy of `looplab` with one change: `eager` (or `compile`, whichever the default
+  is not: each layer compiled once and reused by all R loops; needs a C++ toolchain on CPU, an
+  error is recorded), foreach AdamW, per-loop activation checkpointing, and the math SDPA
+  backend (an eager-mode choice, compared with eager).
 
 MFU divides by the matmul ceiling measured right before and after each timed step
 (common.time_side_by_side): this VM's matmul speed drifts by ±25% within seconds.
@@ -19,12 +21,16 @@ MFU divides by the matmul ceiling measured right before and after each timed ste
 Peak memory runs in fresh subprocesses (see common.py for why RSS): one training step's
 peak resident memory above the RSS before the model was built (parameters, gradients,
 AdamW state, activations, temporaries), for R = 1, 2, 4, 8 with and without checkpointing.
+
+`--device cuda` (GPU machines) runs the same candidates on the GPU at GPU-sized dims (`CUDA`)
+under bf16 autocast, as `hardware=gpu` trains: MFU against a bf16 `torch.mm` 8192³ ceiling,
+peak memory from `torch.cuda.max_memory_allocated`. It has not run on this project's CPU-only
+machines; without a GPU it stops with an error naming the missing device.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import math
@@ -35,10 +41,13 @@ import torch.nn.functional as F
 
 from looplab.bench import common
 from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.training.run_utils import resolve_compile
 
 # The issue's anchor config: d 512, 8 heads, FFN 1408, vocab 8192, N 4, R 4, T 256, batch 8.
 FULL = dict(vocab=8192, d_model=512, n_heads=8, ffn=1408, n_layers=4, n_loops=4, seq_len=256, batch=8)
 QUICK = dict(vocab=256, d_model=64, n_heads=4, ffn=192, n_layers=2, n_loops=2, seq_len=32, batch=2)
+# GPU-sized: a ~300M-parameter-equivalent step (16 effective layers at d 1024, T 1024)
+CUDA = dict(vocab=32000, d_model=1024, n_heads=16, ffn=2816, n_layers=4, n_loops=4, seq_len=1024, batch=16)
 MEMORY_LOOPS = (1, 2, 4, 8)
 
 
@@ -64,12 +73,6 @@ def transformers_model(d: dict, n_layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def compile_layers(model: LoopedLM) -> None:
-    """`torch.compile` every layer of the looped block in place; the R loops reuse the compiled code."""
-    for layer in model.block:
-        layer.compile(dynamic=False)
-
-
 def issue_formula_flops(model: LoopedLM, seq_len: int) -> int:
     """Issue 9's training FLOPs/token: 6·(matmul params, block counted R times) + 12·L_eff·d·T + LM head."""
     cfg = model.config
@@ -79,21 +82,29 @@ def issue_formula_flops(model: LoopedLM, seq_len: int) -> int:
 
 
 # ------------------------------------------------------------------- steps
-def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool = True, seed: int = 0):
-    """A closure running one full training step on fixed random tokens (fused AdamW unless fused=False: foreach)."""
+def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool = True, seed: int = 0,
+              device: str = "cpu"):
+    """A closure running one full training step on fixed random tokens (fused AdamW unless fused=False: foreach).
+
+    On CUDA the step runs under bf16 autocast and synchronises before returning, so wall time is GPU time.
+    """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, d["vocab"], (d["batch"], d["seq_len"] + 1), generator=g)
-    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    model.train()
+    x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
     V = d["vocab"]
+    cuda = torch.device(device).type == "cuda"
 
     def step() -> None:
-        out = model(input_ids=x) if hf else model(x)
-        loss = F.cross_entropy(out.logits.view(-1, V), y.view(-1))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            out = model(input_ids=x) if hf else model(x)
+            loss = F.cross_entropy(out.logits.view(-1, V).float(), y.view(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
 
     return step, opt
 
@@ -135,7 +146,25 @@ def probe(spec: dict) -> dict:
     }
 
 
-def memory_entries(d: dict, threads: int, quick: bool = False) -> dict:
+def cuda_peak(spec: dict) -> dict:
+    """In-process on CUDA (the caching allocator keeps exact statistics): one step's peak allocated memory."""
+    d, hf = spec["dims"], spec["model"] == "transformers"
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = transformers_model(d, spec["n_layers"]) if hf else looplab_model(d, spec["n_layers"], spec["n_loops"])
+    if not hf:
+        model.checkpoint_loops = bool(spec.get("checkpoint", False))
+    step, opt = make_step(model, d, hf=hf, device="cuda")
+    step()  # AdamW state now exists: the next step is the steady state
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = torch.cuda.max_memory_allocated()
+    del model, step, opt
+    return {"peak_mb": round((peak - base) / 2**20, 1), "peak_method": "torch.cuda.max_memory_allocated"}
+
+
+def memory_entries(d: dict, threads: int, quick: bool = False, device: str = "cpu") -> dict:
     N, R, L = d["n_layers"], d["n_loops"], d["n_layers"] * d["n_loops"]
     specs = {"transformers": dict(model="transformers", n_layers=L, dims=d)}
     if not quick:
@@ -144,48 +173,75 @@ def memory_entries(d: dict, threads: int, quick: bool = False) -> dict:
         for r in ((R,) if quick else MEMORY_LOOPS):
             key = f"looplab_R{r}" + ("_checkpoint" if ckpt else "")
             specs[key] = dict(model="looplab", n_layers=N, n_loops=r, checkpoint=ckpt, dims=d)
+    if torch.device(device).type == "cuda":
+        return {k: cuda_peak(spec) for k, spec in specs.items()}
     # RSS does not depend on CPU load, so tiny probes may run side by side; full-size ones take GBs each
     return common.run_probes("looplab.bench.train", specs, threads, parallel=len(specs) if quick else 1)
 
 
 # -------------------------------------------------------------------- run
 def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, options: bool = True,
-        compile: bool | None = None, memory: bool = True) -> dict:
+        compile: bool | None = None, memory: bool = True, device: str = "cpu") -> dict:
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}); "
+                           "run the CPU benchmark, or this one on a GPU machine")
     common.set_threads(threads)
-    d = dict(QUICK if quick else FULL)
+    d = dict(QUICK if quick else (CUDA if cuda else FULL))
     repeats = repeats or (2 if quick else 7)
-    compile = (not quick) if compile is None else compile
     N, R, T, B = d["n_layers"], d["n_loops"], d["seq_len"], d["batch"]
+    # the default candidate compiles exactly when `compile=auto` training would (run_utils);
+    # compile=False forces eager and skips the compile option (--no-compile)
+    if compile is None:
+        compile, compile_why = resolve_compile("auto", d["d_model"], "cpu" if not cuda else "gpu")
+    else:
+        compile_why = f"bench --{'' if compile else 'no-'}compile"
     torch.manual_seed(0)
-
     base = looplab_model(d)
-    candidates = {
-        "looplab": make_step(base, d)[0],
-        "transformers": make_step(transformers_model(d, N * R), d, hf=True)[0],
-    }
     option_info: dict = {}
-    if options and compile:  # next to the reference: the pairing `best` usually uses
-        comp = copy.deepcopy(base)
-        compile_layers(comp)
-        comp_step = make_step(comp, d)[0]
+
+    def variant(compiled: bool, n_layers: int | None = None, n_loops: int | None = None, *,
+                fused: bool = True, checkpoint: bool = False):
+        """A training step of a copy of `base` (same weights where the shapes match) with one change."""
+        m = looplab_model(d, n_layers, n_loops)
+        if n_layers is None and n_loops is None:
+            m.load_state_dict(base.state_dict())
+        m.checkpoint_loops = checkpoint
+        if compiled:
+            m.compile_block(dynamic=False)
+        return make_step(m, d, fused=fused, device=device)[0]
+
+    def compiled_or_error(key: str, step):
+        """Run a compiled step once (compiles forward and backward graphs); record the time or why it failed."""
         t0 = time.perf_counter()
         try:
-            comp_step()  # compiles forward and backward graphs once
-            option_info["opt_compile"] = {"compile_s": round(time.perf_counter() - t0, 1)}
-            candidates["opt_compile"] = comp_step
+            step()
         except Exception as e:  # noqa: BLE001 — CPU inductor needs a C++ toolchain; record why
-            option_info["opt_compile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    candidates["unlooped"] = make_step(looplab_model(d, N * R, 1), d)[0]
-    if options:
-        candidates["opt_foreach_adamw"] = make_step(copy.deepcopy(base), d, fused=False)[0]
+            option_info[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            return None
+        option_info[key] = {"compile_s": round(time.perf_counter() - t0, 1)}
+        return step
 
-        ckpt = copy.deepcopy(base)
-        ckpt.checkpoint_loops = True
-        candidates["opt_checkpoint_loops"] = make_step(ckpt, d)[0]
+    default = variant(compile)
+    if compile and compiled_or_error("looplab", default) is None:
+        compile, compile_why = False, "compile failed: " + option_info["looplab"]["error"]
+        default = variant(False)
+    candidates = {"looplab": default,
+                  "transformers": make_step(transformers_model(d, N * R), d, hf=True, device=device)[0]}
+    flip = "opt_eager" if compile else "opt_compile"  # next to the reference: `best` usually pairs with it
+    # the compile option is skipped in --quick (tiny dims: compile time, no meaningful figure)
+    if options and (compile or (not quick and "failed" not in compile_why)):
+        step = variant(not compile)
+        if compile or compiled_or_error(flip, step) is not None:
+            candidates[flip] = step
+    candidates["unlooped"] = variant(compile, N * R, 1)
+    if options:
+        candidates["opt_foreach_adamw"] = variant(compile, fused=False)
+        candidates["opt_checkpoint_loops"] = variant(compile, checkpoint=True)
 
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        math_step = make_step(copy.deepcopy(base), d)[0]
+        math_step = variant(False)  # a backend choice is an eager-mode option
 
         def sdpa_math() -> None:
             with sdpa_kernel(SDPBackend.MATH):
@@ -194,7 +250,8 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         candidates["opt_sdpa_math"] = sdpa_math
     cpu: dict = {}
     local: dict = {}
-    probe_mm = common.matmul_probe(256 if quick else 2048)
+    probe_mm = (common.matmul_probe(8192, device=device, dtype=torch.bfloat16) if cuda
+                else common.matmul_probe(256 if quick else 2048))
     times = common.time_side_by_side(candidates, warmup=1, repeats=repeats, cpu_times=cpu,
                                      ceiling=probe_mm, local_ceilings=local)
     med = {k: common.median(v) for k, v in times.items()}
@@ -214,6 +271,11 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
 
     res = {
         "config": dict(d, model=f"{N}x{R}"),
+        "compiled": compile,
+        "compile_decision": compile_why,
+        **({"compile_s": option_info["looplab"]["compile_s"]} if "compile_s" in option_info.get("looplab", {}) else {}),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "dtype": "bf16 autocast" if cuda else "float32",
         "tokens_per_s": tok["looplab"],
         "ratio_vs_transformers": paired("transformers", times),
         "ratio_vs_unlooped": paired("unlooped", times),
@@ -238,11 +300,14 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     opts = {}
     for k in tok:
         if k.startswith("opt_"):
-            opts[k[4:]] = {"tokens_per_s": tok[k], "speedup_vs_default": paired("looplab", times, base=k), "mfu": mfu(k),
-                           "speedup_vs_default_cpu_time": paired("looplab", cpu, base=k),
+            # SDPA math is an eager-mode choice: against eager when the default compiles
+            ref = "opt_eager" if k == "opt_sdpa_math" and "opt_eager" in tok else "looplab"
+            opts[k[4:]] = {"tokens_per_s": tok[k], "speedup_vs_default": paired(ref, times, base=k), "mfu": mfu(k),
+                           "speedup_vs_default_cpu_time": paired(ref, cpu, base=k),
+                           "baseline": "eager" if ref == "opt_eager" else "default",
                            **option_info.get(k, {})}
     for k, v in option_info.items():
-        if "error" in v:
+        if "error" in v and k != "looplab":
             opts[k[4:]] = v
     if opts:
         res["options"] = opts
@@ -258,7 +323,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     del candidates, base
     gc.collect()
     if memory:
-        mem = memory_entries(d, threads, quick)
+        mem = memory_entries(d, threads, quick, device)
         res["memory_mb"] = mem
         ref, own = mem["transformers"].get("peak_mb"), mem[f"looplab_R{R}"].get("peak_mb")
         if ref and own:

@@ -59,6 +59,7 @@ class LoopedLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
+        self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init
@@ -187,8 +188,18 @@ class LoopedLM(nn.Module):
             return torch.utils.checkpoint.checkpoint(self._block_forward, x, positions, valid, None, r, use_reentrant=False)
         return self._block_forward(x, positions, valid, cache, r)
 
+    def compile_block(self, **compile_kwargs) -> None:
+        """`torch.compile` each block layer once for training; the R loops reuse the compiled code.
+
+        Only cache-free training forwards use it. Evaluation, scoring and cached decoding keep
+        the eager layers: their shapes change from call to call, and each new shape would be
+        another compilation. Parameters stay shared with the eager layers (same state dict).
+        """
+        self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.block]
+
     def _block_forward(self, x, positions, valid, cache, r):
-        for l, layer in enumerate(self.block):
+        compiled = self._compiled_layers is not None and self.training and cache is None
+        for l, layer in enumerate(self._compiled_layers if compiled else self.block):
             x = layer(x, positions, valid, cache[r, l] if cache is not None else None)
         return x
 
