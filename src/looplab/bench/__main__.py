@@ -101,7 +101,8 @@ def table(results: dict) -> str:
             lines.append(f"  {part:<8} {'best: ' + b['config']:<36} {_fmt(b['tokens_per_s'])} tok/s · "
                          f"{b['ratio_vs_transformers']:.3f}× transformers · MFU {b['mfu']:.3f}")
         for opt, o in r.get("options", {}).items():
-            fig = f"{o['speedup_vs_default']:.3f}× default" if "speedup_vs_default" in o else o.get("error", "")
+            fig = (f"{o['speedup_vs_default']:.3f}× {o.get('baseline', 'default')}" if "speedup_vs_default" in o
+                   else o.get("error", ""))
             lines.append(f"  {part:<8} {'option ' + opt:<36} {fig}"[:160])
         for k, o in r.get("memory_mb", {}).items():
             if "peak_mb" in o:
