@@ -61,12 +61,14 @@ def test_layer_matches_plain_autograd():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def _tiny_looped(seed: int = 0):
+def _tiny_looped(seed: int = 0, backbone: str = "llama"):
     from looplab.models import LoopedLM
 
     torch.manual_seed(seed)
+    extra = dict(backbone="hybrid", hybrid_pattern="MA", d_state=8, headdim=8, chunk_size=4, kernel="torch") \
+        if backbone == "hybrid" else {}
     cfg = LoopedLMConfig(vocab_size=48, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, n_layers=2, n_loops=3,
-                         max_seq_len=16)
+                         max_seq_len=16, **extra)
     return LoopedLM(cfg)
 
 
@@ -87,12 +89,13 @@ def test_compiled_layer_is_one_graph():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="torch.compile on CPU needs a C++ compiler (inductor)")
-def test_compiled_model_matches_eager():
+@pytest.mark.parametrize("backbone", ["llama", "hybrid"])  # hybrid: a Mamba-2 and an attention layer
+def test_compiled_model_matches_eager(backbone):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    eager, compiled = _tiny_looped(), _tiny_looped()
+    eager, compiled = _tiny_looped(backbone=backbone), _tiny_looped(backbone=backbone)
     compiled.compile_block(dynamic=False)
     ids = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(1))
     outs = []

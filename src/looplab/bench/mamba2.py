@@ -5,7 +5,12 @@ the same shapes, timed round-robin in one process so a loaded machine slows all 
 
 - `chunked`: LoopedLM(backbone=mamba2, n_loops=1) with the pure-PyTorch chunked SSD;
 - `step`: the same model with the scan replaced by the token-by-token recurrence;
-- `transformers`: `transformers.Mamba2ForCausalLM` (its pure-PyTorch fallback on CPU).
+- `transformers`: `transformers.Mamba2ForCausalLM` (its pure-PyTorch fallback on CPU);
+- `chunked_compiled`: `chunked` with `compile_block()`, as `compile=auto` trains at d_model ≥ 512
+  (skipped in --quick; an inductor failure is recorded, not raised).
+
+`ratio_vs_transformers` compares the eager chunked scan with the eager reference (kernel
+against kernel); `ratio_vs_transformers_compiled` is the step as looplab trains it here.
 
 Each has an embedding, the Mamba-2 layer stack, a final norm and an LM head, and the loss
 is next-token cross-entropy, so the ratio compares like with like.
@@ -100,6 +105,17 @@ def run(threads: int = 2, quick: bool = False) -> dict:
         # On a shared machine, OpenMP threads > free cores make every op wait on descheduled
         # threads: measured here 10-50x slower steps at 2 threads under load 8 on 2 cores.
         result["loadavg_1m_before"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        if not quick:
+            compiled = _looplab_model(d, step=False)
+            compiled.load_state_dict(models["chunked"][0].state_dict())
+            compiled.compile_block(dynamic=False)
+            t0 = time.perf_counter()
+            try:
+                _train_step(compiled, ids, False)  # compiles the forward and backward graphs once
+                result["compile_s"] = round(time.perf_counter() - t0, 1)
+                models["chunked_compiled"] = (compiled, False)
+            except Exception as e:  # noqa: BLE001 — CPU inductor needs a C++ toolchain; record why
+                result["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         times = _time(models, ids, warmup, repeats)
         step = {"step": (_looplab_model(d, step=True), False)}
         times.update(_time(step, ids, 1, 1 if quick else 2))
@@ -114,6 +130,8 @@ def run(threads: int = 2, quick: bool = False) -> dict:
         result["ratio_vs_step"] = tps["chunked"] / tps["step"]
         if "transformers" in tps:
             result["ratio_vs_transformers"] = tps["chunked"] / tps["transformers"]
+            if "chunked_compiled" in tps:
+                result["ratio_vs_transformers_compiled"] = tps["chunked_compiled"] / tps["transformers"]
         result["params"] = {k: sum(p.numel() for p in m.parameters()) for k, (m, _) in models.items()}
         return result
     finally:
