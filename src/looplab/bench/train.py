@@ -21,6 +21,7 @@ MFU divides by the matmul ceiling measured right before and after each timed ste
 Peak memory runs in fresh subprocesses (see common.py for why RSS): one training step's
 peak resident memory above the RSS before the model was built (parameters, gradients,
 AdamW state, activations, temporaries), for R = 1, 2, 4, 8 with and without checkpointing.
+These are eager steps: in a compiled one, inductor's own compile-time memory would swamp the figure.
 
 `--device cuda` (GPU machines) runs the same candidates on the GPU at GPU-sized dims (`CUDA`)
 under bf16 autocast, as `hardware=gpu` trains: MFU against a bf16 `torch.mm` 8192³ ceiling,
