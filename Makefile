@@ -36,7 +36,7 @@ test-fast: $(STAMP) ## the suite without tests marked slow
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/results.json
-	$(PY) -m looplab.bench
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m looplab.bench
 
 table%-report: $(STAMP) ## aggregate existing results.json of table N into experiments/tables/tableN.{md,csv}
 	$(PY) -m looplab.tables report $* --scale $(SCALE)
