@@ -97,6 +97,7 @@ def test_compiled_model_matches_eager(backbone):
     torch._dynamo.reset()
     eager, compiled = _tiny_looped(backbone=backbone), _tiny_looped(backbone=backbone)
     compiled.compile_block(dynamic=False)
+    assert compiled.is_compiled and not eager.is_compiled
     ids = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(1))
     outs = []
     for m in (eager, compiled):

@@ -194,7 +194,7 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "state_branch_overhead": params["state_branch"] / max(1, base),
         "flops_per_token": {"forward": flops_fwd, "training": 3 * flops_fwd, "seq_len": seq_len},
         "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens,
-                       "compiled": module.model._compiled_layers is not None},
+                       "compiled": module.model.is_compiled},
         "global_step": trainer.global_step,
         "wall_time_s": time.time() - start,
         "git_commit": git_commit(),

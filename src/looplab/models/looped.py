@@ -197,6 +197,10 @@ class LoopedLM(nn.Module):
         """
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.block]
 
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled_layers is not None
+
     def _block_forward(self, x, positions, valid, cache, r):
         compiled = self._compiled_layers is not None and self.training and cache is None
         for l, layer in enumerate(self._compiled_layers if compiled else self.block):
