@@ -80,7 +80,15 @@ def test_only_keeps_other_parts(tmp_path):
 
 @pytest.mark.parametrize("n", [64])
 def test_matmul_ceiling_positive(n):
-    assert _positive_finite(common.matmul_gflops(n, repeats=2))
+    assert _positive_finite(common.matmul_probe(n, calls=2)())
+
+
+def test_first_compiled_call_records_failure():
+    def broken() -> None:
+        raise RuntimeError("no C++ compiler\nsecond line")
+
+    assert common.first_compiled_call(broken) == {"error": "RuntimeError: no C++ compiler"}
+    assert common.first_compiled_call(lambda: None)["compile_s"] >= 0
 
 
 def test_cuda_without_gpu_is_refused(capsys):

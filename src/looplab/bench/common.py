@@ -138,17 +138,15 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """fp32 `torch.mm` throughput at n³ with the current thread count: this machine's ceiling for dense layers."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    torch.mm(a, b, out=out)  # warm-up: page in the buffers, pick the kernel
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        ts.append(time.perf_counter() - t0)
-    return 2 * n**3 / median(ts) / 1e9
+def first_compiled_call(step: Callable[[], None]) -> dict:
+    """Run a step whose model was just compiled (the call that compiles its graphs):
+    {"compile_s": seconds}, or {"error": why} where inductor cannot run (e.g. no C++ toolchain)."""
+    t0 = time.perf_counter()
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 — recorded, so the other figures still come out
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"compile_s": round(time.perf_counter() - t0, 1)}
 
 
 # ----------------------------------------------------------------- memory

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from looplab.bench import common
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.ops.ssd import ssd_reference
 
@@ -109,13 +110,12 @@ def run(threads: int = 2, quick: bool = False) -> dict:
             compiled = _looplab_model(d, step=False)
             compiled.load_state_dict(models["chunked"][0].state_dict())
             compiled.compile_block(dynamic=False)
-            t0 = time.perf_counter()
-            try:
-                _train_step(compiled, ids, False)  # compiles the forward and backward graphs once
-                result["compile_s"] = round(time.perf_counter() - t0, 1)
+            first = common.first_compiled_call(lambda: _train_step(compiled, ids, False))
+            if "error" in first:
+                result["compile_error"] = first["error"]
+            else:
+                result["compile_s"] = first["compile_s"]
                 models["chunked_compiled"] = (compiled, False)
-            except Exception as e:  # noqa: BLE001 — CPU inductor needs a C++ toolchain; record why
-                result["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         times = _time(models, ids, warmup, repeats)
         step = {"step": (_looplab_model(d, step=True), False)}
         times.update(_time(step, ids, 1, 1 if quick else 2))

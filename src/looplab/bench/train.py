@@ -35,7 +35,6 @@ import argparse
 import gc
 import json
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -213,15 +212,9 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         return make_step(m, d, fused=fused, device=device)[0]
 
     def compiled_or_error(key: str, step):
-        """Run a compiled step once (compiles forward and backward graphs); record the time or why it failed."""
-        t0 = time.perf_counter()
-        try:
-            step()
-        except Exception as e:  # noqa: BLE001 — CPU inductor needs a C++ toolchain; record why
-            option_info[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-            return None
-        option_info[key] = {"compile_s": round(time.perf_counter() - t0, 1)}
-        return step
+        """The step after its compiling call, or None (the reason is kept in option_info[key])."""
+        option_info[key] = common.first_compiled_call(step)
+        return None if "error" in option_info[key] else step
 
     default = variant(compile)
     if compile and compiled_or_error("looplab", default) is None:
