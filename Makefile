@@ -8,9 +8,9 @@ SCALE ?= tiny
 export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast bench sync-wandb clean \
-        table1 table2 table3 table4 table5 table6 table7 table8 \
-        table1-report table2-report table3-report table4-report table5-report table6-report table7-report table8-report
+TABLES := 1 2 3 4 5 6 7 8
+.PHONY: help install demo test test-fast bench gpu-check sync-wandb clean tables \
+        $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -38,11 +38,18 @@ test-fast: $(STAMP) ## the suite without tests marked slow
 bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/results.json
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m looplab.bench
 
-table%-report: $(STAMP) ## aggregate existing results.json of table N into experiments/tables/tableN.{md,csv}
+# Explicit rules: GNU make never searches pattern rules (table%:) for .PHONY targets, so
+# `make table3` used to print "Nothing to be done" and run nothing.
+$(addprefix table,$(TABLES)): table%: $(STAMP)
+	$(PY) -m looplab.tables run $* --scale $(SCALE)
+
+$(addsuffix -report,$(addprefix table,$(TABLES))): table%-report: $(STAMP)
 	$(PY) -m looplab.tables report $* --scale $(SCALE)
 
-table%: $(STAMP)
-	$(PY) -m looplab.tables run $* --scale $(SCALE)
+tables: $(addprefix table,$(TABLES)) ## run all eight tables at SCALE (tiny: CPU hours; see README)
+
+gpu-check: $(STAMP) ## on a CUDA machine: kernel parity, 20-step runs, FSDP2, bench -> gpu-check.json (refuses on a CPU)
+	$(PY) -m looplab.gpu_check
 
 sync-wandb: $(STAMP) ## upload offline W&B runs (needs WANDB_API_KEY)
 	@find outputs -type d -name 'offline-run-*' -print0 2>/dev/null | xargs -0 -r -n 20 $(VENV)/bin/wandb sync

@@ -72,12 +72,12 @@ class LoopedLMModule(L.LightningModule):
 
     def metric(self, split: str, name: str) -> MeanMetric:
         """Lazily created torchmetrics accumulators, registered so they follow the module's device."""
-        key = f"{split}_{name}".replace("/", "_").replace(".", "_")
-        if key not in self._metrics_by_split.setdefault(split, {}):
+        metrics = self._metrics_by_split.setdefault(split, {})
+        if name not in metrics:  # keyed by name: a new accumulator per batch would keep only the last batch
             m = MeanMetric().to(self.device)
-            self.add_module(f"metric_{key}", m)
-            self._metrics_by_split[split][name] = m
-        return self._metrics_by_split[split][name]
+            self.add_module("metric_" + f"{split}_{name}".replace("/", "_").replace(".", "_"), m)
+            metrics[name] = m
+        return metrics[name]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["looplab"] = looplab_meta(self.model.config, self.dataset_cfg)
