@@ -71,3 +71,89 @@ def test_sweep_without_gate_reports_fixed_depths_only():
     assert len(res["fixed"]) == 2 and res["thresholds"] == [] and res["expected"] is None
     nll = torch.nn.functional.cross_entropy(model(batch["input_ids"]).logits.reshape(-1, 11), batch["targets"].reshape(-1))
     assert res["fixed"][-1]["nll"] == pytest.approx(nll.item(), rel=1e-5)
+
+
+# ----------------------------------------------------------------- eval reproduces a run's results.json
+def _train(overrides: list[str], run_dir):
+    """looplab.train.train on a composed config, in-process, as @hydra.main would run it."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from conftest import compose
+    from looplab.train import train
+
+    cfg = compose(overrides + [f"hydra.run.dir={run_dir}"])
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    return train(cfg)
+
+
+COMMON = ["logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+          "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "checkpoint_every_n_steps=2",
+          "backbone.d_model=32", "backbone.n_heads=2", "backbone.ffn_hidden=64"]
+
+
+def _lm_files(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    words = "the king and queen of a fair land shall speak to thee my lord good night sweet prince what is honour".split()
+
+    def write(name, n_docs):
+        path = tmp_path / f"{name}.jsonl"
+        with path.open("w") as f:
+            for _ in range(n_docs):
+                lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(40)]
+                f.write(json.dumps({"text": "\n".join(lines)}) + "\n")
+        return path
+
+    return write("train", 20), write("validation", 8)
+
+
+@pytest.mark.parametrize("case", ["phop_gated", "phop_stateloop_limited", "lm_limited"])
+def test_eval_reproduces_results_json(case, tmp_path):
+    """`python -m looplab.eval` on a run's checkpoint recomputes every test/ metric of its results.json."""
+    if case.startswith("phop"):
+        over = COMMON + ["dataset=phop", "dataset.task_args.n=16", "dataset.task_args.p=2", "dataset.batch_size=16",
+                         "dataset.val_size=16", "dataset.test_size=88", "loop_depth=1x3"]
+        if case == "phop_gated":  # a gate: exit statistics at every threshold; the whole test split (6 batches, last short)
+            over += ["exit_gate=ouro", "exit_gate.eval_thresholds=[0.3,0.5,0.9,1.01]"]
+        else:  # StateLoop diagnostics; only the first 4 test batches, as the run's limit_test_batches says
+            over += ["state_mode=stateloop", "trainer.limit_test_batches=4"]
+    else:
+        train_file, val_file = _lm_files(tmp_path)
+        over = COMMON + ["dataset=hf", "dataset.source=json", f"dataset.data_files={{train:'{train_file}',validation:'{val_file}'}}",
+                         "dataset.val_split=validation", "dataset.seq_len=32", "dataset.batch_size=8", "dataset.val_tokens=1024",
+                         f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.num_proc=1", "loop_depth=2x2",
+                         "trainer.limit_test_batches=3", "backbone.max_seq_len=64"]
+    run_dir = tmp_path / "run"
+    res = _train(over, run_dir)
+    assert res["status"] == "ok" and res["final_split"] == "test"
+    logged = {k: v for k, v in res["metrics"].items() if k.startswith("test/")}
+    assert len(logged) >= (4 if case == "lm_limited" else 7)
+
+    report = main([str(run_dir / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "eval")])
+    agree = report["agreement"]
+    assert agree["missing"] == [] and agree["compared"] == len(logged)
+    assert agree["max_rel_diff"] < 1e-6, {k: v for k, v in agree["values"].items()
+                                          if abs(v["eval"] - v["results_json"]) > 1e-6 * max(abs(v["results_json"]), 1e-6)}
+    mine = report["metrics"]
+    R = res["model"]["loops"]
+    assert [mine[f"test/loss_loop{d}"] for d in range(1, R + 1)] == pytest.approx(res["per_depth"]["loss"], rel=1e-6)
+    assert mine["test/loss"] == pytest.approx(res["loss"], rel=1e-6)
+    on_disk = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert on_disk["agreement"]["compared"] == agree["compared"]
+    if case == "phop_gated":
+        assert report["max_batches"] is None and report["scored_answers"] == 88
+        assert [mine[f"test/acc_loop{d}"] for d in range(1, R + 1)] == pytest.approx(res["per_depth"]["acc"], rel=1e-6)
+        for q, e in res["exit"].items():
+            assert mine[f"test/exit_q{float(q)}_acc"] == pytest.approx(e["acc"], rel=1e-6)
+            assert mine[f"test/exit_q{float(q)}_mean_step"] == pytest.approx(e["mean_step"], rel=1e-6)
+        assert mine["test/exit_expected_step"] == pytest.approx(res["exit_expected_step"], rel=1e-6)
+    elif case == "phop_stateloop_limited":
+        assert report["max_batches"] == 4 and report["scored_answers"] == 64
+        assert any(k.startswith("test/state_retention_loop") for k in logged)
+    else:
+        assert report["max_batches"] == 3 and report["scored_tokens"] == 3 * 8 * 32
+        assert mine["test/ppl"] == pytest.approx(res["perplexity"], rel=1e-5)

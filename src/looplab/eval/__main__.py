@@ -4,6 +4,12 @@ Evaluates a checkpoint on its own dataset's held-out split: metric from every
 loop depth, and for gated models the accuracy/perplexity–exit-depth curve over
 thresholds q (table + PNG); optionally zero-shot tasks through lm-eval.
 
+It also recomputes the split's metrics exactly as training logs them (eval.json
+`metrics`, named like results.json's `metrics`). When the checkpoint sits in a run
+folder (<run>/checkpoints/X.ckpt next to <run>/results.json), the run's
+`trainer.limit_test_batches` and exit thresholds are applied, and every `test/`
+metric of results.json is compared with the recomputed one (`agreement`).
+
   python -m looplab.eval outputs/.../checkpoints/last.ckpt --thresholds 0.3 0.5 0.7 0.9
   python -m looplab.eval last.ckpt --zeroshot                 # SPEC §6 suite (needs the hub)
   python -m looplab.eval last.ckpt --zeroshot looplab_tiny_mc # a local task, offline
@@ -39,10 +45,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="output folder (default: next to the checkpoint's run folder, eval/)")
+    ap.add_argument("--results", default=None,
+                    help="the run's results.json (default: <run>/results.json of a <run>/checkpoints/X.ckpt, when present)")
     args = ap.parse_args(argv)
 
     from looplab.checkpoint import load_model
     from looplab.eval.exit_sweep import exit_sweep, plot_sweep, sweep_markdown
+    from looplab.eval.perplexity import split_metrics
 
     model, meta = load_model(args.checkpoint, map_location=args.device)
     ckpt = Path(args.checkpoint)
@@ -54,13 +63,33 @@ def main(argv: list[str] | None = None) -> dict:
         dm.prepare_data()
     dm.setup("test" if args.split == "test" else "validate")
     loader = dm.test_dataloader() if args.split == "test" else dm.val_dataloader()
-    sweep = exit_sweep(model, loader, args.thresholds, max_batches=args.max_batches, device=args.device)
+    run = read_run_results(ckpt, args.results)
+    max_batches, thresholds = args.max_batches, args.thresholds
+    if run is not None:
+        # evaluate what the run evaluated: Lightning's limit_{test,val}_batches, the run's thresholds q
+        from looplab.tables.report import eval_batches
+
+        limit = ((run.get("config") or {}).get("trainer") or {}).get(f"limit_{args.split}_batches")
+        if max_batches is None and limit is not None:
+            max_batches = eval_batches(limit, len(loader))
+        if run.get("exit"):
+            thresholds = sorted({float(q) for q in run["exit"]} | set(thresholds))
+    sweep = exit_sweep(model, loader, thresholds, max_batches=max_batches, device=args.device)
+    metrics = split_metrics(model, loader, thresholds, max_batches=max_batches, device=args.device)
     is_task = "task" in meta["dataset"]
     metric = "accuracy" if is_task else "perplexity"
-    report = {"checkpoint": str(ckpt), "split": args.split, "metric": metric, "sweep": sweep}
+    report = {"checkpoint": str(ckpt), "split": args.split, "metric": metric, "max_batches": max_batches,
+              "scored_tokens": metrics.pop("_scored_tokens"), "scored_answers": metrics.pop("_scored_answers"),
+              "metrics": {f"{args.split}/{k}": v for k, v in metrics.items()}, "sweep": sweep}
+    if run is not None:
+        report["agreement"] = agreement(run, report["metrics"], args.split)
     table = sweep_markdown(sweep, metric)
     plot_sweep(sweep, metric, out_dir / "exit_curve.png")
     print(table)
+    if run is not None:
+        a = report["agreement"]
+        print(f"results.json {args.split} metrics: {a['compared']} compared, max relative difference "
+              f"{a['max_rel_diff']:.2e}" + ("" if not a["missing"] else f", not recomputed: {a['missing']}"))
 
     if args.zeroshot is not None:
         from looplab.eval import DEFAULT_TASKS, run_zeroshot
@@ -77,6 +106,41 @@ def main(argv: list[str] | None = None) -> dict:
     (out_dir / "eval.md").write_text(f"# {ckpt}\n\n{args.split} split, {metric}\n\n{table}")
     print(f"written: {out_dir / 'eval.json'}, {out_dir / 'eval.md'}, {out_dir / 'exit_curve.png'}")
     return report
+
+
+def read_run_results(ckpt: Path, path: str | None = None) -> dict | None:
+    """The results.json of the run a checkpoint belongs to (None when there is none, or it failed)."""
+    p = Path(path) if path else ckpt.resolve().parent.parent / "results.json"
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        if path:
+            raise
+        return None
+    return data if data.get("status") == "ok" else None
+
+
+def agreement(run: dict, metrics: dict[str, float], split: str) -> dict:
+    """Every `split/` metric of results.json next to the recomputed one, and the largest relative difference.
+
+    Perplexity is compared on the log scale (it is exp(loss): a 1e-7 difference in a float32 loss is a
+    1e-7 relative difference of the perplexity whatever its size)."""
+    import math
+
+    logged = {k: v for k, v in (run.get("metrics") or {}).items() if k.startswith(f"{split}/") and v is not None}
+    pairs, missing, worst = {}, [], 0.0
+    for k, v in sorted(logged.items()):
+        if k not in metrics:
+            missing.append(k)
+            continue
+        mine = metrics[k]
+        pairs[k] = {"results_json": v, "eval": mine}
+        if k.endswith("/ppl"):
+            rel = abs(math.log(max(mine, 1e-300)) - math.log(max(v, 1e-300)))
+        else:
+            rel = abs(mine - v) / max(abs(v), 1e-6)
+        worst = max(worst, rel)
+    return {"compared": len(pairs), "max_rel_diff": worst, "missing": missing, "values": pairs}
 
 
 if __name__ == "__main__":

@@ -112,3 +112,82 @@ def checkpoint_perplexity(
     if device is not None:
         model = model.to(device)
     return evaluate_perplexity(model, dm.val_dataloader(), per_loop=per_loop, max_batches=max_batches, exit_threshold=exit_threshold)
+
+
+@torch.no_grad()
+def split_metrics(
+    model: torch.nn.Module,
+    dataloader: Iterable[dict[str, torch.Tensor]],
+    thresholds: Iterable[float] = (),
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, float]:
+    """The held-out metrics exactly as training logs them (`LoopedLMModule`, results.json `metrics`), from sums.
+
+    Names as the module logs them, without the `test/` prefix: `loss_loop{d}` (mean NLL over every
+    supervised target token), `acc_loop{d}` (answer positions, synthetic tasks), `loss`/`ppl`/`acc`
+    (the last depth), and for gated models `exit_expected_step` (Σ_t p(t)·t over target tokens) and, per
+    threshold q, `exit_q{q}_loss`, `exit_q{q}_mean_step` (target tokens), `exit_q{q}_acc`,
+    `exit_q{q}_answer_step` (answer positions); StateLoop models add the diagnostics of the first batch
+    (`state_{key}_loop{r}`), as the module does. Every mean is a ratio of float64 sums over the
+    whole split, so batch size and a short last batch do not matter.
+    """
+    from looplab.models.exit_gate import logits_at_depth, threshold_exit_steps
+
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    R = model.config.n_loops
+    gated = getattr(model, "exit_gate", None) is not None
+    thresholds = [float(q) for q in thresholds] if gated else []
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    diagnostics: dict[str, list[float]] = {}
+
+    def add(name: str, total: float, n: int) -> None:
+        sums[name] = sums.get(name, 0.0) + total
+        counts[name] = counts.get(name, 0) + n
+
+    try:
+        for i, batch in enumerate(dataloader):
+            if max_batches is not None and i >= max_batches:
+                break
+            ids, targets = batch["input_ids"].to(device), batch["targets"].to(device)
+            answer = batch["answer_mask"].to(device) if "answer_mask" in batch else None
+            first = i == 0 and getattr(model, "state", None) is not None
+            out = model(ids, return_all_loops=True, return_diagnostics=first)
+            if first:
+                diagnostics = dict(out.diagnostics or {})
+            mask = targets != IGNORE
+            n_tok = int(mask.sum())
+            n_ans = int(answer.sum()) if answer is not None else 0
+            for d in range(1, R + 1):
+                logits = out.loop_logits[d - 1]
+                add(f"loss_loop{d}", float(_nll_sum(logits, targets)), n_tok)
+                if answer is not None:
+                    add(f"acc_loop{d}", float((logits.argmax(-1) == targets)[answer].sum()), n_ans)
+            if gated:
+                steps = torch.arange(1, R + 1, device=device, dtype=torch.float64)
+                add("exit_expected_step", float((out.exit_probs.double()[mask] * steps).sum()), n_tok)
+                for q in thresholds:
+                    chosen = threshold_exit_steps(out.exit_probs, q)
+                    logits_q = logits_at_depth(out.loop_logits, chosen)
+                    add(f"exit_q{q}_loss", float(_nll_sum(logits_q, targets)), n_tok)
+                    add(f"exit_q{q}_mean_step", float(chosen[mask].double().sum()), n_tok)
+                    if answer is not None:
+                        add(f"exit_q{q}_acc", float((logits_q.argmax(-1) == targets)[answer].sum()), n_ans)
+                        add(f"exit_q{q}_answer_step", float(chosen[answer].double().sum()), n_ans)
+    finally:
+        model.train(was_training)
+    values = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
+    if f"loss_loop{R}" in values:
+        values["loss"] = values[f"loss_loop{R}"]
+        values["ppl"] = math.exp(min(values["loss"], 50.0))
+    if f"acc_loop{R}" in values:
+        values["acc"] = values[f"acc_loop{R}"]
+    for key, series in diagnostics.items():
+        for r, v in enumerate(series, start=1):
+            values[f"state_{key}_loop{r}"] = float(v)
+    values["_scored_tokens"] = counts.get(f"loss_loop{R}", 0)
+    values["_scored_answers"] = counts.get(f"acc_loop{R}", 0)
+    return values
