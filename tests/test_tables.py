@@ -26,7 +26,8 @@ SHRINK = ["trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_
 
 # ----------------------------------------------------------------------------- synthetic results.json
 def fake_result(sweep: spec.Sweep, combo: dict[str, str], *, layers=1, loops=None, backbone="llama", state="vanilla",
-                acc=0.5, ppl=None, seed=1234, exit_gate="none", exit=None, per_depth_acc=None, status="ok") -> dict:
+                acc=0.5, ppl=None, seed=1234, exit_gate="none", exit=None, per_depth_acc=None, status="ok",
+                config=None) -> dict:
     if "loop_depth" in combo:
         layers, loops = (int(x) for x in combo["loop_depth"].split("x"))
     loops = loops or 4
@@ -44,7 +45,7 @@ def fake_result(sweep: spec.Sweep, combo: dict[str, str], *, layers=1, loops=Non
         "per_depth": {"acc": per_depth_acc, "loss": [2.0 - a for a in per_depth_acc]},
         "exit": exit or {}, "params": {"total": 1000 * layers, "state_branch": 0, "exit_gate": 0},
         "state_branch_overhead": 0.0, "flops_per_token": {"forward": 100 * layers * loops, "training": 300 * layers * loops, "seq_len": 33},
-        "global_step": 20, "checkpoint": "ckpt",
+        "global_step": 20, "checkpoint": "ckpt", "final_split": "test", "config": config or {},
     }
 
 
@@ -116,18 +117,19 @@ def test_runner_goes_on_after_a_failed_sweep_and_resolves_stage2(tmp_path, monke
         if any(a == f"+experiment={src.experiment}" for a in argv) and not any("stage2" in a for a in argv):
             # the llama fixed/stage-1 sweep "runs": its fixed-loop job writes results.json
             ckpt = tmp_path / "somewhere" / "last.ckpt"
-            write_run(table_root(tmp_path / "out", 8, src) / "0", {**fake_result(src, {"exit_gate": "none"}), "checkpoint": str(ckpt)})
+            write_run(table_root(tmp_path / "out", 8, src) / "0",
+                      {**fake_result(src, {"exit_gate": "none", "seed": "1"}, seed=1), "checkpoint": str(ckpt)})
         return subprocess.CompletedProcess(argv, 1 if len(calls) == 1 else 0)
 
     monkeypatch.setattr(runner.subprocess, "run", fake_run)
-    records = runner.run(8, "tiny", tmp_path / "out", logger="none", table_dir=tmp_path / "tables")
+    records = runner.run(8, "tiny", tmp_path / "out", logger="none", table_dir=tmp_path / "tables", seeds=[1])
     assert [r["returncode"] for r in records[:3]] == [1, 0, 0]
     assert len(calls) == 4  # 3 first sweeps + only the llama stage 2 (the others have nothing to start from)
     assert f"exit_gate.init_from={tmp_path / 'somewhere' / 'last.ckpt'}" in calls[-1]
     skipped = [r for r in records if r.get("skipped")]
     assert len(skipped) == 2
     md = (tmp_path / "tables" / "table8.md").read_text()
-    assert "exit_gate_mamba_tiny exit_gate=none" in md and "exit_gate_llama_tiny_stage2" in md  # listed as missing
+    assert "exit_gate_mamba_tiny exit_gate=none seed=1" in md and "exit_gate_llama_tiny_stage2 seed=1" in md  # missing
     assert json.loads((tmp_path / "out" / "table8" / "tiny" / "runner.json").read_text())["commands"][0]["returncode"] == 1
 
 
@@ -146,19 +148,23 @@ def test_report_seeds_missing_failed(tmp_path):
     (table_root(out, 6, mamba) / "7").mkdir()
     (table_root(out, 6, mamba) / "7" / "results.json").write_text("{not json")
 
-    table = report.build(6, "tiny", out)
+    table = report.build(6, "tiny", out, seeds=[1, 2])
     paths = report.write(table, tmp_path / "tables")
-    assert [p.name for p in paths] == ["table6.md", "table6.csv", "table6.png"]
+    assert [p.name for p in paths] == ["table6.md", "table6.csv", "table6.png", "table6.findings.json", "README.md"]
     rows = list(csv.DictReader((tmp_path / "tables" / "table6.csv").open()))
     assert [(r["experiment"], r["N⊗R"]) for r in rows] == [("phop_tiny", "1⊗1"), ("phop_tiny", "1⊗2"), ("phop_mamba_tiny", "1⊗1"),
                                                          ("phop_mamba_tiny (extra)", "1⊗3")]
     assert float(rows[0]["accuracy"]) == pytest.approx(0.5) and float(rows[0]["accuracy std"]) == pytest.approx(0.1414, abs=1e-3)
+    # 95% t-interval over the two seeds: 0.5 ± t(0.975, 1)·0.1414/√2 = 0.5 ± 12.706·0.1
+    assert float(rows[0]["accuracy hi"]) - 0.5 == pytest.approx(1.2706, abs=1e-3)
     assert rows[0]["accuracy n"] == "2" and rows[0]["seeds"] == "2"
-    assert float(rows[1]["accuracy"]) == pytest.approx(0.9) and rows[1]["accuracy std"] == ""
+    assert float(rows[1]["accuracy"]) == pytest.approx(0.9) and rows[1]["accuracy std"] == "" and rows[1]["accuracy lo"] == ""
     md = (tmp_path / "tables" / "table6.md").read_text()
-    assert "0.500 ± 0.141" in md
-    assert "Missing runs (2)" in md and "phop_mamba_tiny loop_depth=1x4" in md and "phop_mamba_tiny loop_depth=1x8" in md
-    assert "Failed runs (2)" in md and "phop_tiny loop_depth=1x4 — RuntimeError: boom" in md and "unreadable results.json" in md
+    assert "0.500 ± 1.271" in md
+    # seeds 1 and 2 expected: 1x2 ran seed 1234 only, 1x4 failed (seed 1234), mamba 1x1 ran 1234, 1x4 and 1x8 nothing
+    assert "Missing runs (10)" in md and "phop_mamba_tiny loop_depth=1x4 seed=1" in md and "phop_mamba_tiny loop_depth=1x8 seed=2" in md
+    assert "phop_tiny loop_depth=1x1 seed" not in md  # both seeds ran
+    assert "Failed runs (2)" in md and "phop_tiny loop_depth=1x4 seed=1234 — RuntimeError: boom" in md and "unreadable results.json" in md
     # the report side never imports the model or the trainer
     code = "import sys, looplab.tables.report, looplab.tables.plots; print(any(m.startswith(('looplab.models','looplab.train','lightning')) for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
@@ -171,10 +177,10 @@ def test_lm_depth_and_reset_tables(tmp_path):
         R = int(combo["loop_depth.loops"])
         ppl = 30.0 - R if combo["arm"] == "looped" else 28.0 - R
         write_run(table_root(out, 2, sw) / str(i), fake_result(sw, combo, loops=R, ppl=ppl, state=combo["arm"].replace("looped", "vanilla")))
-    t2 = report.build(2, "tiny", out)
+    t2 = report.build(2, "tiny", out, seeds=[1234])
     assert len(t2.rows) == 10 and not t2.missing and not t2.failed
-    gaps = {(r["arm"], r["N⊗R"]): r["gap vs looped"] for r in t2.rows}
-    assert gaps[("stateloop", "1⊗5")] == pytest.approx(2.0) and gaps[("looped", "1⊗5")] is None
+    gaps = {(r["arm"], r["N⊗R"]): r["Δ vs looped (paired)"] for r in t2.rows}
+    assert gaps[("stateloop", "1⊗5")].mean == pytest.approx(-2.0) and gaps[("looped", "1⊗5")] is None
     assert report.write(t2, tmp_path / "tables")[-1].stat().st_size > 1000  # the ppl-vs-R PNG
     assert "zero-shot avg: n/a" in t2.markdown()
 
@@ -182,9 +188,9 @@ def test_lm_depth_and_reset_tables(tmp_path):
     for i, combo in enumerate(sw3.grid()):
         write_run(table_root(out, 3, sw3) / str(i), fake_result(sw3, combo, loops=3, ppl=20.0 if combo["arm"] == "stateloop" else 21.5))
     (table_root(out, 3, sw3) / "0" / "zeroshot.json").write_text(json.dumps({"average_acc": 0.25}))
-    t3 = report.build(3, "tiny", out)
-    delta = {r["arm"]: r["Δ vs carry"] for r in t3.rows}
-    assert delta == {"stateloop": 0.0, "stateloop_reset": pytest.approx(1.5)}
+    t3 = report.build(3, "tiny", out, seeds=[1234])
+    delta = {r["arm"]: r["Δ vs carry (paired)"] for r in t3.rows}
+    assert delta["stateloop"] is None and delta["stateloop_reset"].values == [pytest.approx(1.5)]
     assert t3.rows[0]["zero-shot avg"].mean == 0.25
 
 
@@ -199,15 +205,16 @@ def test_exit_gate_table_rows_and_plot(tmp_path):
     write_run(table_root(out, 8, first) / "1", fake_result(first, {"exit_gate": "ouro"}, exit_gate="ouro", exit=exit_stats))
     s2 = {q: {**v, "acc": v["acc"] + 0.05} for q, v in exit_stats.items()}
     write_run(table_root(out, 8, stage2) / "0", fake_result(stage2, {}, exit_gate="ouro", exit=s2))
-    t = report.build(8, "tiny", out)
+    t = report.build(8, "tiny", out, seeds=[1234])
     llama = [r for r in t.rows if r["experiment"] == "exit_gate_llama_tiny"]
     assert [(r["mode"], r["setting"]) for r in llama] == [
         ("fixed loops", "exit at step 1"), ("fixed loops", "exit at step 2"), ("fixed loops", "exit at step 3"),
         ("fixed loops", "exit at step 4"), ("stage 1", "q = 0.5"), ("stage 1", "q = 0.9"), ("stage 2", "q = 0.5"), ("stage 2", "q = 0.9")]
     assert llama[2]["accuracy"].mean == 0.7 and llama[2]["mean exit step"] == 3.0
-    assert llama[7]["accuracy"].mean == pytest.approx(0.85) and llama[7]["mean exit step"].mean == 3.2
+    # mean exit step at the scored (answer) positions: answer_step, not the all-token mean_step
+    assert llama[7]["accuracy"].mean == pytest.approx(0.85) and llama[7]["mean exit step"].mean == 3.0
     assert len(t.missing) == 6  # mamba and stateloop: none, ouro and stage 2 each
-    png = report.write(t, tmp_path / "tables")[-1]
+    png = next(p for p in report.write(t, tmp_path / "tables") if p.suffix == ".png")
     assert png.name == "table8.png" and png.stat().st_size > 1000
 
 
@@ -332,3 +339,252 @@ def test_table6_tiny_end_to_end(tmp_path):
     md = (tmp_path / "tables" / "table6.md").read_text()
     assert "Missing runs (0): none" in md and "Failed runs (0): none" in md
     assert (tmp_path / "tables" / "table6.png").exists()
+
+
+# ----------------------------------------------------------------------------- intervals, paired findings, verdicts
+TASK_CFG = {"dataset": {"task": "phop", "test_size": 2048, "batch_size": 64}, "trainer": {"limit_test_batches": None}}
+
+
+def test_intervals_against_scipy_and_the_fallback(monkeypatch):
+    stats = pytest.importorskip("scipy.stats")
+    vals = [1.0, 2.0, 3.0]
+    lo, hi = report.t_interval(vals)
+    assert (lo, hi) == pytest.approx(stats.t.interval(0.95, 2, loc=2.0, scale=1.0 / 3 ** 0.5))
+    assert hi - 2.0 == pytest.approx(4.302653 / 3 ** 0.5, rel=1e-6)  # t(0.975, 2)·s/√n by hand
+    assert report.t_interval([5.0]) is None and report.t_interval([2.0, 2.0]) == (2.0, 2.0)
+    w = stats.binomtest(1700, 2048).proportion_ci(confidence_level=0.95, method="wilson")
+    assert report.wilson_interval(1700, 2048) == pytest.approx((w.low, w.high))
+    assert report.Stat([0.8, 0.82, 0.84], examples=2048).wilson == pytest.approx(report.wilson_interval(1679, 2048))
+    # without scipy: the t table and Wilson's formula give the same numbers
+    monkeypatch.setattr(report, "_scipy_stats", lambda: None)
+    assert report.t_interval(vals) == pytest.approx((lo, hi), abs=1e-3)  # t(0.975, 2) tabulated as 4.303
+    assert report.wilson_interval(1700, 2048) == pytest.approx((w.low, w.high), rel=1e-6)
+    for df in (1, 7, 30, 45, 100, 500):
+        assert report.t_quantile(df) == pytest.approx(float(stats.t.ppf(0.975, df)), rel=2e-3), df
+
+
+def _table3_runs(out, diffs, base=20.0, offsets=(0.0, 3.0, -2.0)):
+    sw = spec.get(3).sweeps_for("tiny")[0]
+    for s, (d, off) in enumerate(zip(diffs, offsets), start=1):
+        for arm, ppl in (("stateloop", base + off), ("stateloop_reset", base + off + d)):
+            write_run(table_root(out, 3, sw) / f"{arm}_{s}", fake_result(sw, {"arm": arm, "seed": str(s)}, loops=3, ppl=ppl, seed=s))
+
+
+@pytest.mark.parametrize("diffs, verdict", [([0.4, 0.5, 0.6], "reproduced"), ([-0.4, -0.5, -0.6], "contradicted"),
+                                            ([0.5, -0.4, 0.1], "inconclusive")])
+def test_verdict_reset_minus_carry(tmp_path, diffs, verdict):
+    """Table 3's finding (reset − carry > 0): all three outcomes, the paired t-interval computed by hand."""
+    _table3_runs(tmp_path, diffs)
+    t = report.build(3, "tiny", tmp_path)
+    assert not t.missing and len(t.verdicts) == 1
+    v = t.verdicts[0]
+    assert v.reps == ["1", "2", "3"] and v.diffs == pytest.approx(diffs)  # paired by seed: seed offsets cancel
+    m = sum(diffs) / 3
+    sd = (sum((d - m) ** 2 for d in diffs) / 2) ** 0.5
+    assert (v.lo, v.hi) == pytest.approx((m - 4.302653 * sd / 3 ** 0.5, m + 4.302653 * sd / 3 ** 0.5), rel=1e-5)
+    assert v.verdict == verdict
+    md = t.markdown()
+    assert md.rstrip().splitlines()[-1].startswith(f"- **{verdict}** — reset − carry, perplexity")
+    assert "9.04 to 9.25" in md and "3 paired seeds" in md
+    assert "Seeds: 1, 2, 3 per configuration" in md and "t-interval" in md.split("\n\n")[1]
+
+
+def test_decide():
+    assert report.decide(0.1, 0.5, +1) == "reproduced" and report.decide(-0.5, -0.1, -1) == "reproduced"
+    assert report.decide(0.1, 0.5, -1) == "contradicted" and report.decide(-0.5, -0.1, +1) == "contradicted"
+    assert report.decide(-0.1, 0.5, +1) == "inconclusive" and report.decide(None, None, +1) == "inconclusive"
+
+
+def test_pairing_by_seed_missing_seed_and_gap_growth(tmp_path):
+    """Table 2: per-seed offsets cancel in paired differences; a seed without its partner is left out and named."""
+    sw = spec.get(2).sweeps_for("tiny")[0]
+    offsets = {1: 0.0, 2: 10.0, 3: 20.0}  # seed-to-seed spread far above the effect
+    for combo in sw.grid():
+        R = int(combo["loop_depth.loops"])
+        for s, off in offsets.items():
+            if combo["arm"] == "looped" and R == 4 and s == 3:
+                continue  # missing run
+            gap = -0.1 * R if combo["arm"] == "stateloop" else 0.0  # the gap grows with R
+            ppl = 50.0 + off + gap + 0.01 * s * (combo["arm"] == "stateloop")
+            write_run(table_root(tmp_path, 2, sw) / f"{combo['arm']}{R}_{s}",
+                      fake_result(sw, {**combo, "seed": str(s)}, loops=R, ppl=ppl, seed=s,
+                                  state=combo["arm"].replace("looped", "vanilla")))
+    t = report.build(2, "tiny", tmp_path)
+    assert t.missing == ["stateloop_depth_tiny arm=looped loop_depth.loops=4 seed=3"]
+    per_r = [v for v in t.verdicts if v.finding.label == "StateLoop − Vanilla Looped"]
+    assert [v.stratum for v in per_r] == [f"R = {r}" for r in range(3, 8)]
+    r4 = per_r[1]
+    assert r4.reps == ["1", "2"] and r4.missing == ["seed 3"] and "unpaired: seed 3" in r4.line()
+    assert r4.diffs == pytest.approx([-0.39, -0.38])
+    assert all(v.verdict == "reproduced" for v in per_r)
+    row = next(r for r in t.rows if r["arm"] == "stateloop" and r["N⊗R"] == "1⊗4")
+    assert row["Δ vs looped (paired)"].values == pytest.approx([-0.39, -0.38])
+    # unpaired, the seeds' spread would swamp the effect
+    assert row["perplexity"].half > 5
+    growth = next(v for v in t.verdicts if v.finding.minus)
+    # (SL7 − L7) − (SL3 − L3) = −0.7 − (−0.3) = −0.4 on every seed (the 0.01·s terms cancel)
+    assert growth.diffs == pytest.approx([-0.4] * 3) and growth.verdict == "reproduced"
+    assert "stateloop 1⊗7" in growth.arms and "looped 1⊗3" in growth.arms
+
+
+def test_accuracy_differences_carry_the_examples_noise(tmp_path):
+    """Table 6: identical per-seed differences (zero t-width) still get the examples' binomial half-width."""
+    phop, mamba = spec.get(6).sweeps_for("tiny")
+    accs = {"1x1": 0.50, "1x2": 0.70, "1x4": 0.90}
+    for i, combo in enumerate(phop.grid()):
+        for s in (1, 2, 3):
+            write_run(table_root(tmp_path, 6, phop) / f"{i}_{s}",
+                      fake_result(phop, {**combo, "seed": str(s)}, acc=accs[combo["loop_depth"]] + 0.01 * s, seed=s, config=TASK_CFG))
+    t = report.build(6, "tiny", tmp_path)
+    v = next(v for v in t.verdicts if v.stratum == "experiment = phop")
+    assert v.arms == "1⊗4 − 1⊗1" and v.diffs == pytest.approx([0.4] * 3)
+    pa, pb = 0.92, 0.52  # seed means
+    h = 1.959964 * (pa * (1 - pa) / 2048 + pb * (1 - pb) / 2048) ** 0.5
+    assert (v.lo, v.hi) == pytest.approx((0.4 - h, 0.4 + h), rel=1e-5) and v.verdict == "reproduced"
+    # the mamba sweep never ran: its finding line says so
+    m = next(v for v in t.verdicts if v.stratum == "experiment = phop_mamba")
+    assert m.verdict == "inconclusive" and "no runs" in m.line()
+    assert "Held-out evaluation per run: 2,048 examples" in t.markdown()
+    row = t.rows[0]
+    assert row["Wilson 95% (examples)"] == pytest.approx(report.wilson_interval(round(0.52 * 2048), 2048))
+
+
+def test_exit_gate_and_mano_findings(tmp_path):
+    """Table 8: stage 2 (q = 0.5) − fixed loops, paired by seed; table 5: iso-parameter and iso-FLOP arms."""
+    sweeps = spec.get(8).sweeps_for("tiny")
+    first, stage2 = sweeps[1], sweeps[4]  # llama
+    for s in (1, 2, 3):
+        write_run(table_root(tmp_path, 8, first) / f"f{s}", fake_result(first, {"exit_gate": "none", "seed": str(s)}, acc=0.80 + 0.05 * s,
+                                                                        seed=s, config=TASK_CFG))
+        ex = {"0.5": {"acc": 0.83 + 0.05 * s, "loss": 1.0, "mean_step": 2.6, "answer_step": 2.5 + 0.1 * s}}
+        write_run(table_root(tmp_path, 8, stage2) / f"s{s}", fake_result(stage2, {"seed": str(s)}, exit_gate="ouro", exit=ex, seed=s,
+                                                                         config=TASK_CFG))
+    t = report.build(8, "tiny", tmp_path)
+    acc = next(v for v in t.verdicts if v.finding.metric == "accuracy" and v.stratum == "experiment = exit_gate_llama")
+    assert acc.diffs == pytest.approx([0.03] * 3) and acc.arms == "stage 2 1⊗4 q = 0.5 − fixed loops 1⊗4"
+    step = next(v for v in t.verdicts if v.finding.metric == "exit step" and v.stratum == "experiment = exit_gate_llama")
+    assert step.diffs == pytest.approx([-1.4, -1.3, -1.2]) and step.verdict == "reproduced"
+    assert sum(v.stratum == "experiment = exit_gate_mamba" for v in t.verdicts) == 2  # listed, not measured
+
+    mano, mamba, hybrid = spec.get(5).sweeps_for("tiny")
+    for sw, accs in ((mano, {"1x1": 0.3, "4x1": 0.5, "1x4": 0.6}), (hybrid, {"2x1": 0.3, "4x1": 0.5, "2x4": 0.2})):
+        for combo in sw.grid():
+            for s in (1, 2):
+                write_run(table_root(tmp_path, 5, sw) / f"{combo['loop_depth']}_{s}",
+                          fake_result(sw, {**combo, "seed": str(s)}, acc=accs[combo["loop_depth"]] + 0.02 * s, seed=s, config=TASK_CFG))
+    t5 = report.build(5, "tiny", tmp_path, seeds=[1, 2])
+    got = {(v.finding.label.rsplit(" (", 1)[1], v.stratum): v for v in t5.verdicts}
+    assert got[("equal parameters)", "experiment = mano")].arms == "1⊗4 − 1⊗1"
+    assert got[("equal FLOPs)", "experiment = mano")].arms == "1⊗4 − 4⊗1"
+    assert got[("equal FLOPs)", "experiment = mano")].diffs == pytest.approx([0.1, 0.1])
+    assert got[("equal parameters)", "experiment = mano_hybrid")].verdict == "contradicted"  # 2⊗4 below 2⊗1
+    no_b = got[("equal FLOPs)", "experiment = mano_hybrid")]
+    assert no_b.verdict == "inconclusive" and "no run of arm B" in no_b.line()  # no 8⊗1 in the sweep
+
+
+def test_decode_findings_over_context_lengths(tmp_path):
+    data = {"threads": 1, "dtype": "float32", "repeats": 8,
+            "per_token_ms": {c: {"vanilla_R": 100.0 + i, "vanilla_R+1": 125.0 + i, "stateloop_R": 102.0 + i + 0.5 * i}
+                             for i, c in enumerate(("64", "256", "512"))}}
+    (tmp_path / "decode.json").write_text(json.dumps(data))
+    t = report.build(4, "tiny", tmp_path, decode_json=tmp_path / "decode.json")
+    over, faster = t.verdicts
+    assert over.reps == ["64", "256", "512"] and over.diffs[0] == pytest.approx(0.02)
+    assert over.verdict == "reproduced" and faster.verdict == "reproduced"
+    assert f"{100 * sum(over.diffs) / 3:+.2f}%" in over.line() and "3 paired context lengths" in over.line()
+
+
+def test_every_table_has_findings_and_the_summary_gathers_them(tmp_path):
+    for n, t in spec.TABLES.items():
+        assert t.findings, n
+        for f in t.findings:
+            assert f.sign in (-1, 1) and f.claim and f.metric in ("perplexity", "accuracy", "zero-shot", "exit step", "latency")
+    _table3_runs(tmp_path / "out", [0.4, 0.5, 0.6])
+    for n in spec.TABLES:
+        kwargs = {"decode_json": tmp_path / "none.json"} if n == 4 else {}
+        report.write(report.build(n, "tiny", tmp_path / "out", **kwargs), tmp_path / "tables", plot=False)
+    readme = (tmp_path / "tables" / "README.md").read_text()
+    assert "not built yet" not in readme and "do not edit by hand" in readme
+    for n in spec.TABLES:
+        assert f"| [{n}](table{n}.md) |" in readme
+    assert "reset − carry, perplexity" in readme and "**reproduced**" in readme
+    assert "## tiny scale — 1 reproduced, 0 contradicted," in readme
+    data = json.loads((tmp_path / "tables" / "table3.findings.json").read_text())
+    assert data["findings"][0]["verdict"] == "reproduced" and data["seeds"] == [1, 2, 3]
+    # the summary command alone regenerates it from the findings files
+    (tmp_path / "tables" / "README.md").unlink()
+    assert tables_main(["summary", "--table-dir", str(tmp_path / "tables")]) == 0
+    assert (tmp_path / "tables" / "README.md").read_text() == readme
+
+
+@pytest.mark.parametrize("number", [1, 2, 3, 5, 6, 7, 8])
+def test_tiny_evaluation_sizes(number):
+    """Every tiny sweep tests ≥ 2,000 examples (tasks) or ≥ 100k tokens (LM), as the setting line reports them."""
+    from omegaconf import OmegaConf
+
+    for sw in spec.get(number).sweeps_for("tiny"):
+        over = [f"+experiment={sw.experiment}", *sw.combo_overrides(sw.grid()[0]), *sw.fixed]
+        if sw.init_from:
+            over.append("exit_gate.init_from=some.ckpt")
+        cfg = compose(over)
+        config = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("dataset", "trainer")}
+        n, unit = report.held_out_size({"config": config, "final_split": "test"})
+        assert n >= (2000 if unit == "examples" else 100_000), (sw.experiment, n, unit)
+
+
+def test_held_out_size_follows_lightning_limits():
+    ds = {"task": "phop", "test_size": 2000, "batch_size": 64}
+    assert report.held_out_size({"config": {"dataset": ds, "trainer": {}}}) == (2000, "examples")
+    assert report.held_out_size({"config": {"dataset": ds, "trainer": {"limit_test_batches": 10}}}) == (640, "examples")
+    assert report.held_out_size({"config": {"dataset": ds, "trainer": {"limit_test_batches": 0.5}}}) == (1024, "examples")
+    lm = {"seq_len": 128, "val_tokens": 131072, "batch_size": 16}
+    assert report.held_out_size({"config": {"dataset": lm, "trainer": {"limit_test_batches": None}}}) == (131072, "tokens")
+    assert report.held_out_size({"config": {"dataset": lm, "trainer": {"limit_test_batches": 40}}}) == (81920, "tokens")
+    assert report.held_out_size({}) == (None, "tokens")
+
+
+def test_tiny_tables_default_to_three_seeds(capsys):
+    assert tables_main(["run", "6", "--dry-run"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[table6]")]
+    assert len(lines) == 2 and all("seed=1,2,3" in l for l in lines)
+    assert tables_main(["run", "6", "--dry-run", "--seeds", "7"]) == 0
+    assert all("seed=7" in l for l in capsys.readouterr().out.splitlines() if l.startswith("[table6]"))
+    cmds = runner.plan(8, "tiny")
+    assert sum("exit_gate.stage=stage2" in c.argv for c in cmds) == 3 * 3  # stage 2 per backbone and seed
+    t1 = runner.plan(1, "tiny")
+    assert t1[-1].argv[2:5] == ["looplab.tables", "zeroshot", "1"] and t1[-1].argv[-2:] == ["--tasks", "looplab_tiny"]
+    assert not any("seed=" in a for c in runner.plan(6, "paper") for a in c.argv)
+
+
+# ----------------------------------------------------------------------------- make targets
+def test_make_n_table3_prints_the_runner_command():
+    proc = subprocess.run(["make", "-n", "table3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "-m looplab.tables run 3 --scale tiny" in proc.stdout
+
+
+def test_make_table4_report_writes_fresh_files(tmp_path):
+    """`make table4-report`, run in a scratch copy of the Makefile's world: default dirs relative to the cwd."""
+    import shutil
+
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    for f in ("pyproject.toml", "constraints.txt"):
+        (tmp_path / f).write_text("")
+        os.utime(tmp_path / f, (0, 0))  # older than the venv's install stamp: make installs nothing
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    if not (ROOT / ".venv" / ".looplab-installed").exists():
+        pytest.skip("the venv was not created by make")
+    (tmp_path / "bench").mkdir()
+    data = {"threads": 1, "dtype": "float32", "repeats": 8,
+            "per_token_ms": {c: {"vanilla_R": 90.0 + i, "vanilla_R+1": 120.0 + i, "stateloop_R": 93.5 + 2 * i}
+                             for i, c in enumerate(("64", "512"))}}
+    (tmp_path / "bench" / "decode.json").write_text(json.dumps(data))
+    env = {k: v for k, v in os.environ.items() if k not in ("SCALE", "MAKEFLAGS", "MAKELEVEL")}
+    proc = subprocess.run(["make", "table4-report"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    md = (tmp_path / "experiments" / "tables" / "table4.md").read_text()
+    assert "| stateloop_R |" in md and "93.5" in md and "## Findings" in md
+    assert "StateLoop(R) / Vanilla Looped(R) − 1" in md and "2 paired context lengths" in md
+    readme = (tmp_path / "experiments" / "tables" / "README.md").read_text()
+    assert "| [4](table4.md) |" in readme and "| [3](table3.md) |" in readme  # all eight listed
+    shutil.rmtree(tmp_path / "experiments")

@@ -2,8 +2,12 @@
 
   run N [--scale tiny|paper] [--dry-run] [--extra KEY=VALUE ...] [--seeds 1,2,3] [--logger csv|wandb|none]
         [--hardware fsdp|slurm|...] [--out-root outputs/tables] [--table-dir experiments/tables]
-      every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report
-  report N [--scale ...]      only aggregate the existing results.json files into experiments/tables/tableN.{md,csv,png}
+      every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report;
+      seeds default to 1,2,3 at tiny scale (the experiment's own seed at paper scale)
+  report N [--scale ...] [--seeds 1,2,3]   only aggregate the existing results.json files into
+      experiments/tables/tableN.{md,csv,png,findings.json} and regenerate the verdict summary README.md
+  summary [--table-dir ...] [--rebuild [--scale ...]]   regenerate experiments/tables/README.md (all tables'
+      verdicts) from the tableN.findings.json files; --rebuild first re-aggregates all eight tables
   list                        the tables and their experiments at both scales
   isoflop (--target-flops F | --like NxR) [--backbone llama_410m] [--state-mode vanilla] [--seq-len T] [--tolerance 0.01]
   zeroshot N [--scale paper] [--tasks a,b] [--limit K]   zero-shot suite on every trained checkpoint of table N
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     common(r)
     r.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
     r.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides appended to every command")
-    r.add_argument("--seeds", default=None, help="comma-separated seeds; the report averages them (mean ± std)")
+    r.add_argument("--seeds", default=None, help="comma-separated seeds (default: 1,2,3 at tiny scale, the experiment's "
+                   "seed at paper scale); rows show mean ± 95%% t-interval over them")
     r.add_argument("--logger", default=None, help="csv (tiny default), wandb (paper default) or none")
     r.add_argument("--hardware", default=None, help="e.g. slurm on a cluster (default: the experiment's own)")
     r.add_argument("--zeroshot", action=argparse.BooleanOptionalAction, default=None,
@@ -50,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="aggregate existing results.json files")
     common(rep)
     rep.add_argument("--no-plot", action="store_true")
+    rep.add_argument("--seeds", default=None, help="the seeds every configuration should have (default as for run)")
+
+    sm = sub.add_parser("summary", help="regenerate the verdict summary README.md of the tables folder")
+    sm.add_argument("--table-dir", type=Path, default=report.DEFAULT_TABLE_DIR)
+    sm.add_argument("--rebuild", action="store_true", help="first re-aggregate all eight tables from --out-root")
+    sm.add_argument("--scale", default=default_scale, choices=spec.SCALES)
+    sm.add_argument("--out-root", type=Path, default=runner.DEFAULT_OUT_ROOT)
+    sm.add_argument("--decode-json", type=Path, default=runner.DEFAULT_DECODE_JSON)
 
     sub.add_parser("list", help="the tables and their experiments")
 
@@ -81,10 +94,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if a.dry_run or all(r["returncode"] in (0, None) for r in records) else 1
     if a.cmd == "report":
         kwargs = {"decode_json": a.decode_json} if spec.get(a.number).kind == "decode" else {}
-        table = report.build(a.number, a.scale, a.out_root, **kwargs)
+        table = report.build(a.number, a.scale, a.out_root, seeds=_seeds(a.seeds), **kwargs)
         paths = report.write(table, a.table_dir, plot=not a.no_plot)
         print(table.markdown())
         print("wrote " + ", ".join(str(x) for x in paths))
+        return 0
+    if a.cmd == "summary":
+        if a.rebuild:
+            for n, t in spec.TABLES.items():
+                kwargs = {"decode_json": a.decode_json} if t.kind == "decode" else {}
+                report.write(report.build(n, a.scale, a.out_root, **kwargs), a.table_dir)
+        path = report.write_summary(a.table_dir)
+        print(path.read_text())
+        print(f"wrote {path}")
         return 0
     if a.cmd == "list":
         for n, t in spec.TABLES.items():

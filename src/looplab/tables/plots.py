@@ -4,6 +4,8 @@
 - exit gate (table 8): accuracy vs mean exit depth, fixed loops / stage 1 / stage 2 per backbone;
 - task tables (5, 6): accuracy vs R per experiment (bars when N varies);
 - LM tables (1, 3, 7): perplexity per configuration (bars).
+
+Error bars are the rows' 95% t-intervals over seeds (none with one seed).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _mean_std(table: "Table", row, col):
 
     v = row.get(col)
     if isinstance(v, Stat):
-        return v.mean, v.std or 0.0
+        return v.mean, v.half or 0.0  # the 95% t-interval's half-width over seeds
     return (v, 0.0) if isinstance(v, (int, float)) else (None, 0.0)
 
 

@@ -1,10 +1,13 @@
 """Aggregate a table from its runs' results.json files (never imports the model or trainer).
 
 For every sweep of the table the expected jobs come from the sweep grid (spec.py);
-each expected configuration becomes one row, seeds averaged (mean ± sample std, n)
-when several ran. Configurations without any results.json are listed as missing,
-failed runs as failed (with their error), runs outside the grid as extra rows:
-nothing is silently dropped.
+each expected configuration becomes one row, its seeds pooled: mean with a 95% t-interval
+over seeds (`m ± h`), accuracies also with a 95% Wilson interval over one run's test
+examples. Configurations (and seeds) without a results.json are listed as missing,
+failed runs as failed (with their error), runs outside the grid as extra rows: nothing
+is silently dropped. The report ends with the paper's findings (spec.FINDINGS), each a
+paired difference across seeds with its interval and a verdict computed from it;
+`write` also regenerates the verdict summary `README.md` next to the tables.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from looplab.tables.spec import SCALES, Sweep, TableSpec, get
+from looplab.tables.spec import SCALES, Finding, Sweep, TableSpec, default_seeds, get
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_TABLE_DIR = Path("experiments/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
+LEVEL = 0.95  # every interval in the tables
 
 
 # ----------------------------------------------------------------------------- runs
@@ -76,11 +80,87 @@ def load_runs(folder: Path) -> list[Run]:
 
 
 # ----------------------------------------------------------------------------- stats
+# Two-sided 95% quantiles of Student's t (df 1..30, then 40, 60, 120) for machines without scipy;
+# with scipy (installed with the eval extra) scipy.stats computes every interval.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+         21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042,
+         40: 2.021, 60: 2.000, 120: 1.980}
+_Z975 = 1.959963984540054
+
+
+def _scipy_stats():
+    try:
+        from scipy import stats
+
+        return stats
+    except ImportError:  # pragma: no cover - scipy comes with the eval extra
+        return None
+
+
+def t_quantile(df: int, level: float = LEVEL) -> float:
+    """The (1 + level)/2 quantile of Student's t with df degrees of freedom."""
+    st = _scipy_stats()
+    if st is not None:
+        return float(st.t.ppf((1 + level) / 2, df))
+    if level != 0.95:
+        raise ValueError("without scipy only 95% intervals are available")
+    if df in _T975:
+        return _T975[df]
+    for lo, hi in ((30, 40), (40, 60), (60, 120)):
+        if lo < df < hi:  # linear in 1/df between the tabulated points
+            w = (1 / df - 1 / hi) / (1 / lo - 1 / hi)
+            return _T975[hi] + w * (_T975[lo] - _T975[hi])
+    return _Z975 + (_T975[120] - _Z975) * 120 / df  # df > 120: towards the normal quantile
+
+
+def z_quantile(level: float = LEVEL) -> float:
+    st = _scipy_stats()
+    return float(st.norm.ppf((1 + level) / 2)) if st is not None else _Z975
+
+
+def t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float] | None:
+    """Two-sided t-interval for the mean of `values` (None with fewer than 2)."""
+    n = len(values)
+    if n < 2:
+        return None
+    m, s = statistics.fmean(values), statistics.stdev(values)
+    if s == 0:
+        return (m, m)
+    st = _scipy_stats()
+    if st is not None:
+        lo, hi = st.t.interval(level, n - 1, loc=m, scale=s / math.sqrt(n))
+        return float(lo), float(hi)
+    h = t_quantile(n - 1, level) * s / math.sqrt(n)
+    return m - h, m + h
+
+
+def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float] | None:
+    """Wilson score interval for k successes out of n."""
+    if not n or n < 1:
+        return None
+    k = max(0, min(int(k), int(n)))
+    st = _scipy_stats()
+    if st is not None:
+        ci = st.binomtest(k, int(n)).proportion_ci(confidence_level=level, method="wilson")
+        return float(ci.low), float(ci.high)
+    z = z_quantile(level)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
 @dataclass
 class Stat:
-    """mean ± sample std over seeds (std None with one value)."""
+    """Values over seeds: mean with a 95% t-interval (none with one value).
+
+    examples: test examples (items) of one run; set for accuracies, which then also carry a 95%
+    Wilson interval over those examples at the seed-mean accuracy (`wilson`).
+    """
 
     values: list[float]
+    examples: int | None = None
 
     @property
     def n(self) -> int:
@@ -94,26 +174,421 @@ class Stat:
     def std(self) -> float | None:
         return statistics.stdev(self.values) if len(self.values) > 1 else None
 
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        return t_interval(self.values)
+
+    @property
+    def half(self) -> float | None:
+        ci = self.interval
+        return None if ci is None else (ci[1] - ci[0]) / 2
+
+    @property
+    def wilson(self) -> tuple[float, float] | None:
+        if self.examples is None or self.mean is None:
+            return None
+        return wilson_interval(round(self.mean * self.examples), self.examples)
+
     def fmt(self, digits: int = 3) -> str:
         if not self.values:
             return "n/a"
         s = f"{self.mean:.{digits}f}"
-        return s + (f" ± {self.std:.{digits}f}" if self.std is not None else "")
+        return s + (f" ± {self.half:.{digits}f}" if self.half is not None else "")
 
 
-def stat(runs: list[Run], get_value) -> Stat:
+def stat(runs: list[Run], get_value, examples=None) -> Stat:
+    """Stat of get_value(results) over runs; examples(run) → that run's test examples (accuracy)."""
     vals = []
     for r in runs:
-        try:
-            v = get_value(r.data)
-        except (KeyError, TypeError, IndexError, AttributeError):
-            v = None
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            vals.append(float(v))
-    return Stat(vals)
+        v = _value(get_value, r.data)
+        if v is not None:
+            vals.append(v)
+    ns = [examples(r) for r in runs] if examples else []
+    ns = [x for x in ns if x]
+    return Stat(vals, min(ns) if ns else None)
+
+
+def _value(get_value, data) -> float | None:
+    try:
+        v = get_value(data)
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def paired_stat(runs_a: list[Run], runs_b: list[Run], get_value) -> Stat:
+    """A − B over the seeds both arms have (paired: same seed in both)."""
+    b = {str(r.seed): _value(get_value, r.data) for r in runs_b}
+    diffs = []
+    for r in runs_a:
+        va, vb = _value(get_value, r.data), b.get(str(r.seed))
+        if va is not None and vb is not None:
+            diffs.append(va - vb)
+    return Stat(diffs)
+
+
+# ----------------------------------------------------------------------------- evaluation sizes
+def eval_batches(limit: Any, num_batches: int) -> int:
+    """Batches Lightning evaluates under limit_{val,test}_batches (None/1.0: all; int: at most; float: fraction)."""
+    if limit is None or (isinstance(limit, float) and limit == 1.0):
+        return num_batches
+    if isinstance(limit, bool):
+        raise ValueError(f"limit_batches={limit!r}")
+    if isinstance(limit, int):
+        return min(num_batches, limit)
+    return int(num_batches * float(limit))
+
+
+def held_out_size(data: dict[str, Any]) -> tuple[int | None, str]:
+    """(scored test items, unit) of one run, from the config its results.json records.
+
+    Synthetic tasks: answer positions = examples of the test split (`dataset.test_size`, cut by
+    `trainer.limit_test_batches`). Language modelling: target tokens = windows of `dataset.seq_len`
+    among the first `dataset.val_tokens` held-out tokens (cut by limit_test_batches); this assumes
+    the held-out split has at least val_tokens tokens (lm_tiny: 142,881; the Pile: 16.8M prepared).
+    """
+    cfg = data.get("config") or {}
+    ds, tr = cfg.get("dataset") or {}, cfg.get("trainer") or {}
+    split = data.get("final_split") or "test"
+    limit = tr.get("limit_test_batches" if split == "test" else "limit_val_batches")
+    try:
+        if "task" in ds:
+            size, batch = ds.get("test_size" if split == "test" else "val_size"), ds.get("batch_size")
+            if not size or not batch:
+                return None, "examples"
+            return min(int(size), eval_batches(limit, math.ceil(size / batch)) * int(batch)), "examples"
+        T, vt = ds.get("seq_len"), ds.get("val_tokens")
+        batch = ds.get("val_batch_size") or ds.get("batch_size")
+        if not T or not vt or not batch:
+            return None, "tokens"
+        windows = int(vt) // int(T)
+        return min(windows, eval_batches(limit, math.ceil(windows / batch)) * int(batch)) * int(T), "tokens"
+    except (TypeError, ValueError):
+        return None, "examples" if "task" in ds else "tokens"
+
+
+def _examples(run: Run) -> int | None:
+    return held_out_size(run.data)[0]
+
+
+def _zeroshot_items(z: dict[str, Any]) -> int | None:
+    ns = [v for v in (z.get("n_samples") or {}).values() if isinstance(v, int)]
+    return sum(ns) or None
+
+
+# ----------------------------------------------------------------------------- findings
+@dataclass
+class Unit:
+    """One run (or, for table 4, one model at one context) as the findings see it."""
+
+    facets: dict[str, Any]
+    rep: str  # what pairs A with B: the seed (table 4: the context length)
+    data: dict[str, Any]
+    examples: int | None = None  # test examples of the run (accuracy)
+    zeroshot: dict[str, Any] | None = None
+
+    def value(self, metric: str, q: str | None = None) -> float | None:
+        d = self.data
+        if metric == "perplexity":
+            return _value(lambda d: d["perplexity"], d)
+        if metric == "accuracy":
+            return _value(lambda d: d["exit"][q]["acc"], d) if q else _value(lambda d: d["accuracy"], d)
+        if metric == "exit step":
+            if q:
+                step = _value(lambda d: d["exit"][q]["answer_step"], d)
+                return step if step is not None else _value(lambda d: d["exit"][q]["mean_step"], d)
+            return _value(lambda d: d["model"]["loops"], d)  # a fixed-loop model always uses all R loops
+        if metric == "zero-shot":
+            return _value(lambda z: z["average_acc"], self.zeroshot) if self.zeroshot else None
+        if metric == "latency":
+            return _value(lambda d: d["latency"], d)
+        raise ValueError(f"unknown finding metric {metric!r}")
+
+    def n_examples(self, metric: str) -> int | None:
+        if metric == "accuracy":
+            return self.examples
+        if metric == "zero-shot" and self.zeroshot:
+            return _zeroshot_items(self.zeroshot)
+        return None
+
+    def config(self) -> tuple:
+        return tuple(sorted((k, str(v)) for k, v in self.facets.items()))
+
+    def label(self) -> str:
+        f = self.facets
+        parts = [str(f[k]) for k in ("model", "mode", "arm") if f.get(k) is not None]
+        if f.get("N") is not None and f.get("model") is None:
+            parts.append(f"{f['N']}⊗{f['R']}")
+        if f.get("size"):
+            parts.append(str(f["size"]))
+        return " ".join(parts) or "?"
+
+
+PROPORTIONS = ("accuracy", "zero-shot")  # metrics whose paired intervals also carry the examples' sampling noise
+
+
+@dataclass
+class Verdict:
+    """One line of a table's findings: a paired difference, its 95% interval and the verdict."""
+
+    finding: Finding
+    stratum: str
+    arms: str  # which configurations were compared
+    diffs: list[float] = field(default_factory=list)
+    reps: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # reps with only some arms
+    lo: float | None = None
+    hi: float | None = None
+    reason: str = ""
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.diffs) if self.diffs else None
+
+    @property
+    def verdict(self) -> str:
+        return decide(self.lo, self.hi, self.finding.sign)
+
+    def _fmt(self, v: float) -> str:
+        if self.finding.contrast == "ratio":
+            return f"{100 * v:+.2f}%"
+        return f"{v:+.3f}" if self.finding.metric != "perplexity" or abs(v) < 100 else f"{v:+.1f}"
+
+    def measured(self) -> str:
+        if self.mean is None:
+            return f"not measured ({self.reason})"
+        unit = "context lengths" if self.finding.metric == "latency" else "seeds"
+        s = self._fmt(self.mean)
+        if self.lo is not None:
+            s += f" [{self._fmt(self.lo)}, {self._fmt(self.hi)}]"
+        s += f", {len(self.diffs)} paired {unit}"
+        if self.reason:
+            s += f" ({self.reason})"
+        if self.missing:
+            s += f"; unpaired: {', '.join(self.missing)}"
+        return s
+
+    def title(self) -> str:
+        f = self.finding
+        where = "; ".join(x for x in (self.stratum, self.arms) if x)
+        return f"{f.label}, {f.metric}" + (f" ({where})" if where else "")
+
+    def line(self) -> str:
+        return f"- **{self.verdict}** — {self.title()}. Paper: {self.finding.claim}. Here: {self.measured()}."
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.finding.label, "metric": self.finding.metric, "claim": self.finding.claim,
+                "expected_sign": self.finding.sign, "stratum": self.stratum, "arms": self.arms, "title": self.title(),
+                "diffs": self.diffs, "reps": self.reps, "mean": self.mean, "lo": self.lo, "hi": self.hi,
+                "missing": self.missing, "measured": self.measured(), "verdict": self.verdict}
+
+
+def decide(lo: float | None, hi: float | None, expected_sign: int) -> str:
+    """reproduced: the interval excludes 0 on the paper's side; contradicted: on the other; else inconclusive."""
+    if lo is None or hi is None:
+        return "inconclusive"
+    if lo > 0 or hi < 0:
+        return "reproduced" if (1 if lo > 0 else -1) == expected_sign else "contradicted"
+    return "inconclusive"
+
+
+def _is_extreme(v: str) -> bool:
+    return v in ("max", "min")
+
+
+def _num_or_str(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _matches(u: Unit, flt: tuple[tuple[str, str], ...], resolved: dict[str, str] | None = None) -> bool:
+    for k, v in flt:
+        if k == "q":
+            continue
+        v = (resolved or {}).get(k, v)
+        if _is_extreme(v):
+            continue
+        if str(u.facets.get(k)) != v:
+            return False
+    return True
+
+
+def _resolve(flt, units: list[Unit]) -> dict[str, str]:
+    """max/min values of a filter → the facet's largest/smallest value among the units matching the rest."""
+    out = {}
+    cands = [u for u in units if _matches(u, flt)]
+    for k, v in flt:
+        if k != "q" and _is_extreme(v):
+            vals = [u.facets.get(k) for u in cands if u.facets.get(k) is not None]
+            if vals:
+                pick = (max if v == "max" else min)(vals, key=_num_or_str)
+                out[k] = str(pick)
+    return out
+
+
+def evaluate_finding(fd: Finding, units: list[Unit]) -> list[Verdict]:
+    filters = [fd.a, fd.b] + (list(fd.minus) if fd.minus else [])
+    relevant = [u for u in units if any(_matches(u, f) for f in filters)]
+    if not relevant:
+        return [Verdict(fd, "", "", reason="no runs of these arms")]
+    strata: dict[tuple, list[Unit]] = {}
+    for u in relevant:
+        strata.setdefault(tuple(str(u.facets.get(k)) for k in fd.per), []).append(u)
+    out = []
+    for key, us in sorted(strata.items(), key=lambda kv: [_num_or_str(x) for x in kv[0]]):
+        stratum = ", ".join(f"{k} = {v}" for k, v in zip(fd.per, key) if v != "None")
+        res = [_resolve(f, us) for f in filters]
+        qs = [dict(f).get("q") for f in filters]
+        a_units = [u for u in us if _matches(u, filters[0], res[0])]
+        if not a_units:
+            out.append(Verdict(fd, stratum, "", reason="no run of arm A"))
+            continue
+        by_cfg: dict[tuple, list[Unit]] = {}
+        for u in a_units:
+            by_cfg.setdefault(u.config(), []).append(u)
+        for cfg_units in by_cfg.values():
+            ref = cfg_units[0].facets
+
+            def partner(i: int) -> list[Unit] | str:
+                cand = [u for u in us if _matches(u, filters[i], res[i])
+                        and all(str(u.facets.get(k)) == str(ref.get(k)) for k in fd.match)]
+                cfgs = {u.config() for u in cand}
+                if not cfgs:
+                    return "no run of arm " + ("B", "A′", "B′")[i - 1] + " in these sweeps"
+                if len(cfgs) > 1:
+                    return f"{len(cfgs)} configurations match arm " + ("B", "A′", "B′")[i - 1]
+                return cand
+
+            terms: list[tuple[int, list[Unit], str | None]] = [(1, cfg_units, qs[0])]
+            problems = []
+            for i, coef in ((1, -1), (2, -1), (3, 1))[: len(filters) - 1]:
+                p = partner(i)
+                if isinstance(p, str):
+                    problems.append(p)
+                else:
+                    terms.append((coef, p, qs[i]))
+            arms = " − ".join(f"{t[1][0].label()}" + (f" q = {t[2]}" if t[2] else "") for t in terms[:2])
+            if fd.minus and len(terms) == 4:
+                arms = f"({arms}) − ({terms[2][1][0].label()} − {terms[3][1][0].label()})"
+            if problems:
+                out.append(Verdict(fd, stratum, arms, reason="; ".join(problems)))
+                continue
+            if any(t[1][0].config() == terms[0][1][0].config() and t[2] == terms[0][2] for t in terms[1:2]):
+                out.append(Verdict(fd, stratum, arms, reason="arms A and B are the same runs"))
+                continue
+            out.append(_paired(fd, stratum, arms, terms))
+    return out
+
+
+def _paired(fd: Finding, stratum: str, arms: str, terms) -> Verdict:
+    by_rep = [{u.rep: u.value(fd.metric, q) for u in us} for _, us, q in terms]
+    all_reps = set().union(*by_rep)
+    reps = sorted((r for r in all_reps if all(m.get(r) is not None for m in by_rep)), key=_num_or_str)
+    missing = [f"{'seed' if fd.metric != 'latency' else 'context'} {r}" for r in sorted(all_reps - set(reps), key=_num_or_str)]
+    diffs = []
+    for r in reps:
+        if fd.contrast == "ratio":
+            diffs.append(by_rep[0][r] / by_rep[1][r] - 1)
+        else:
+            diffs.append(sum(c * m[r] for (c, _, _), m in zip(terms, by_rep)))
+    v = Verdict(fd, stratum, arms, diffs, reps, missing)
+    if len(diffs) < 2:
+        v.reason = f"an interval needs ≥ 2 paired {'context lengths' if fd.metric == 'latency' else 'seeds'}"
+        return v
+    lo, hi = t_interval(diffs)
+    if fd.metric in PROPORTIONS:
+        # ⊕ the test examples' sampling noise: each arm's seed-mean proportion p over n examples adds
+        # p(1 − p)/n to the variance of the difference (conservative: both arms score the same examples)
+        var, known = 0.0, True
+        for (_, us, _), m in zip(terms, by_rep):
+            p = statistics.fmean(m[r] for r in reps)
+            n = min((u.n_examples(fd.metric) or 0) for u in us)
+            if n <= 0:
+                known = False
+                continue
+            var += p * (1 - p) / n
+        h_t, h_ex = (hi - lo) / 2, z_quantile() * math.sqrt(var)
+        h = math.sqrt(h_t ** 2 + h_ex ** 2)
+        mid = statistics.fmean(diffs)
+        lo, hi = mid - h, mid + h
+        if not known:
+            v.reason = "test-example counts unknown: t over seeds only"
+    v.lo, v.hi = lo, hi
+    return v
+
+
+def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = None) -> list[Verdict]:
+    """Every finding of the table; per-experiment findings also get a line for each expected experiment
+    of the table's sweeps that has no runs at all (so a missing sweep is visible among the verdicts)."""
+    out = []
+    expected = []
+    if scale is not None:
+        for sw in spec.sweeps_for(scale):
+            exp = _base_experiment(sw.experiment)
+            f = {"experiment": exp, "protocol": "isoparam" if "isoparam" in exp else "isoflop" if "isoflop" in exp else None}
+            if f not in expected:
+                expected.append(f)
+    for fd in spec.findings:
+        vs = evaluate_finding(fd, units)
+        if "experiment" in fd.per and expected:
+            seen = {v.stratum for v in vs}
+            for f in expected:
+                known = {k: v for k, v in fd.a if k in f}
+                stratum = f"experiment = {f['experiment']}"
+                if stratum not in seen and all(str(f[k]) == v for k, v in known.items()):
+                    vs.append(Verdict(fd, stratum, "", reason="no runs of this experiment"))
+            vs = [v for v in vs if v.stratum or v.mean is not None or not any(x.stratum for x in vs)]
+        out += vs
+    return out
+
+
+def _base_experiment(name: str) -> str:
+    for suffix in ("_tiny", "_paper"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def run_facets(cell: "Cell", run: Run) -> dict[str, Any]:
+    m = run.data.get("model") or {}
+    N, R = m.get("layers"), m.get("loops")
+    if (N is None or R is None) and cell.combo.get("loop_depth"):
+        N, R = (int(x) for x in cell.combo["loop_depth"].split("x"))
+    exp = _base_experiment(cell.sweep.experiment)
+    return {
+        "experiment": exp,
+        "protocol": "isoparam" if "isoparam" in exp else "isoflop" if "isoflop" in exp else None,
+        "arm": cell.combo.get("arm"),
+        "size": cell.combo.get("backbone"),
+        "backbone": m.get("backbone"),
+        "state": m.get("state_mode"),
+        "N": N, "R": R, "NR": N * R if N and R else None,
+    }
+
+
+def units_for(cells: list["Cell"], mode_of=None) -> list[Unit]:
+    units = []
+    for c in cells:
+        for r in c.ok:
+            f = run_facets(c, r)
+            if mode_of is not None:
+                f["mode"] = mode_of(c)
+            units.append(Unit(f, str(r.seed), r.data, _examples(r), r.zeroshot()))
+    return units
 
 
 # ----------------------------------------------------------------------------- table
+METHOD = ("95% intervals: `m ± h` is the mean over seeds with its t-interval (h = t₀.₉₇₅,ₙ₋₁·s/√n, n seeds; "
+          "a single seed has none); accuracies also show the Wilson interval over the test examples of one run at "
+          "the seed-mean accuracy; paired differences (findings, Δ columns) are A − B per seed, same seed in both "
+          "arms, with the t-interval over those differences, for accuracies widened by the examples' sampling "
+          "noise (half-widths added in quadrature)")
+
+
 @dataclass
 class Table:
     spec: TableSpec
@@ -124,15 +599,27 @@ class Table:
     failed: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    verdicts: list[Verdict] = field(default_factory=list)
+    seeds: list[int] | None = None  # the seeds every configuration should have (None: whatever ran)
+    sizes: str = ""  # the held-out evaluation size per run
+    method: str = METHOD
 
     @property
     def stem(self) -> str:
         return f"table{self.spec.number}" + ("" if self.scale == "tiny" else f"-{self.scale}")
 
+    def setting(self) -> str:
+        parts = [self.spec.notes.get(self.scale, "")]
+        if self.spec.kind != "decode":
+            parts.append("seeds: " + (", ".join(map(str, self.seeds)) + " per configuration" if self.seeds
+                                      else "the runs found (`seeds` column)"))
+        if self.sizes:
+            parts.append(f"held-out evaluation per run: {self.sizes}")
+        parts.append(self.method)
+        return ". ".join(p[0].upper() + p[1:].rstrip(".") for p in parts if p) + "."
+
     def markdown(self) -> str:
-        out = [f"# Table {self.spec.number} — {self.spec.title} ({self.scale} scale)", ""]
-        if self.spec.notes.get(self.scale):
-            out += [f"Setting: {self.spec.notes[self.scale]}.", ""]
+        out = [f"# Table {self.spec.number} — {self.spec.title} ({self.scale} scale)", "", f"Setting: {self.setting()}", ""]
         out += [f"_{n}_" for n in self.notes] + ([""] if self.notes else [])
         if self.rows:
             out.append("| " + " | ".join(self.columns) + " |")
@@ -147,14 +634,23 @@ class Table:
         out += [f"- {m}" for m in self.missing]
         out += ["", f"Failed runs ({len(self.failed)}): " + ("none" if not self.failed else "")]
         out += [f"- {f['config']} — {f['error']} ({f['path']})" for f in self.failed]
+        out += ["", "## Findings", "", "The papers' claims (experiments/README.md), each checked as a paired difference "
+                "A − B with its 95% interval: **reproduced** = the interval excludes 0 on the paper's side, "
+                "**contradicted** = it excludes 0 on the other side, **inconclusive** = it contains 0 (or could not "
+                "be computed).", ""]
+        out += [v.line() for v in self.verdicts] or ["(this table checks no finding)"]
         return "\n".join(out) + "\n"
 
     def csv(self) -> str:
         cols: list[str] = []
+        wilson = set()
         for c in self.columns:
             cols.append(c)
             if any(isinstance(r.get(c), Stat) for r in self.rows):
-                cols += [f"{c} std", f"{c} n"]
+                cols += [f"{c} lo", f"{c} hi", f"{c} std", f"{c} n"]
+                if any(isinstance(r.get(c), Stat) and r[c].examples for r in self.rows):
+                    cols += [f"{c} wilson lo", f"{c} wilson hi", f"{c} examples"]
+                    wilson.add(c)
         buf = io.StringIO()
         w = csv.writer(buf)
         w.writerow(cols)
@@ -162,18 +658,28 @@ class Table:
             line = []
             for c in self.columns:
                 v = r.get(c)
+                has_stat = f"{c} std" in cols
                 if isinstance(v, Stat):
-                    line += [_num(v.mean), _num(v.std), v.n]
+                    ci = v.interval or (None, None)
+                    line += [_num(v.mean), _num(ci[0]), _num(ci[1]), _num(v.std), v.n]
+                    if c in wilson:
+                        wi = v.wilson or (None, None)
+                        line += [_num(wi[0]), _num(wi[1]), v.examples or ""]
                 else:
                     line.append("" if v is None else v)
-                    if f"{c} std" in cols:
-                        line += ["", ""]
+                    if has_stat:
+                        line += ["", "", "", ""] + (["", "", ""] if c in wilson else [])
             w.writerow(line)
         return buf.getvalue()
 
     def value(self, row: dict[str, Any], column: str) -> float | None:
         v = row.get(column)
         return v.mean if isinstance(v, Stat) else v if isinstance(v, (int, float)) else None
+
+    def findings_json(self) -> dict[str, Any]:
+        return {"table": self.spec.number, "title": self.spec.title, "scale": self.scale, "stem": self.stem,
+                "seeds": self.seeds, "sizes": self.sizes, "missing": len(self.missing), "failed": len(self.failed),
+                "findings": [v.as_dict() for v in self.verdicts]}
 
 
 def _num(v):
@@ -185,11 +691,34 @@ def _cell(v) -> str:
         return "—"
     if isinstance(v, Stat):
         return v.fmt()
+    if isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, float) for x in v):
+        return f"[{v[0]:.3f}, {v[1]:.3f}]"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, int) and abs(v) >= 10_000:
         return f"{v:,}"
     return str(v)
+
+
+def _sizes(cells: list["Cell"]) -> str:
+    found: dict[str, set[int]] = {}
+    unknown = False
+    for c in cells:
+        for r in c.ok:
+            n, unit = held_out_size(r.data)
+            if n is None:
+                unknown = True
+            else:
+                found.setdefault(unit, set()).add(n)
+    parts = []
+    for unit, ns in sorted(found.items()):
+        lo, hi = min(ns), max(ns)
+        parts.append(f"{lo:,} {unit}" if lo == hi else f"{lo:,}–{hi:,} {unit}")
+    if unknown:
+        parts.append("unknown for runs whose results.json records no dataset config")
+    what = {"examples": " (test examples; accuracy is scored at each one's answer)",
+            "tokens": " (held-out target tokens)"}
+    return "; ".join(p + what.get(p.split()[-1], "") for p in parts)
 
 
 # ----------------------------------------------------------------------------- grouping
@@ -262,15 +791,22 @@ def _base_row(cell: Cell) -> dict[str, Any]:
     }
     if cell.combo.get("arm"):
         row["arm"] = cell.combo["arm"]
+    if cell.combo.get("backbone"):
+        row["size"] = cell.combo["backbone"]
     return row
 
 
 def _bookkeeping(cells: list[Cell], table: Table) -> None:
     for c in cells:
-        if not c.ok and not c.failed:
+        if c.expected and table.seeds:
+            have = {str(r.seed) for r in c.ok} | {str(r.seed) for r in c.failed}
+            table.missing += [f"{c.label()} seed={s}" for s in table.seeds if str(s) not in have]
+        elif not c.ok and not c.failed:
             table.missing.append(c.label())
         for r in c.failed:
-            table.failed.append({"config": c.label(), "error": str(r.data.get("error", "unknown error")).splitlines()[0][:300],
+            seed = f" seed={r.seed}" if r.seed is not None else ""
+            table.failed.append({"config": c.label() + seed,
+                                 "error": str(r.data.get("error", "unknown error")).splitlines()[0][:300],
                                  "path": str(r.path)})
 
 
@@ -284,17 +820,26 @@ def _per_depth(cell: Cell) -> str:
 
 
 # ----------------------------------------------------------------------------- builders per kind
-def _build_runs(spec: TableSpec, scale: str, out_root: Path) -> tuple[Table, list[Cell]]:
-    table = Table(spec, scale, [], [])
+def _build_runs(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None) -> tuple[Table, list[Cell]]:
+    table = Table(spec, scale, [], [], seeds=seeds)
     cells: list[Cell] = []
     for sw in spec.sweeps_for(scale):
         cells += cells_for(sw, Path(out_root) / f"table{spec.number}" / scale / sw.folder)
     _bookkeeping(cells, table)
+    table.sizes = _sizes(cells)
     return table, cells
 
 
-def build_lm(spec: TableSpec, scale: str, out_root: Path) -> Table:
-    table, cells = _build_runs(spec, scale, out_root)
+def _wilson_cell(s: Stat):
+    return s.wilson if isinstance(s, Stat) else None
+
+
+def build_lm(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None) -> Table:
+    return _lm(spec, scale, out_root, seeds)[0]
+
+
+def _lm(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None) -> tuple[Table, list[Cell]]:
+    table, cells = _build_runs(spec, scale, out_root, seeds)
     zs_any = False
     for c in cells:
         if not c.ok:
@@ -302,61 +847,83 @@ def build_lm(spec: TableSpec, scale: str, out_root: Path) -> Table:
         row = _base_row(c)
         row["perplexity"] = stat(c.ok, lambda d: d["perplexity"])
         row["loss"] = stat(c.ok, lambda d: d["loss"])
-        zs = [z for z in (r.zeroshot() for r in c.ok) if z and z.get("average_acc") is not None]
-        row["zero-shot avg"] = Stat([float(z["average_acc"]) for z in zs]) if zs else "n/a"
+        zs = [(z, _zeroshot_items(z)) for z in (r.zeroshot() for r in c.ok) if z and z.get("average_acc") is not None]
+        if zs:
+            ns = [n for _, n in zs if n]
+            row["zero-shot avg"] = Stat([float(z["average_acc"]) for z, _ in zs], min(ns) if ns else None)
+            row["zero-shot Wilson 95%"] = _wilson_cell(row["zero-shot avg"])
+        else:
+            row["zero-shot avg"] = "n/a"
         zs_any |= bool(zs)
         row["state overhead"] = _first(c, "state_branch_overhead")
         table.rows.append(row)
-    base = ["experiment", "backbone", "N⊗R", "state", "seeds", "perplexity", "loss", "zero-shot avg", "params",
-            "state overhead", "FLOPs/token", "steps"]
+    base = ["experiment", "backbone", "N⊗R", "state", "seeds", "perplexity", "loss", "zero-shot avg", "zero-shot Wilson 95%",
+            "params", "state overhead", "FLOPs/token", "steps"]
+    if not zs_any:
+        base.remove("zero-shot Wilson 95%")
+    if any("size" in r for r in table.rows):
+        base.insert(1, "size")
     table.columns = ["experiment", "arm"] + base[1:] if any("arm" in r for r in table.rows) else base
     if not zs_any:
-        table.notes.append("zero-shot avg: n/a — " + ("not evaluated at tiny scale (see setting)" if scale == "tiny"
-                           else "run `python -m looplab.tables zeroshot N --scale paper` to fill it"))
-    return table
+        table.notes.append("zero-shot avg: n/a — " + (f"run `python -m looplab.tables zeroshot {spec.number} --scale {scale}"
+                           + (" --tasks looplab_tiny" if scale == "tiny" else "") + "` to fill it"))
+    else:
+        table.notes.append("zero-shot avg: mean accuracy over the suite's tasks (zeroshot.json of each run); "
+                           "Wilson interval over the suite's items of one run")
+    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    return table, cells
 
 
-def build_task(spec: TableSpec, scale: str, out_root: Path) -> Table:
-    table, cells = _build_runs(spec, scale, out_root)
+def build_task(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None) -> Table:
+    table, cells = _build_runs(spec, scale, out_root, seeds)
     for c in cells:
         if not c.ok:
             continue
         row = _base_row(c)
-        row["accuracy"] = stat(c.ok, lambda d: d["accuracy"])
+        row["accuracy"] = stat(c.ok, lambda d: d["accuracy"], _examples)
+        row["Wilson 95% (examples)"] = _wilson_cell(row["accuracy"])
         row["acc per loop depth (1..R)"] = _per_depth(c)
         table.rows.append(row)
-    table.columns = ["experiment", "backbone", "N⊗R", "seeds", "accuracy", "acc per loop depth (1..R)", "params",
-                     "FLOPs/token", "steps"]
+    table.columns = ["experiment", "backbone", "N⊗R", "seeds", "accuracy", "Wilson 95% (examples)", "acc per loop depth (1..R)",
+                     "params", "FLOPs/token", "steps"]
     table.notes.append("accuracy: exact match of the answer token on the held-out test split; "
-                       "acc per loop depth: the same model read out after loop 1, 2, … R (shared final norm + head)")
+                       "acc per loop depth: the same model read out after loop 1, 2, … R (shared final norm + head), seed means")
+    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
     return table
 
 
-def build_depth(spec: TableSpec, scale: str, out_root: Path) -> Table:
-    table = build_lm(spec, scale, out_root)
-    by_r: dict[tuple[str, str], dict[str, float | None]] = {}
+def _paired_column(table: Table, cells: list[Cell], name: str, ref_arm, note: str) -> None:
+    """Δ column: this row's perplexity minus the reference arm's at the same N⊗R, paired by seed."""
+    by_key = {(_nxr(c), c.sweep.folder, c.combo.get("backbone"), c.combo.get("arm")): c for c in cells if c.ok and c.expected}
     for row in table.rows:
-        by_r.setdefault((row["N⊗R"], row["experiment"]), {})[row.get("arm") or row["state"]] = table.value(row, "perplexity")
-    for row in table.rows:
-        arms = by_r[(row["N⊗R"], row["experiment"])]
-        looped = arms.get("looped", arms.get("vanilla"))
-        mine = table.value(row, "perplexity")
-        row["gap vs looped"] = (looped - mine) if (row.get("arm", row["state"]) not in ("looped", "vanilla")
-                                                   and looped is not None and mine is not None) else None
-    table.columns.insert(table.columns.index("perplexity") + 1, "gap vs looped")
-    table.notes.append("gap vs looped: perplexity of Vanilla Looped minus StateLoop's at the same N⊗R (positive = StateLoop better)")
+        ref = by_key.get((row["N⊗R"], row["experiment"], row.get("size"), ref_arm))
+        mine = by_key.get((row["N⊗R"], row["experiment"], row.get("size"), row.get("arm")))
+        row[name] = (paired_stat(mine.ok, ref.ok, lambda d: d["perplexity"])
+                     if ref is not None and mine is not None and mine is not ref else None)
+    table.columns.insert(table.columns.index("perplexity") + 1, name)
+    table.notes.append(note)
+
+
+def build_depth(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None) -> Table:
+    table, cells = _lm(spec, scale, out_root, seeds)
+    _paired_column(table, cells, "Δ vs looped (paired)", "looped",
+                   "Δ vs looped: perplexity of this arm minus Vanilla Looped's at the same N⊗R, paired by seed, "
+                   "mean ± 95% t-interval (negative = StateLoop better)")
     return table
 
 
-def build_reset(spec: TableSpec, scale: str, out_root: Path) -> Table:
-    table = build_lm(spec, scale, out_root)
-    carry = {row["N⊗R"]: table.value(row, "perplexity") for row in table.rows if row.get("arm", row["state"]) == "stateloop"}
-    for row in table.rows:
-        c, mine = carry.get(row["N⊗R"]), table.value(row, "perplexity")
-        row["Δ vs carry"] = None if (c is None or mine is None) else mine - c
-    table.columns.insert(table.columns.index("perplexity") + 1, "Δ vs carry")
-    table.notes.append("Δ vs carry: perplexity of this arm minus the carrying StateLoop's (positive = resetting the state hurts)")
+def build_reset(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None) -> Table:
+    table, cells = _lm(spec, scale, out_root, seeds)
+    _paired_column(table, cells, "Δ vs carry (paired)", "stateloop",
+                   "Δ vs carry: perplexity of this arm minus the carrying StateLoop's, paired by seed, mean ± 95% "
+                   "t-interval (positive = resetting the state hurts)")
     return table
+
+
+def _exit_step(d: dict[str, Any], q: str) -> float | None:
+    """Mean exit step at the scored positions: the answers (tasks) or every target token (LM)."""
+    e = (d.get("exit") or {}).get(q) or {}
+    return e.get("answer_step") if e.get("answer_step") is not None else e.get("mean_step")
 
 
 def _exit_rows(cell: Cell, mode: str) -> list[dict[str, Any]]:
@@ -367,42 +934,49 @@ def _exit_rows(cell: Cell, mode: str) -> list[dict[str, Any]]:
     if mode == "fixed loops":
         R = _first(cell, "model", "loops") or 0
         for k in range(R):
-            rows.append({**base, "setting": f"exit at step {k + 1}",
-                         "accuracy": stat(cell.ok, lambda d, k=k: d["per_depth"]["acc"][k]),
+            acc = stat(cell.ok, lambda d, k=k: d["per_depth"]["acc"][k], _examples)
+            rows.append({**base, "setting": f"exit at step {k + 1}", "accuracy": acc, "Wilson 95% (examples)": _wilson_cell(acc),
                          "mean exit step": float(k + 1),
                          "loss": stat(cell.ok, lambda d, k=k: d["per_depth"]["loss"][k])})
         return rows
     qs = sorted({q for r in cell.ok for q in (r.data.get("exit") or {})}, key=float)
     for q in qs:
-        rows.append({**base, "setting": f"q = {q}",
-                     "accuracy": stat(cell.ok, lambda d, q=q: d["exit"][q]["acc"]),
-                     "mean exit step": stat(cell.ok, lambda d, q=q: d["exit"][q]["mean_step"]),
+        acc = stat(cell.ok, lambda d, q=q: d["exit"][q]["acc"], _examples)
+        rows.append({**base, "setting": f"q = {q}", "accuracy": acc, "Wilson 95% (examples)": _wilson_cell(acc),
+                     "mean exit step": stat(cell.ok, lambda d, q=q: _exit_step(d, q)),
                      "loss": stat(cell.ok, lambda d, q=q: d["exit"][q]["loss"])})
     return rows
 
 
-def build_exit(spec: TableSpec, scale: str, out_root: Path) -> Table:
-    table, cells = _build_runs(spec, scale, out_root)
+def _exit_mode(c: Cell) -> str:
+    if c.sweep.init_from is not None:
+        return "stage 2"
+    gate = c.combo.get("exit_gate") or _first(c, "model", "exit_gate", default="?")
+    return "fixed loops" if gate == "none" else "stage 1"
+
+
+def build_exit(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None) -> Table:
+    table, cells = _build_runs(spec, scale, out_root, seeds)
     for c in cells:
-        if not c.ok:
-            continue
-        if c.sweep.init_from is not None:
-            mode = "stage 2"
-        else:
-            gate = c.combo.get("exit_gate") or _first(c, "model", "exit_gate", default="?")
-            mode = "fixed loops" if gate == "none" else "stage 1"
-        table.rows += _exit_rows(c, mode)
+        if c.ok:
+            table.rows += _exit_rows(c, _exit_mode(c))
     order = {"fixed loops": 0, "stage 1": 1, "stage 2": 2}
     table.rows.sort(key=lambda r: (r["experiment"], order.get(r["mode"], 3)))
-    table.columns = ["experiment", "backbone", "N⊗R", "state", "mode", "setting", "seeds", "accuracy", "mean exit step", "loss"]
+    table.columns = ["experiment", "backbone", "N⊗R", "state", "mode", "setting", "seeds", "accuracy", "Wilson 95% (examples)",
+                     "mean exit step", "loss"]
     table.notes.append("fixed loops: the exit_gate=none model read out at depth k; stage 1: joint gate training (Ouro); "
-                       "stage 2: gate only, backbone frozen and loaded from the fixed-loop run; q: exit at the first depth "
-                       "whose cumulative exit probability reaches q (q > 1 never exits early)")
+                       "stage 2: gate only, backbone frozen and loaded from the fixed-loop run of the same seed; q: exit at "
+                       "the first depth whose cumulative exit probability reaches q (q > 1 never exits early); mean exit "
+                       "step: at the answer positions (tasks) or over all target tokens (LM), mean ± 95% t over seeds")
+    table.verdicts = evaluate_findings(spec, units_for(cells, _exit_mode), scale)
     return table
 
 
-def build_decode(spec: TableSpec, scale: str, out_root: Path, decode_json: Path = DEFAULT_DECODE_JSON) -> Table:
+def build_decode(spec: TableSpec, scale: str, out_root: Path, decode_json: Path = DEFAULT_DECODE_JSON,
+                 seeds: list[int] | None = None) -> Table:
     table = Table(spec, scale, [], [])
+    table.method = ("findings: StateLoop's latency relative to a Vanilla Looped model, per context length "
+                    "(each a median over timed tokens), with the 95% t-interval over the context lengths")
     data = None
     path = Path(decode_json)
     if path.exists():
@@ -415,6 +989,7 @@ def build_decode(spec: TableSpec, scale: str, out_root: Path, decode_json: Path 
                 data, path = d, alt
     if not data or not data.get("per_token_ms"):
         table.missing.append(f"{decode_json}: not found — run `python -m looplab.tables run 4` (or `python -m looplab.bench.decode`)")
+        table.verdicts = evaluate_findings(spec, [])
         return table
     contexts = list(data["per_token_ms"])
     models = list(next(iter(data["per_token_ms"].values())))
@@ -440,6 +1015,10 @@ def build_decode(spec: TableSpec, scale: str, out_root: Path, decode_json: Path 
             table.summary[f"skip_compute.{key}"] = sc[key]
     table.notes.append(f"from {path}: dims {data.get('dims')}, {data.get('threads')} thread(s), {data.get('dtype')}, "
                        "medians after warm-up, models timed round-robin")
+    table.sizes = f"{len(contexts)} context length(s) ({', '.join(contexts)}), {data.get('repeats', '?')} timed tokens each"
+    units = [Unit({"model": name}, str(ctx), {"latency": ms}) for ctx, per in data["per_token_ms"].items()
+             for name, ms in per.items()]
+    table.verdicts = evaluate_findings(spec, units)
     return table
 
 
@@ -447,21 +1026,30 @@ BUILDERS = {"lm": build_lm, "task": build_task, "depth": build_depth, "reset": b
             "decode": build_decode}
 
 
-def build(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, **kwargs) -> Table:
-    """Table `number` at `scale` from the results.json files under out_root/tableN/<scale>/."""
+def build(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, seeds: list[int] | None = None,
+          **kwargs) -> Table:
+    """Table `number` at `scale` from the results.json files under out_root/tableN/<scale>/.
+
+    seeds: the seeds every configuration should have (default: spec.DEFAULT_SEEDS of the scale); the
+    seeds missing from a configuration are listed as missing runs.
+    """
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is unknown; choose one of {SCALES}")
     spec = get(number)
-    return BUILDERS[spec.kind](spec, scale, Path(out_root), **kwargs)
+    seeds = list(seeds) if seeds else default_seeds(scale)
+    return BUILDERS[spec.kind](spec, scale, Path(out_root), seeds=seeds, **kwargs)
 
 
 def write(table: Table, table_dir: Path = DEFAULT_TABLE_DIR, plot: bool = True) -> list[Path]:
-    """experiments/tables/tableN.md and .csv (tableN-paper.* at paper scale), plus the PNG where the table has a plot."""
+    """experiments/tables/tableN.md, .csv and .findings.json (tableN-paper.* at paper scale), the PNG where
+    the table has a plot, and the verdict summary README.md of the folder (regenerated from every
+    tableN*.findings.json there)."""
     table_dir = Path(table_dir)
     table_dir.mkdir(parents=True, exist_ok=True)
-    md, cs = table_dir / f"{table.stem}.md", table_dir / f"{table.stem}.csv"
+    md, cs, fj = table_dir / f"{table.stem}.md", table_dir / f"{table.stem}.csv", table_dir / f"{table.stem}.findings.json"
     md.write_text(table.markdown())
     cs.write_text(table.csv())
+    fj.write_text(json.dumps(table.findings_json(), indent=2) + "\n")
     paths = [md, cs]
     if plot and table.rows:
         from looplab.tables.plots import plot_table
@@ -469,4 +1057,47 @@ def write(table: Table, table_dir: Path = DEFAULT_TABLE_DIR, plot: bool = True) 
         png = plot_table(table, table_dir / f"{table.stem}.png")
         if png:
             paths.append(png)
+    paths += [fj, write_summary(table_dir)]
     return paths
+
+
+def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
+    """README.md of the tables folder: every table's verdicts, from the tableN*.findings.json files the reports wrote."""
+    from looplab.tables.spec import TABLES
+
+    table_dir = Path(table_dir)
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for p in sorted(table_dir.glob("table*.findings.json")):
+        try:
+            d = json.loads(p.read_text())
+            found[(d["scale"], int(d["table"]))] = d
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    out = ["# Paper findings: verdicts of every table", "",
+           "Generated by `python -m looplab.tables report N` (every report rewrites this file from the "
+           "`tableN.findings.json` files next to it; `python -m looplab.tables summary` does it alone): do not edit by hand.",
+           "", "Each finding is a paired difference A − B across seeds (same seed in both arms; table 4: across context "
+           "lengths) with its 95% interval. **reproduced**: the interval excludes 0 with the paper's sign; "
+           "**contradicted**: it excludes 0 with the other sign; **inconclusive**: it contains 0 or could not be "
+           "computed. Methods and the findings per table: `experiments/README.md`.", ""]
+    scales = [s for s in SCALES if any(k[0] == s for k in found)] or ["tiny"]
+    for scale in scales:
+        counts: dict[str, int] = {}
+        rows = []
+        for n in sorted(TABLES):
+            d = found.get((scale, n))
+            name = f"table{n}" + ("" if scale == "tiny" else f"-{scale}")
+            if d is None:
+                rows.append(f"| [{n}]({name}.md) | {TABLES[n].title} | — | — | not built yet |")
+                continue
+            if not d["findings"]:
+                rows.append(f"| [{n}]({name}.md) | {d['title']} | — | — | no finding |")
+            for f in d["findings"]:
+                counts[f["verdict"]] = counts.get(f["verdict"], 0) + 1
+                rows.append(f"| [{n}]({name}.md) | {f['title']} | {f['claim']} | {f['measured']} | **{f['verdict']}** |")
+        tally = ", ".join(f"{counts.get(v, 0)} {v}" for v in ("reproduced", "contradicted", "inconclusive"))
+        out += [f"## {scale} scale — {tally}", "", "| table | finding (A − B) | paper | measured: mean [95% interval] | verdict |",
+                "|---|---|---|---|---|"] + rows + [""]
+    path = table_dir / "README.md"
+    path.write_text("\n".join(out))
+    return path

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from looplab.tables.spec import Sweep, TableSpec, get
+from looplab.tables.spec import ZEROSHOT_TASKS, Sweep, TableSpec, default_seeds, get
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
@@ -58,6 +58,8 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
             f"hydra.sweep.dir={sweep_dir(out_root, spec.number, scale, sw)}", f"logger={logger}"]
     if hardware:
         argv.append(f"hardware={hardware}")
+        if hardware != "fsdp" and _experiment_hardware(sw) == "fsdp":
+            argv.append("trainer.strategy=fsdp")  # e.g. hardware=slurm keeps the experiment's FSDP2 sharding
     argv += [_override_list(k, v) for k, v in sw.params]
     argv += list(sw.fixed)
     if init_from is not None:
@@ -68,6 +70,16 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
         argv.append(_override_list("seed", seeds))
     argv += list(extra)
     return Command(argv, sw, seed=seed)
+
+
+def _experiment_hardware(sw: Sweep) -> str | None:
+    """The `override /hardware: X` of the experiment's defaults list."""
+    for entry in sw.experiment_config().get("defaults") or []:
+        if isinstance(entry, dict):
+            for k, v in entry.items():
+                if k.split()[-1].strip("/") == "hardware":
+                    return v
+    return None
 
 
 def _parse(overrides: list[str]) -> dict[str, str]:
@@ -115,15 +127,21 @@ def decode_command(scale: str, decode_json: Path, extra: list[str]) -> Command:
 
 
 def zeroshot_command(spec: TableSpec, scale: str, out_root: Path) -> Command:
-    return Command([sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale,
-                    "--out-root", str(out_root)], note="8-task zero-shot average of every trained checkpoint")
+    tasks = ZEROSHOT_TASKS.get(scale)
+    argv = [sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale, "--out-root", str(out_root)]
+    argv += ["--tasks", tasks] if tasks else []
+    return Command(argv, note=f"zero-shot ({tasks or 'the 8-task suite'}) of every trained checkpoint")
 
 
 def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: str | None = None,
          extra: list[str] | None = None, seeds: list[int] | None = None, hardware: str | None = None,
          decode_json: Path = DEFAULT_DECODE_JSON, dry_run: bool = True, zeroshot: bool | None = None) -> list[Command]:
-    """The commands of table `number` at `scale` (stage-2 paths predicted when dry_run)."""
+    """The commands of table `number` at `scale` (stage-2 paths predicted when dry_run).
+
+    seeds: None = spec.DEFAULT_SEEDS of the scale (tiny: 1,2,3; paper: the experiment's own seed).
+    """
     spec = get(number)
+    seeds = list(seeds) if seeds else default_seeds(scale)
     logger = logger or default_logger(scale)
     extra = list(extra or [])
     if spec.kind == "decode":
@@ -137,7 +155,7 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
                 path = resolve_init_from(spec, scale, sw, out_root, seed, seeds, dry_run=True)
                 cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds,
                                           hardware=hardware, init_from=path, seed=seed))
-    if zeroshot if zeroshot is not None else (number == 1 and scale == "paper"):
+    if zeroshot if zeroshot is not None else number == 1:
         cmds.append(zeroshot_command(spec, scale, out_root))
     return cmds
 
@@ -151,6 +169,7 @@ def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: s
     Returns one record per command: argv, returncode (None when skipped or dry), seconds.
     """
     spec = get(number)
+    seeds = list(seeds) if seeds else default_seeds(scale)
     cmds = plan(number, scale, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware,
                 decode_json=decode_json, dry_run=True, zeroshot=zeroshot)
     records = []
@@ -186,7 +205,7 @@ def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: s
         from looplab.tables.report import build, write
 
         kwargs = {"decode_json": decode_json} if spec.kind == "decode" else {}
-        table = build(number, scale, out_root, **kwargs)
+        table = build(number, scale, out_root, seeds=seeds, **kwargs)
         paths = write(table, table_dir) if table_dir else write(table)
         print(table.markdown(), flush=True)
         print(f"[table{number}] wrote " + ", ".join(str(p) for p in paths), flush=True)

@@ -10,13 +10,22 @@ can list the missing ones. Nothing here imports the model or the trainer.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 CONF = ROOT / "conf"
 SCALES = ("tiny", "paper")
+# Seeds a table runs when `--seeds` is not given: three at tiny scale, so every row has an interval
+# and every paper comparison a paired difference across seeds; the experiment's own seed at paper scale.
+DEFAULT_SEEDS: dict[str, tuple[int, ...]] = {"tiny": (1, 2, 3), "paper": ()}
+# lm-eval tasks of table 1's zero-shot column (None: the paper's 8-task hub suite)
+ZEROSHOT_TASKS: dict[str, str | None] = {"tiny": "looplab_tiny", "paper": None}
+
+
+def default_seeds(scale: str) -> list[int] | None:
+    return list(DEFAULT_SEEDS.get(scale, ())) or None
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,55 @@ def sweep(experiment: str, params: dict[str, list[str]] | None = None, fixed: li
     )
 
 
+Filter = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One claim of a paper, checked as a paired difference A − B across seeds.
+
+    Arms are filters on a run's facets (report.py: `experiment` — the experiment name without
+    `_tiny`/`_paper` —, `arm`, `backbone`, `size` (a swept backbone preset), `N`, `R`, `NR`,
+    `mode` (table 8), `model` (table 4)); a value `max`/`min` picks the largest/smallest value
+    of that facet among the stratum's runs matching the rest of the filter; the key `q` is not a
+    facet but the exit threshold whose readout the metric takes (table 8).
+    A and B are paired by seed (table 4: by context length) and must agree on the `per` and
+    `match` facets; one verdict line per value of the `per` facets (and per A configuration).
+    `minus` turns it into a difference in differences: (A − B) − (A' − B').
+    sign: the sign of A − B the paper reports (−1: A is lower).
+    contrast: 'diff' (A − B) or 'ratio' (A / B − 1).
+    """
+
+    label: str  # what is compared, e.g. "StateLoop − Vanilla Looped"
+    claim: str  # what the paper reports, with its numbers
+    metric: str  # perplexity | accuracy | zero-shot | exit step | latency
+    a: Filter
+    b: Filter
+    sign: int
+    per: tuple[str, ...] = ()
+    match: tuple[str, ...] = ()
+    minus: tuple[Filter, Filter] | None = None
+    contrast: str = "diff"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "claim": self.claim, "metric": self.metric, "a": dict(self.a), "b": dict(self.b),
+                "sign": self.sign, "per": list(self.per), "match": list(self.match),
+                "minus": [dict(m) for m in self.minus] if self.minus else None, "contrast": self.contrast}
+
+
+def finding(label: str, claim: str, metric: str, a: dict[str, Any], b: dict[str, Any], sign: int, *,
+            per: tuple[str, ...] = (), match: tuple[str, ...] = (),
+            minus: tuple[dict[str, Any], dict[str, Any]] | None = None, contrast: str = "diff") -> Finding:
+    if sign not in (-1, 1) or contrast not in ("diff", "ratio"):
+        raise ValueError(f"finding {label!r}: sign must be ±1 and contrast diff|ratio")
+
+    def f(d):
+        return tuple((k, str(v)) for k, v in d.items())
+
+    return Finding(label, claim, metric, f(a), f(b), sign, tuple(per), tuple(match),
+                   (f(minus[0]), f(minus[1])) if minus else None, contrast)
+
+
 @dataclass(frozen=True)
 class TableSpec:
     number: int
@@ -105,6 +163,7 @@ class TableSpec:
     sweeps: dict[str, tuple[Sweep, ...]]  # scale -> sweeps (empty for table 4)
     metric: str  # 'perplexity' or 'accuracy'
     notes: dict[str, str] = field(default_factory=dict)  # scale -> what differs from the paper
+    findings: tuple[Finding, ...] = ()  # the papers' claims this table checks (experiments/README.md)
 
     def sweeps_for(self, scale: str) -> tuple[Sweep, ...]:
         if scale not in SCALES:
@@ -126,9 +185,8 @@ def _exit_sweeps(experiments: list[str]) -> tuple[Sweep, ...]:
 TABLES: dict[int, TableSpec] = {
     1: TableSpec(1, "StateLoop main: Vanilla, Vanilla Looped, StateLoop, +attn, +Mamba-2", "lm",
                  {"tiny": (sweep("stateloop_main_tiny"),), "paper": (sweep("stateloop_main"),)}, "perplexity",
-                 notes={"tiny": "2⊗3 llama d128 on the embedded Shakespeare corpus, 300 steps; zero-shot: n/a (a 300-step "
-                                "Shakespeare model is at chance on any zero-shot suite; `zeroshot 1 --tasks looplab_tiny_mc` "
-                                "runs the plumbing on the shipped 20-question task)",
+                 notes={"tiny": "2⊗3 llama d128 on the embedded Shakespeare corpus, 300 steps; zero-shot: the offline "
+                                "`looplab_tiny` suite on the held-out plays (`zeroshot 1 --tasks looplab_tiny`, run by `make table1`)",
                         "paper": "6⊗4 at 410M and 1.4B on the Pile; zero-shot average over the 8-task suite "
                                  "(`python -m looplab.tables zeroshot 1 --scale paper` after training)"}),
     2: TableSpec(2, "Loop depth: Vanilla Looped vs StateLoop, R = 3..7", "depth",
@@ -163,6 +221,65 @@ TABLES: dict[int, TableSpec] = {
                  notes={"tiny": "1⊗4 on p-hop (n 32, p 3); stage 2 warm-starts from the fixed-loop run",
                         "paper": "4⊗4 on the Pile (accuracy = next-token accuracy)"}),
 }
+
+
+# The papers' claims each table checks (/work/shared/seeds: StateLoop, Song et al.; looped SSMs, Yu et al.,
+# arXiv 2607.10110), spelled out in experiments/README.md. Signs are those of A − B in the paper.
+FINDINGS: dict[int, tuple[Finding, ...]] = {
+    1: (
+        finding("StateLoop − Vanilla Looped", "StateLoop lowers Pile perplexity by 0.18 vs Vanilla Looped (1.4B)",
+                "perplexity", {"arm": "stateloop"}, {"arm": "looped"}, -1, per=("size",)),
+        finding("StateLoop − Vanilla Looped", "StateLoop raises the 8-task zero-shot average by +0.97 pp (1.4B)",
+                "zero-shot", {"arm": "stateloop"}, {"arm": "looped"}, +1, per=("size",)),
+        finding("StateLoop+attn − Vanilla Looped", "the causal-attention state mixer raises it by +1.43 pp (1.4B)",
+                "zero-shot", {"arm": "stateloop_attn"}, {"arm": "looped"}, +1, per=("size",)),
+        finding("StateLoop+Mamba-2 − Vanilla Looped", "the Mamba-2 state mixer raises it by +1.44 pp (1.4B)",
+                "zero-shot", {"arm": "stateloop_mamba2"}, {"arm": "looped"}, +1, per=("size",)),
+    ),
+    2: (
+        finding("StateLoop − Vanilla Looped", "StateLoop's perplexity is lower at every depth: −0.14 at R = 3 … −0.30 at R = 7 (410M)",
+                "perplexity", {"arm": "stateloop"}, {"arm": "looped"}, -1, per=("R",)),
+        finding("gap at the largest R − gap at the smallest R", "the gap grows with depth: −0.14 at R = 3 to −0.30 at R = 7 "
+                "(change −0.16)", "perplexity", {"arm": "stateloop", "R": "max"}, {"arm": "looped", "R": "max"}, -1,
+                minus=({"arm": "stateloop", "R": "min"}, {"arm": "looped", "R": "min"})),
+    ),
+    3: (
+        finding("reset − carry", "resetting the state every loop worsens Pile perplexity from 9.04 to 9.25 (+0.21)",
+                "perplexity", {"arm": "stateloop_reset"}, {"arm": "stateloop"}, +1),
+    ),
+    4: (
+        finding("StateLoop(R) / Vanilla Looped(R) − 1", "the state branch adds 1.42% decoding latency per token",
+                "latency", {"model": "stateloop_R"}, {"model": "vanilla_R"}, +1, contrast="ratio"),
+        finding("StateLoop(R) / Vanilla Looped(R+1) − 1", "StateLoop decodes with 18.86% less latency than Vanilla Looped "
+                "with one extra loop", "latency", {"model": "stateloop_R"}, {"model": "vanilla_R+1"}, -1, contrast="ratio"),
+    ),
+    5: (
+        finding("N⊗R − N⊗1 (equal parameters)", "looped Mamba-2 on Mano, L = 24: 4⊗6 99.35% vs 4⊗1 7.50%",
+                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("N",)),
+        finding("N⊗R − (N·R)⊗1 (equal FLOPs)", "looped Mamba-2 on Mano, L = 24: 4⊗6 99.35% vs 24⊗1 37.45%",
+                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("NR",)),
+    ),
+    6: (
+        finding("1⊗R − 1⊗1 (equal parameters)", "looped Mamba-2 on p-hop (n 256, p 32): 1⊗12 ≈ 99.89% vs 1⊗1 ≈ 38–41%",
+                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("N",)),
+    ),
+    7: (
+        finding("N⊗R − N⊗1 (equal parameters)", "at a fixed parameter budget more loops lower validation perplexity",
+                "perplexity", {"protocol": "isoparam", "R": "max"}, {"protocol": "isoparam", "R": "1"}, -1,
+                per=("experiment",), match=("N",)),
+        finding("N⊗R − (N·R)⊗1 (equal FLOPs)", "at equal FLOPs the deeper non-looped model (24⊗1) keeps the lower "
+                "validation perplexity", "perplexity", {"protocol": "isoflop", "R": "max"}, {"protocol": "isoflop", "R": "1"},
+                +1, per=("experiment",), match=("NR",)),
+    ),
+    8: (
+        finding("stage 2 at q = 0.5 − fixed loops at R", "140M Mamba-2: the stage-2 gate averages 38.87 vs 37.79 for the "
+                "fixed 4-loop model", "accuracy", {"mode": "stage 2", "q": "0.5"}, {"mode": "fixed loops"}, +1,
+                per=("experiment",)),
+        finding("stage 2 mean exit step at q = 0.5 − R", "the stage-2 gate gets there at mean exit step 3.00 of 4",
+                "exit step", {"mode": "stage 2", "q": "0.5"}, {"mode": "fixed loops"}, -1, per=("experiment",)),
+    ),
+}
+TABLES = {n: replace(t, findings=FINDINGS.get(n, ())) for n, t in TABLES.items()}
 
 
 def get(number: int) -> TableSpec:
