@@ -96,3 +96,132 @@ def test_hardware_strategies_instantiate():
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.tasks_per_node == cfg.hardware.gpus_per_node == cfg.trainer.devices
     assert cfg.trainer.strategy == "ddp"
+
+
+# ----------------------------------------------------------------------------- fused conv widths (issue 13)
+@pytest.mark.parametrize("d_conv", [1, 5])
+def test_kernel_mamba_ssm_needs_a_causal_conv1d_width(d_conv):
+    """causal-conv1d has kernels for widths 2..4: kernel=mamba_ssm refuses others, naming d_conv;
+    kernel=auto keeps the torch conv for them (the fused scan is still used on CUDA)."""
+    from looplab.models import ConfigError
+
+    cfg = compose(["backbone=mamba2", f"backbone.d_conv={d_conv}", "backbone.kernel=mamba_ssm"])
+    with pytest.raises(ConfigError, match=f"d_conv={d_conv}.*2..4"):
+        model_config_from_cfg(cfg, vocab_size=10)
+    cfg = compose(["backbone=mamba2", f"backbone.d_conv={d_conv}", "backbone.kernel=auto"])
+    assert model_config_from_cfg(cfg, vocab_size=10).d_conv == d_conv
+
+
+# ----------------------------------------------------------------------------- compile=auto on accelerator=auto
+def test_resolve_compile_resolves_accelerator_auto(monkeypatch):
+    """accelerator=auto is judged as the device Lightning will pick, not as 'not measured'."""
+    import shutil
+
+    import torch
+
+    from looplab.training import run_utils
+
+    monkeypatch.setattr(run_utils, "auto_accelerator", lambda: "cpu")
+    has_cxx = bool(shutil.which("c++") or shutil.which("g++") or __import__("os").environ.get("CXX"))
+    on, why = run_utils.resolve_compile("auto", 1024, "auto")
+    assert (on, why.startswith("compile=auto")) == (has_cxx, True) and "not measured" not in why
+    on, why = run_utils.resolve_compile("auto", 64, "auto")
+    assert not on and "d_model=64" in why
+    monkeypatch.setattr(run_utils, "auto_accelerator", lambda: "cuda")
+    on, why = run_utils.resolve_compile("auto", 1024, "auto")
+    assert not on and "accelerator=auto (cuda on this machine)" in why
+    monkeypatch.undo()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"  # the real pick on this machine
+    assert run_utils.auto_accelerator() in (expected, "mps", "tpu")
+
+
+# ----------------------------------------------------------------------------- checkpoints: mmap, meta, sharded folders
+def _tiny_checkpoint():
+    import torch
+
+    from looplab.checkpoint import looplab_meta
+    from looplab.models import LoopedLMConfig
+
+    torch.manual_seed(0)
+    cfg = LoopedLMConfig(vocab_size=16, d_model=16, n_heads=2, n_layers=1, n_loops=2)
+    model = LoopedLM(cfg)
+    meta = looplab_meta(cfg, {"name": "phop"})
+    state = {"model." + k: v.clone() for k, v in model.state_dict().items()}
+    return model, meta, state
+
+
+def test_checkpoint_file_is_mmapped_and_meta_read_alone(tmp_path, monkeypatch):
+    import torch
+
+    from looplab.checkpoint import load_model, read_checkpoint, read_checkpoint_meta
+
+    model, meta, state = _tiny_checkpoint()
+    path = tmp_path / "last.ckpt"
+    torch.save({"looplab": meta, "state_dict": state, "global_step": 7, "optimizer_states": []}, path)
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: calls.append(kw) or real_load(*a, **kw))
+    assert read_checkpoint_meta(path) == meta
+    assert read_checkpoint(path)["global_step"] == 7
+    assert calls and all(kw.get("mmap") is True for kw in calls)
+    loaded, got_meta = load_model(path)
+    assert got_meta == meta
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    import torch
+
+    from looplab.checkpoint import read_checkpoint, read_checkpoint_meta
+
+    for reader in (read_checkpoint, read_checkpoint_meta):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            reader(tmp_path / "missing.ckpt")
+        (tmp_path / "empty.ckpt").write_bytes(b"")
+        with pytest.raises(ValueError, match="is empty"):
+            reader(tmp_path / "empty.ckpt")
+        (tmp_path / "bad.ckpt").write_bytes(b"PK\x03\x04 truncated zip")
+        with pytest.raises(ValueError, match="cannot be read"):
+            reader(tmp_path / "bad.ckpt")
+        torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
+        with pytest.raises(ValueError, match="not a looplab checkpoint"):
+            reader(tmp_path / "other.ckpt")
+        (tmp_path / "folder.ckpt").mkdir(exist_ok=True)
+        with pytest.raises(FileNotFoundError, match="meta.pt"):
+            reader(tmp_path / "folder.ckpt")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is")
+def test_sharded_checkpoint_folder_loads_in_one_process(tmp_path):
+    """The layout of Lightning's ModelParallelStrategy (FSDP2) save_checkpoint, written by the same
+    helper with no process group: torch.distributed.checkpoint files + meta.pt."""
+    import torch
+    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+
+    from looplab.checkpoint import load_model, read_checkpoint, read_checkpoint_meta
+
+    model, meta, state = _tiny_checkpoint()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 16, (2, 5))).logits.sum().backward()
+    opt.step()
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    _distributed_checkpoint_save({"state_dict": state, "optimizer_0": opt.state_dict()}, folder)
+    torch.save({"looplab": meta, "global_step": 3, "epoch": 0}, folder / "meta.pt")
+    assert (folder / ".metadata").is_file()
+
+    assert read_checkpoint_meta(folder) == meta
+    ckpt = read_checkpoint(folder)
+    assert ckpt["global_step"] == 3 and set(ckpt["state_dict"]) == set(state)
+    loaded, got_meta = load_model(folder)
+    assert got_meta == meta
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, state["model." + k]), k
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:20])  # a truncated shard
+    with pytest.raises(ValueError, match="sharded checkpoint .* cannot be read"):
+        read_checkpoint(folder)
+    (folder / ".metadata").unlink()  # shards without their index
+    with pytest.raises(ValueError, match="sharded checkpoint .* cannot be read: its index .metadata is missing"):
+        read_checkpoint(folder)

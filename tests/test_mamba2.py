@@ -310,3 +310,136 @@ def test_fused_kernels_match_torch_path():
         pre = fused(x[:, :150], None, None, cache)
         steps = torch.cat([fused(x[:, t : t + 1], None, None, cache) for t in range(150, 200)], 1)
     assert rel_err(torch.cat([pre, steps], 1), yr.detach()) <= 5e-3
+
+
+# ----------------------------------------------------------------------------- fused-path plumbing (CPU)
+def test_conv_channel_last_rule_follows_causal_conv1d_checks():
+    """The rule of causal_conv1d.cpp's channel-last kernel: channel stride 1, C % 8 == 0, batch and
+    time strides multiples of 8, and (unchecked there, needed by its 16-byte loads) an aligned pointer."""
+    from looplab.models.mamba2 import _conv_channel_last_ok
+
+    def xbc(width, offset, conv_dim, T=5, dtype=torch.bfloat16):  # the xBC slice of an in_proj output
+        return torch.zeros(2, T, width, dtype=dtype)[..., offset : offset + conv_dim]
+
+    assert _conv_channel_last_ok(xbc(1160, 512, 640).transpose(1, 2))  # d_model 256 defaults: no copy needed
+    assert not _conv_channel_last_ok(xbc(515, 192, 320).transpose(1, 2))  # odd in_proj width: time stride 515
+    assert not _conv_channel_last_ok(xbc(1160, 4, 640).transpose(1, 2))  # 8-byte aligned start only
+    assert not _conv_channel_last_ok(xbc(1160, 512, 644).transpose(1, 2))  # C % 8 != 0
+    assert not _conv_channel_last_ok(xbc(1160, 512, 640).transpose(1, 2).contiguous())  # channel-first
+    assert _conv_channel_last_ok(xbc(1160, 512, 640, dtype=torch.float32).transpose(1, 2))
+    assert _conv_channel_last_ok(torch.zeros(3, 1, 16).transpose(1, 2))  # one token
+    assert not _conv_channel_last_ok(torch.zeros(16, 4))
+
+
+def test_conv_input_copies_only_when_needed():
+    from looplab.models.mamba2 import _conv_channel_last_ok, _conv_input
+
+    base = torch.randn(2, 7, 1160)
+    view = base[..., 512 : 512 + 640]
+    x = _conv_input(view)
+    assert x.data_ptr() == view.data_ptr() and torch.equal(x, view.transpose(1, 2))  # the view itself
+    odd = torch.randn(2, 7, 515)[..., 192 : 192 + 320]
+    x = _conv_input(odd)
+    assert _conv_channel_last_ok(x) and x.data_ptr() != odd.data_ptr() and torch.equal(x, odd.transpose(1, 2))
+    narrow = torch.randn(2, 7, 50)[..., 3:15]  # C = 12: channel-last impossible, channel-first copy
+    x = _conv_input(narrow)
+    assert x.is_contiguous() and torch.equal(x, narrow.transpose(1, 2))
+
+
+@pytest.mark.parametrize("d_model,d_conv,fused_conv", [(256, 4, True), (48, 4, True), (256, 5, False), (256, 1, False)])
+def test_fused_conv_plumbing_matches_torch_conv(d_model, d_conv, fused_conv):
+    """`_conv` with a stand-in for causal_conv1d_fn (same contract: (B, C, T) in and out): the layout
+    handed over, the transpose back, and the torch fallback for widths causal-conv1d lacks."""
+    from looplab.models.mamba2 import FusedOps, _conv_channel_last_ok
+
+    torch.manual_seed(0)
+    m = Mamba2Mixer(d_model, d_state=16, headdim=16, d_conv=d_conv, kernel="torch")
+    calls = []
+
+    def fake_conv(x, weight, bias, activation):
+        calls.append(_conv_channel_last_ok(x))
+        K = weight.shape[1]
+        y = F.silu(F.conv1d(x, weight[:, None], bias, padding=K - 1, groups=x.shape[1])[..., : x.shape[2]])
+        return torch.empty_like(x).copy_(y)  # like causal_conv1d: the output takes the input's layout
+
+    z, xBC, dt = m.in_proj(torch.randn(2, 9, d_model)).split((m.d_inner, m.conv_dim, m.nheads), dim=-1)
+    out = m._conv(xBC, None, FusedOps(chunk_scan=None, causal_conv1d=fake_conv))
+    ref = causal_conv_silu(xBC, m.conv1d.weight.squeeze(1), m.conv1d.bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert len(calls) == int(fused_conv)
+    if fused_conv:
+        assert calls == [True]  # channel-last (view or copy): the result is (B, T, C) contiguous
+        assert out.is_contiguous()
+
+
+def test_fused_conv_call_is_kept_out_of_the_compiled_graph():
+    """Under torch.compile the fused conv (stand-in here) runs eagerly behind torch.compiler.disable:
+    the layout test reads data_ptr, which a traced tensor lacks, and the result equals eager."""
+    from torch._dynamo.utils import counters
+
+    from looplab.models.mamba2 import FusedOps, _conv_channel_last_ok
+
+    torch.manual_seed(0)
+    m = Mamba2Mixer(256, d_state=16, headdim=16, kernel="torch")
+    seen = []
+
+    def fake_conv(x, weight, bias, activation):
+        seen.append(_conv_channel_last_ok(x))
+        y = F.silu(F.conv1d(x, weight[:, None], bias, padding=weight.shape[1] - 1, groups=x.shape[1])[..., : x.shape[2]])
+        return torch.empty_like(x).copy_(y)
+
+    ops = FusedOps(chunk_scan=None, causal_conv1d=fake_conv)
+    xBC = m.in_proj(torch.randn(2, 9, 256)).split((m.d_inner, m.conv_dim, m.nheads), dim=-1)[1].detach()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda t: m._conv(t * 2, None, ops) + 1, backend="eager")
+    with torch.no_grad():
+        out = compiled(xBC)
+        ref = causal_conv_silu(xBC * 2, m.conv1d.weight.squeeze(1), m.conv1d.bias) + 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert seen == [True] and sum(counters["graph_break"].values()) >= 1
+    torch._dynamo.reset()
+
+
+def test_kernel_mamba_ssm_refuses_conv_widths_causal_conv1d_lacks():
+    from looplab.models import ConfigError
+
+    for d_conv in (1, 5):
+        with pytest.raises(ConfigError, match=f"d_conv={d_conv}"):
+            Mamba2Mixer(32, d_state=16, headdim=8, d_conv=d_conv, kernel="mamba_ssm")
+        m = Mamba2Mixer(32, d_state=16, headdim=8, d_conv=d_conv, kernel="auto").eval()  # torch conv at this width
+        x = torch.randn(1, 6, 32)
+        with torch.no_grad():
+            full = m(x)
+            cache = m.allocate_cache(1, 8, x.device, x.dtype)
+            steps = torch.cat([m(x[:, t : t + 1], None, None, cache) for t in range(6)], 1)
+        assert rel_err(steps, full) <= 1e-4
+
+
+def test_fused_ops_are_not_imported_for_cpu_work(monkeypatch):
+    """On a CPU machine neither construction nor a CPU forward imports mamba_ssm (it needs CUDA)."""
+    import looplab.models.mamba2 as mamba2
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setattr(mamba2, "_FUSED", None)
+    m = Mamba2Mixer(32, d_state=16, headdim=8, kernel="auto")
+    m(torch.randn(1, 4, 32))
+    assert mamba2._FUSED is None
+
+
+@pytest.mark.gpu
+@needs_mamba_ssm
+@pytest.mark.parametrize("d_model,d_conv", [(256, 4), (96, 4), (256, 5)])
+def test_fused_path_layouts_and_widths_match_torch_under_bf16(d_model, d_conv):
+    """d_model 256: the channel-last view; 96 (odd in_proj width): the channel-last copy; d_conv 5:
+    kernel=auto keeps the torch conv and the fused scan. bf16 autocast, as hardware=gpu trains."""
+    torch.manual_seed(0)
+    kw = dict(d_state=32, headdim=32, ngroups=2, chunk_size=64, d_conv=d_conv)
+    ref = Mamba2Mixer(d_model, kernel="torch", **kw).cuda()
+    fused = Mamba2Mixer(d_model, kernel="auto", **kw).cuda()
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 130, d_model, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yr, yf = ref(x), fused(x)
+    assert rel_err(yf.float(), yr.float()) <= 2e-2

@@ -5,6 +5,18 @@ LightningModule: the model config, the resolved dataset config, and an
 architecture hash. `load_model` rebuilds the plain `LoopedLM` from it, and
 `check_compatible` refuses a checkpoint from another architecture with the
 differing fields named.
+
+Two layouts are read:
+
+* a file (`last.ckpt`): one `torch.save` dict. It is opened with `mmap=True`, so reading
+  the metadata does not read the weights (tensors are paged in only when touched);
+  `read_checkpoint_meta` returns just the `looplab` entry.
+* a folder (`last.ckpt/`): the sharded checkpoint of Lightning's ModelParallelStrategy
+  (FSDP2, `hardware=fsdp`): `torch.distributed.checkpoint` files (`.metadata`, `*.distcp`)
+  holding `state_dict` and `optimizer_N`, plus `meta.pt` with every non-tensor entry (the
+  `looplab` entry included; lightning/pytorch/strategies/model_parallel.py save_checkpoint).
+  The metadata comes from `meta.pt` alone; `read_checkpoint` assembles the full model state
+  dict in this one process (no process group needed), leaving the optimizer shards unread.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +44,86 @@ def looplab_meta(cfg: LoopedLMConfig, dataset: dict[str, Any] | None = None, **e
     return {"model_config": cfg.to_dict(), "architecture_hash": architecture_hash(cfg), "dataset": dataset or {}, **extra}
 
 
-def read_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict[str, Any]:
-    path = Path(path)
+SHARDED_META_FILE = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
+
+
+def _checkpoint_layout(path: Path) -> str:
+    """'file' or 'sharded' (a folder with meta.pt); FileNotFoundError naming what is missing."""
+    if path.is_dir():
+        if (path / SHARDED_META_FILE).is_file():
+            return "sharded"
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} is a folder without {SHARDED_META_FILE}: not a sharded (FSDP2) checkpoint"
+            " (an interrupted save? look for a .NAME.old or .NAME.tmp next to it)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    return "file"
+
+
+def _load_file(path: Path, map_location="cpu") -> dict[str, Any]:
+    """torch.load with mmap (the weights stay on disk until touched), clear errors for bad files."""
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {str(path)!r} is empty (an interrupted write?)")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # truncated zip, not a torch file, ...
-        raise ValueError(f"checkpoint {str(path)!r} cannot be read: {e}") from e
+        ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+    except Exception:  # a legacy (non-zip) torch.save file cannot be mmapped; or the file is bad
+        try:
+            ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        except Exception as e:  # truncated zip, not a torch file, ...
+            raise ValueError(f"checkpoint {str(path)!r} cannot be read: {e}") from e
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"checkpoint {str(path)!r} holds a {type(ckpt).__name__}, not a checkpoint dict")
+    return ckpt
+
+
+def _require_looplab(ckpt: dict[str, Any], path: Path) -> None:
     if "looplab" not in ckpt:
         raise ValueError(f"{str(path)!r} is not a looplab checkpoint (no 'looplab' entry)")
-    return ckpt
+
+
+def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The `looplab` entry (model config, dataset, architecture hash) without reading the weights:
+    cheap enough for every rank to call at resume."""
+    path = Path(path)
+    layout = _checkpoint_layout(path)
+    ckpt = _load_file(path / SHARDED_META_FILE if layout == "sharded" else path)
+    _require_looplab(ckpt, path)
+    return ckpt["looplab"]
+
+
+def _load_sharded_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The full `state_dict` of a torch.distributed.checkpoint folder, read in this process."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"sharded checkpoint {str(path)!r} cannot be read: its index .metadata is missing"
+                         " (an interrupted save?)")
+    try:
+        with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent here
+            warnings.filterwarnings("ignore", message=".*torch.distributed is .*uninitialized.*")
+            loaded = _load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"sharded checkpoint {str(path)!r} cannot be read: {type(e).__name__}: {e}") from e
+    if "state_dict" not in loaded:
+        raise ValueError(f"sharded checkpoint {str(path)!r} holds no 'state_dict' (keys: {sorted(loaded)[:5]})")
+    return loaded["state_dict"]
+
+
+def read_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict[str, Any]:
+    """The checkpoint dict: a file (mmapped), or a sharded folder as {meta.pt entries, 'state_dict'}."""
+    path = Path(path)
+    if _checkpoint_layout(path) == "file":
+        ckpt = _load_file(path, map_location)
+        _require_looplab(ckpt, path)
+        return ckpt
+    ckpt = _load_file(path / SHARDED_META_FILE, map_location)
+    _require_looplab(ckpt, path)
+    state = _load_sharded_state_dict(path)
+    if str(map_location) != "cpu":
+        state = {k: v.to(map_location) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return {**ckpt, "state_dict": state}
 
 
 def check_compatible(meta: dict[str, Any], cfg: LoopedLMConfig, *, allow_new_branches: bool = False) -> None:
@@ -67,7 +147,8 @@ def model_state_dict(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | os.PathLike, map_location="cpu", **config_overrides) -> tuple[LoopedLM, dict[str, Any]]:
-    """Rebuild the LoopedLM of a checkpoint; config_overrides may change non-architecture fields (kernel, ...)."""
+    """Rebuild the LoopedLM of a checkpoint (file or sharded folder); config_overrides may change
+    non-architecture fields (kernel, ...)."""
     ckpt = read_checkpoint(path, map_location)
     meta = ckpt["looplab"]
     cfg = LoopedLMConfig.from_dict({**meta["model_config"], **config_overrides})

@@ -14,10 +14,20 @@ BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
 EXIT_GATES = ("none", "ouro")
 KERNELS = ("auto", "torch", "mamba_ssm")
+# causal-conv1d's CUDA conv (csrc/causal_conv1d.cpp) has kernels for these widths only. kernel=auto
+# keeps the torch conv for other widths (fused scan still used); kernel=mamba_ssm asks for the fused
+# path outright, so another width is refused here rather than silently half-fused.
+CAUSAL_CONV1D_WIDTHS = (2, 3, 4)
 
 
 class ConfigError(ValueError):
     """An impossible configuration; the message names the field and the fix."""
+
+
+def fused_conv_width_error(d_conv: int) -> str:
+    return (f"d_conv={d_conv!r} with kernel=mamba_ssm: causal-conv1d's fused conv supports kernel widths "
+            f"{CAUSAL_CONV1D_WIDTHS[0]}..{CAUSAL_CONV1D_WIDTHS[-1]} only; set d_conv within that range, or "
+            f"kernel=auto (fused scan, torch conv at this width) or kernel=torch")
 
 
 @dataclass
@@ -110,6 +120,7 @@ class LoopedLMConfig:
             d_inner = self.expand * self.d_model
             need(d_inner % self.headdim == 0, f"expand*d_model={d_inner} is not divisible by headdim={self.headdim}")
             need((d_inner // self.headdim) % self.ngroups == 0, f"ngroups={self.ngroups} must divide the number of heads {d_inner // self.headdim}")
+            need(self.kernel != "mamba_ssm" or self.d_conv in CAUSAL_CONV1D_WIDTHS, fused_conv_width_error(self.d_conv))
         if self.backbone == "hybrid":
             need(
                 len(self.hybrid_pattern) > 0 and set(self.hybrid_pattern) <= {"M", "A"},

@@ -8,8 +8,15 @@
 
 One module, two implementations of the scan with one state dict: the pure-PyTorch
 chunked SSD (`looplab.models.ops.ssd`, CPU and reference) and mamba_ssm's fused Triton
-kernels (`kernel=auto` picks them on CUDA when importable). mamba_ssm is imported
-lazily inside `_fused_ops`: every released version needs CUDA just to import.
+kernels (`kernel=auto` picks them on CUDA when importable), with causal_conv1d's CUDA conv
+for kernel widths 2..4 (the only ones it has; other widths keep the torch conv under
+`kernel=auto`, and `kernel=mamba_ssm` refuses them in LoopedLMConfig.validate).
+
+mamba_ssm is imported once, eagerly, by `resolve_fused_ops()`: at layer construction when
+CUDA is available, never while Dynamo traces (every released version needs CUDA just to
+import, and an import inside a traced region is a graph break each time). The fused calls
+are wrapped in `torch.compiler.disable`: with `compile=true` Dynamo compiles the projections,
+gating and norm around them and runs the Triton/CUDA kernels eagerly (one graph break each).
 
 Decoding keeps an SSMCache per (loop, layer): the last d_conv−1 conv inputs and the
 (nheads, headdim, d_state) SSM state, both constant in sequence length. A call with
@@ -19,33 +26,98 @@ state; a call with one token runs the step recurrence. Both equal the full forwa
 
 from __future__ import annotations
 
-import functools
 import math
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from looplab.models.cache import SSMCache
-from looplab.models.config import LoopedLMConfig
+from looplab.models.config import CAUSAL_CONV1D_WIDTHS, ConfigError, LoopedLMConfig, fused_conv_width_error
 from looplab.models.llama import RMSNorm, SwiGLU
 from looplab.models.ops.ssd import ssd_chunked, ssd_step
 
 _FP32_PARAMS = ("A_log", "dt_bias", "D")
 
 
-@functools.lru_cache(maxsize=1)
-def _fused_ops():
-    """(mamba_chunk_scan_combined, causal_conv1d_fn or None), or the ImportError text."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception as e:  # ImportError, or a CUDA error raised at import time
-        return f"{type(e).__name__}: {e}"
-    try:
-        from causal_conv1d import causal_conv1d_fn
-    except Exception:
-        causal_conv1d_fn = None  # the torch conv is a small part of the layer's cost
-    return mamba_chunk_scan_combined, causal_conv1d_fn
+class FusedOps(NamedTuple):
+    chunk_scan: Callable  # mamba_ssm's mamba_chunk_scan_combined
+    causal_conv1d: Callable | None  # causal_conv1d_fn; None when causal-conv1d is not installed
+
+
+_FUSED: FusedOps | str | None = None  # resolved once: the ops, or why they are unavailable
+
+
+def resolve_fused_ops() -> FusedOps | str:
+    """Import the fused kernels once per process; returns them or the import error's text.
+
+    Called eagerly (layer construction on a CUDA machine, or the first CUDA forward outside a
+    compiled region); the forward pass then only reads the module global `_FUSED`."""
+    global _FUSED
+    if _FUSED is None:
+        try:
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        except Exception as e:  # ImportError, or a CUDA error raised at import time
+            _FUSED = f"{type(e).__name__}: {e}"
+            return _FUSED
+        try:
+            from causal_conv1d import causal_conv1d_fn
+        except Exception:
+            causal_conv1d_fn = None  # the torch conv is a small part of the layer's cost
+        _FUSED = FusedOps(mamba_chunk_scan_combined, causal_conv1d_fn)
+    return _FUSED
+
+
+_resolve_fused_ops_outside_trace = torch.compiler.disable(resolve_fused_ops)
+
+
+@torch.compiler.disable
+def _fused_chunk_scan(scan, xs, dt, A, Bm, Cm, chunk_size, D, init, want_state):
+    """mamba_ssm's Triton scan, run eagerly under torch.compile (Dynamo does not trace into it)."""
+    return scan(xs, dt, A, Bm, Cm, chunk_size, D=D, initial_states=init, return_final_states=want_state)
+
+
+@torch.compiler.disable
+def _fused_conv_silu(conv_fn, xBC, weight, bias):
+    """causal_conv1d's CUDA kernel on xBC (B, T, C) → (B, T, C), run eagerly under torch.compile
+    (the layout test reads the data pointer, which a traced tensor does not have)."""
+    return conv_fn(_conv_input(xBC), weight, bias, activation="silu").transpose(1, 2)
+
+
+def _conv_channel_last_ok(x: torch.Tensor) -> bool:
+    """Whether causal_conv1d's channel-last kernel takes x (B, C, T) as it is, without a copy.
+
+    Its checks (causal_conv1d.cpp, fwd and bwd): channel stride 1, C % 8 == 0, x.stride(0)
+    and x.stride(2) multiples of 8. It also loads 8 (16-bit) or 4 (fp32) channels per 16-byte
+    vector from the data pointer without checking it, so that pointer must be 16-byte aligned
+    (the xBC slice starts d_inner elements into the in_proj output)."""
+    if x.dim() != 3:
+        return False
+    _, C, T = x.shape
+    return (
+        x.stride(1) == 1
+        and (x.stride(2) > 1 or T == 1)
+        and C % 8 == 0
+        and x.stride(0) % 8 == 0
+        and x.stride(2) % 8 == 0
+        and x.data_ptr() % 16 == 0
+    )
+
+
+def _conv_input(xBC: torch.Tensor) -> torch.Tensor:
+    """The (B, C, T) tensor to hand to causal_conv1d for xBC (B, T, C), copying only when needed.
+
+    Preferred: the channel-last view, as mamba_ssm's Mamba2 passes it (no copy; the output
+    comes back channel-last, i.e. (B, T, C) contiguous after the transpose, so the scan reads
+    a head dim of stride 1). Else a channel-last copy; channel-first only when C % 8 != 0."""
+    x = xBC.transpose(1, 2)
+    if _conv_channel_last_ok(x):
+        return x
+    x = xBC.contiguous().transpose(1, 2)
+    if _conv_channel_last_ok(x):
+        return x
+    return xBC.transpose(1, 2).contiguous()
 
 
 class _CausalConvSiLU(torch.autograd.Function):
@@ -129,6 +201,8 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"ngroups={ngroups} must divide the number of heads {nheads}")
         if kernel not in ("auto", "torch", "mamba_ssm"):
             raise ValueError(f"kernel={kernel!r} is unknown; choose auto, torch or mamba_ssm")
+        if kernel == "mamba_ssm" and d_conv not in CAUSAL_CONV1D_WIDTHS:
+            raise ConfigError(fused_conv_width_error(d_conv))
         self.d_model, self.d_inner, self.d_state = d_model, d_inner, d_state
         self.headdim, self.nheads, self.ngroups, self.d_conv = headdim, nheads, ngroups, d_conv
         self.chunk_size, self.kernel = chunk_size, kernel
@@ -147,6 +221,8 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(d_inner, d_model, bias=False)
         self.scan_fn = ssd_chunked  # the benchmark swaps in the token-by-token reference
         self.reset_special_parameters()
+        if kernel != "torch" and torch.cuda.is_available():
+            resolve_fused_ops()  # import now, not inside a compiled forward
 
     @classmethod
     def from_config(cls, cfg: LoopedLMConfig, d_model: int | None = None) -> "Mamba2Mixer":
@@ -191,18 +267,22 @@ class Mamba2Mixer(nn.Module):
         return self
 
     # ------------------------------------------------------------------ kernels
-    def _use_fused(self, x: torch.Tensor) -> bool:
+    def _fused_ops(self, x: torch.Tensor) -> FusedOps | None:
+        """The fused kernels for this input, or None for the torch path (kernel=auto without them)."""
         if self.kernel == "torch":
-            return False
-        ops = _fused_ops() if x.is_cuda else None
-        available = isinstance(ops, tuple)
-        if self.kernel == "mamba_ssm" and not available:
+            return None
+        ops = None
+        if x.is_cuda:
+            ops = _FUSED if _FUSED is not None else _resolve_fused_ops_outside_trace()
+        if isinstance(ops, FusedOps):
+            return ops
+        if self.kernel == "mamba_ssm":
             why = "the input is not on CUDA" if not x.is_cuda else f"mamba_ssm does not import ({ops})"
             raise RuntimeError(
                 f"backbone.kernel=mamba_ssm but {why}; install the gpu extra (pip install 'looplab[gpu]') "
                 "on a CUDA machine, or use backbone.kernel=auto / torch"
             )
-        return available
+        return None
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -214,7 +294,7 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         Bsz, T, _ = x.shape
         H, P, G, N, K = self.nheads, self.headdim, self.ngroups, self.d_state, self.d_conv
-        fused = self._use_fused(x)
+        ops = self._fused_ops(x)
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, H), dim=-1)
 
         # Left padding must leave real tokens untouched: zero the conv input (else it leaks through
@@ -223,7 +303,7 @@ class Mamba2Mixer(nn.Module):
         keep = valid[:, -T:, None] if valid is not None else None
         if keep is not None:
             xBC = xBC * keep
-        xBC = self._conv(xBC, cache, fused)
+        xBC = self._conv(xBC, cache, ops)
         if keep is not None:
             xBC = xBC * keep
         xs, Bm, Cm = xBC.split((self.d_inner, G * N, G * N), dim=-1)
@@ -240,9 +320,8 @@ class Mamba2Mixer(nn.Module):
         else:
             init = cache.ssm_state if cache is not None and cache.length > 0 else None
             want_state = cache is not None
-            if fused:
-                scan = _fused_ops()[0]
-                out = scan(xs, dt, A, Bm, Cm, self.chunk_size, D=D, initial_states=init, return_final_states=want_state)
+            if ops is not None:
+                out = _fused_chunk_scan(ops.chunk_scan, xs, dt, A, Bm, Cm, self.chunk_size, D, init, want_state)
             else:
                 out = self.scan_fn(xs, dt, A, Bm, Cm, self.chunk_size, D=D, initial_state=init, return_final_state=want_state)
             y, state = out if want_state else (out, None)
@@ -253,14 +332,12 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.flatten(-2), z)
         return self.out_proj(y.to(x.dtype))
 
-    def _conv(self, xBC: torch.Tensor, cache: SSMCache | None, fused: bool) -> torch.Tensor:
+    def _conv(self, xBC: torch.Tensor, cache: SSMCache | None, ops: FusedOps | None) -> torch.Tensor:
         """Depthwise causal conv + SiLU over (B, T, conv_dim); with a cache the window starts from its history."""
         w = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
         if cache is None:
-            causal_conv1d_fn = _fused_ops()[1] if fused else None
-            if causal_conv1d_fn is not None:
-                xt = xBC.transpose(1, 2).contiguous()
-                return causal_conv1d_fn(xt, w, self.conv1d.bias, activation="silu").transpose(1, 2)
+            if ops is not None and ops.causal_conv1d is not None and self.d_conv in CAUSAL_CONV1D_WIDTHS:
+                return _fused_conv_silu(ops.causal_conv1d, xBC, w, self.conv1d.bias)
             return causal_conv_silu(xBC, w, self.conv1d.bias)
         history = cache.conv_state.transpose(1, 2).to(xBC.dtype)  # (B, K-1, conv_dim)
         out = causal_conv_silu(xBC, w, self.conv1d.bias, history)

@@ -15,8 +15,16 @@ or mixed configurations).
 job's own task overrides (no `-m`) with `hydra.run.dir` pinned to the job's output folder, so a
 child runs exactly that job in that folder; on exit the launcher's environment variables are
 restored and the process group destroyed, so the next job spawns fresh children on a new port.
-Under SLURM (hardware=slurm) SLURM starts every task and Lightning's SLURMEnvironment reads the
-ranks from it (creates_processes_externally), so nothing is relaunched and this is a no-op.
+
+Under SLURM (hardware=slurm, srun or submitit) it is *not* a no-op, but nothing it patches is
+used. srun gives each task SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS, not LOCAL_RANK (only
+torchrun or Lightning's own launcher set that), so the `LOCAL_RANK` early exit below is not
+taken: every task patches `_hydra_subprocess_cmd` and saves the launcher variables. Lightning
+then picks SLURMEnvironment, which reads the ranks from SLURM_* and creates_processes_externally,
+so the subprocess launcher spawns no child and the patched command is never built; what remains
+is the exit: MASTER_ADDR / MASTER_PORT (set by Lightning from the SLURM node list) are put back
+and the process group is destroyed, each job (one SLURM job per configuration) starting afresh.
+Tasks started by `torchrun` inside an allocation do have LOCAL_RANK and skip all of this.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ def job_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
 @contextlib.contextmanager
 def per_job_ddp() -> Iterator[None]:
     """Run one Hydra job so that Lightning's DDP children run exactly this job (see the module docstring)."""
-    if "LOCAL_RANK" in os.environ:  # a child rank (or a SLURM task): nothing to relaunch
+    if "LOCAL_RANK" in os.environ:  # a child rank, or torchrun's task (not a plain srun task): nothing to relaunch
         yield
         return
     saved = {k: os.environ.get(k) for k in _LAUNCHER_ENV}

@@ -24,10 +24,25 @@ log = logging.getLogger("looplab")
 COMPILE_AUTO_MIN_D_MODEL = 512
 
 
+def auto_accelerator() -> str:
+    """What Lightning's `accelerator="auto"` picks on this machine (tpu, mps, cuda or cpu)."""
+    try:
+        from lightning.fabric.utilities.device_parser import _select_auto_accelerator
+
+        return _select_auto_accelerator()
+    except ImportError:  # moved in another Lightning version: the same order, TPUs aside
+        import torch
+
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_compile(value: Any, d_model: int, accelerator: str) -> tuple[bool, str]:
     """`compile: auto|true|false` → (compile?, why). auto = on where it was measured to win:
     CPU training at d_model ≥ COMPILE_AUTO_MIN_D_MODEL with a C++ compiler for inductor.
-    GPUs get it only when asked (compile=true): it has not been measured on one here."""
+    GPUs get it only when asked (compile=true): it has not been measured on one here.
+    accelerator=auto is first resolved to the device Lightning will pick."""
     import shutil
 
     if isinstance(value, bool):
@@ -38,13 +53,17 @@ def resolve_compile(value: Any, d_model: int, accelerator: str) -> tuple[bool, s
         raise ConfigError(f"compile={value!r} is unknown; choose one of true, false, auto")
     if value is None:
         return False, "compile=null"
+    where = accelerator
+    if accelerator == "auto":
+        accelerator = auto_accelerator()
+        where = f"auto ({accelerator} on this machine)"
     if accelerator not in ("cpu",):
-        return False, f"compile=auto: off on accelerator={accelerator} (not measured there; set compile=true)"
+        return False, f"compile=auto: off on accelerator={where} (not measured there; set compile=true)"
     if d_model < COMPILE_AUTO_MIN_D_MODEL:
         return False, f"compile=auto: off at d_model={d_model} < {COMPILE_AUTO_MIN_D_MODEL} (no gain measured)"
     if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
         return False, "compile=auto: off, no C++ compiler for torch inductor on this machine"
-    return True, f"compile=auto: on (CPU, d_model={d_model} >= {COMPILE_AUTO_MIN_D_MODEL})"
+    return True, f"compile=auto: on (accelerator={where}, d_model={d_model} >= {COMPILE_AUTO_MIN_D_MODEL})"
 
 
 def git_commit() -> str:
