@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -275,3 +276,78 @@ def test_exit_threshold_scores_from_the_gate_selected_depths():
     assert lp == pytest.approx(want, abs=1e-3)
     with pytest.raises(ValueError, match="exit gate"):
         LooplabLM.from_model(tiny_model(), TOK, exit_threshold=0.5)
+
+
+# ------------------------------------------------------- looplab_tiny suite
+def test_tiny_suite_runs_offline_through_the_adapter_and_matches_own_scoring():
+    """`--tasks looplab_tiny` (the tag) runs the three held-out-play tasks offline; lm-eval's accuracy
+    equals an argmax over the model's own log-probs of delimiter + choice after the context."""
+    from looplab.eval import tiny_suite as ts
+
+    model = tiny_model(loops=2)
+    tok = load_tokenizer(TOK)
+    limit = 6
+    res = run_zeroshot(model, tasks=["looplab_tiny"], tokenizer=TOK, include_defaults=False, limit=limit, batch_size=16)
+    assert sorted(res["results"]) == sorted(ts.TASKS)  # the tag adds no aggregate row
+    assert res["n_samples"] == {t: limit for t in ts.TASKS}
+    shipped = ts.load()
+    for task in ts.TASKS:
+        acc = res["results"][task]["acc"]
+        delim = ts.DELIMITERS[task[len(ts.GROUP) + 1:]]
+        correct = 0
+        for d in shipped[task][:limit]:
+            ctx = tok.encode(d["context"])
+            scores = [own_logprob(model, ctx, tok.encode(d["context"] + delim + c)[len(ctx):])[0] for c in d["choices"]]
+            correct += int(max(range(len(scores)), key=scores.__getitem__) == d["answer"])
+        assert acc == pytest.approx(correct / limit), task
+    assert res["average_acc"] == pytest.approx(sum(res["results"][t]["acc"] for t in ts.TASKS) / 3)
+
+
+def test_add_intervals_keeps_fields_and_adds_counts_and_wilson_intervals():
+    from looplab.tables.zeroshot import add_intervals, wilson
+
+    res = {"results": {"looplab_tiny_cloze": {"acc": 0.4, "acc_norm": 0.3}, "looplab_tiny_speaker": {"acc": 0.3}},
+           "average_acc": 0.35, "tasks": ["looplab_tiny"], "limit": None,
+           "n_samples": {"looplab_tiny_cloze": 300, "looplab_tiny_speaker": 300}}
+    out = add_intervals(res)
+    assert {k: out[k] for k in res} == res  # nothing renamed or changed
+    assert out["n_items"] == {"looplab_tiny_cloze": 300, "looplab_tiny_speaker": 300}
+    assert out["chance"] == {"looplab_tiny_cloze": pytest.approx(0.25), "looplab_tiny_speaker": pytest.approx(0.25)}
+    assert out["average_chance"] == pytest.approx(0.25)
+    assert out["stderr"]["looplab_tiny_cloze"] == pytest.approx(math.sqrt(0.4 * 0.6 / 300))
+    lo, hi = out["ci95"]["looplab_tiny_cloze"]
+    assert (lo, hi) == pytest.approx((0.346165, 0.456363), abs=1e-6)  # Wilson (as scipy.stats.binomtest(120, 300) gives)
+    assert wilson(0.0, 10)[0] == 0.0 and wilson(1.0, 10)[1] == pytest.approx(1.0) and wilson(0.5, 0) == (0.0, 1.0)
+    se = math.sqrt(0.4 * 0.6 / 300 + 0.3 * 0.7 / 300) / 2
+    assert out["average_acc_stderr"] == pytest.approx(se)
+    assert out["average_acc_ci95"] == pytest.approx([0.35 - 1.96 * se, 0.35 + 1.96 * se], abs=1e-4)
+    json.dumps(out)  # what zeroshot.json stores
+    hub = add_intervals({"results": {"piqa": {"acc": 0.6}}, "average_acc": 0.6, "n_samples": {"piqa": 100}})
+    assert hub["chance"] == {"piqa": None} and hub["average_chance"] is None and hub["ci95"]["piqa"]
+
+
+def test_table_zeroshot_defaults_to_the_tiny_suite_at_tiny_scale(tmp_path, monkeypatch):
+    import looplab.eval
+    from looplab.tables import spec
+    from looplab.tables import zeroshot as tz
+
+    assert tz.default_tasks("tiny") == ["looplab_tiny"] and tz.default_tasks("paper") == DEFAULT_TASKS
+    assert tz._local_only(["looplab_tiny"]) and tz._local_only(["looplab_tiny_cloze", "looplab_tiny_mc"])
+    assert not tz._local_only(["piqa"])
+    calls = []
+
+    def fake_run_zeroshot(ckpt, tasks=None, include_defaults=True, **kw):
+        calls.append((tasks, include_defaults))
+        return {"results": {t: {"acc": 0.5} for t in ("looplab_tiny_cloze", "looplab_tiny_next_line")}, "average_acc": 0.5,
+                "tasks": tasks, "limit": None, "n_samples": {"looplab_tiny_cloze": 300, "looplab_tiny_next_line": 300}}
+
+    monkeypatch.setattr(looplab.eval, "run_zeroshot", fake_run_zeroshot)
+    ckpt = save_checkpoint(tiny_model(loops=2), tmp_path / "lm.ckpt")
+    sw = spec.get(1).sweeps_for("tiny")[0]
+    run = tmp_path / "out" / "table1" / "tiny" / sw.folder / "0"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({"status": "ok", "checkpoint": str(ckpt), "overrides": []}))
+    written = tz.evaluate_table(1, "tiny", tmp_path / "out")
+    assert written == [run / "zeroshot.json"] and calls == [(["looplab_tiny"], False)]
+    zs = json.loads(written[0].read_text())
+    assert zs["average_acc"] == 0.5 and zs["n_items"]["looplab_tiny_cloze"] == 300 and len(zs["ci95"]["looplab_tiny_cloze"]) == 2
