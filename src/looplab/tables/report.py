@@ -1087,8 +1087,11 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
         for n in sorted(TABLES):
             d = found.get((scale, n))
             name = f"table{n}" + ("" if scale == "tiny" else f"-{scale}")
-            if d is None:
-                rows.append(f"| [{n}]({name}.md) | {TABLES[n].title} | — | — | not built yet |")
+            if d is None:  # the findings it will check, until `report N` writes its tableN.findings.json
+                for f in TABLES[n].findings or ():
+                    rows.append(f"| [{n}]({name}.md) | {f.label}, {f.metric} | {f.claim} | — | not built yet |")
+                if not TABLES[n].findings:
+                    rows.append(f"| [{n}]({name}.md) | {TABLES[n].title} | — | — | not built yet |")
                 continue
             if not d["findings"]:
                 rows.append(f"| [{n}]({name}.md) | {d['title']} | — | — | no finding |")
