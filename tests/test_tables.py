@@ -322,7 +322,8 @@ def test_table6_tiny_end_to_end(tmp_path):
     """`python -m looplab.tables run 6 --scale tiny` (shrunk) trains every grid entry; the table's rows are the runs' results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "-m", "looplab.tables", "run", "6", "--scale", "tiny", "--logger", "none",
-                           "--out-root", str(tmp_path / "out"), "--table-dir", str(tmp_path / "tables"), "--extra", *SHRINK],
+                           "--out-root", str(tmp_path / "out"), "--table-dir", str(tmp_path / "tables"), "--seeds", "1",
+                           "--extra", *SHRINK],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in sorted((tmp_path / "out" / "table6" / "tiny").rglob("results.json"))]
