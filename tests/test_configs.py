@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -80,22 +81,31 @@ def test_unknown_option_is_rejected_by_hydra():
 
 
 def test_hardware_strategies_instantiate():
-    """ddp/fsdp/slurm cannot run here, but their configs compose and their strategies build."""
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+    """ddp/fsdp/slurm compose and their strategies build (tests/test_fsdp_train.py runs them)."""
+    from lightning.pytorch.strategies import DDPStrategy
 
-    from looplab.training.distributed import fsdp_strategy
+    from looplab.training.distributed import LoopedFSDPStrategy, build_strategy, resolve_precision, trainer_overrides
 
     cfg = compose(["hardware=fsdp"])
-    strategy = instantiate(cfg.trainer.strategy)
-    assert isinstance(strategy, FSDPStrategy)
-    assert fsdp_strategy(activation_checkpointing=True) is not None
+    assert cfg.trainer.strategy == "fsdp"
+    strategy = build_strategy(cfg.trainer.strategy, dict(cfg.hardware.fsdp))
+    assert isinstance(strategy, LoopedFSDPStrategy)
+    assert strategy.mp_policy.param_dtype is None and strategy.mp_policy.reduce_dtype == torch.float32
+    assert resolve_precision(cfg.trainer.precision, "gpu") == "bf16-mixed"
+    assert resolve_precision(cfg.trainer.precision, "cpu") == "32-true"
+    with pytest.raises(ConfigError, match="param_dtype='bf17'"):
+        build_strategy("fsdp", {"param_dtype": "bf17"})
+    assert build_strategy("ddp") == "ddp"
     cfg = compose(["hardware=ddp", "trainer.accelerator=cpu", "trainer.devices=2"])
-    trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False)
+    trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False, **trainer_overrides(cfg))
     assert isinstance(trainer.strategy, DDPStrategy) and trainer.num_devices == 2
+    assert trainer.precision == "32-true"  # precision auto on a CPU
     cfg = compose(["hardware=slurm"])
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.tasks_per_node == cfg.hardware.gpus_per_node == cfg.trainer.devices
     assert cfg.trainer.strategy == "ddp"
+    cfg = compose(["hardware=slurm", "trainer.strategy=fsdp"])
+    assert isinstance(build_strategy(cfg.trainer.strategy, dict(cfg.hardware.fsdp)), LoopedFSDPStrategy)
 
 
 # ----------------------------------------------------------------------------- fused conv widths (issue 13)

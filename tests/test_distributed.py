@@ -4,8 +4,7 @@ The block of a looped model is applied R times in one forward, so a sharded laye
 gathered R times and its gradient accumulates R contributions before the reduction;
 these tests check that on 2 CPU processes against one process on the same global batch.
 One spawn runs every strategy (process start-up dominates on a loaded CPU); a strategy
-this PyTorch cannot run on CPU/gloo is recorded with its error and its test skipped
-with that reason.
+fails is recorded with its error and its test fails with the traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from looplab.models import LoopedLM, LoopedLMConfig
 
 pytestmark = pytest.mark.slow
 WORLD, B, T, V = 2, 4, 12, 37
-STRATEGIES = ("ddp", "fsdp2", "fsdp1")
+STRATEGIES = ("ddp", "fsdp2")
 
 
 def make_model(seed: int = 0) -> LoopedLM:
@@ -61,27 +60,12 @@ def _grads_ddp(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _grads_fsdp2(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    from torch.distributed.fsdp import fully_shard
+    from looplab.training.distributed import shard_looped_model
 
     model = make_model()
-    for layer in model.block:  # one unit per backbone layer, as hardware=fsdp wraps them
-        fully_shard(layer)
-    fully_shard(model)
+    shard_looped_model(model)  # what hardware=fsdp applies: one unit per backbone layer, then the root
     loss_of(model, ids).backward()
     return {_clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
-
-
-def _grads_fsdp1(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """FullyShardedDataParallel with the policy of looplab.training.distributed (what Lightning's FSDPStrategy uses)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    from looplab.training.distributed import block_layer_classes
-
-    model = FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy(block_layer_classes()), use_orig_params=True)
-    loss_of(model, ids).backward()
-    with FSDP.summon_full_params(model, with_grads=True):
-        return {_clean(n): p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -90,10 +74,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     ids = global_batch()
     local = ids[rank * B // WORLD:(rank + 1) * B // WORLD]  # each rank its half of the same global batch
-    for name, fn in (("ddp", _grads_ddp), ("fsdp2", _grads_fsdp2), ("fsdp1", _grads_fsdp1)):
+    for name, fn in (("ddp", _grads_ddp), ("fsdp2", _grads_fsdp2)):
         try:
             res = {"grads": fn(rank, local)}
-        except Exception as e:  # recorded: the test skips with this reason
+        except Exception as e:  # recorded: the test fails with it
             res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         dist.barrier()
         if rank == 0:
@@ -117,10 +101,6 @@ def distributed_grads(tmp_path_factory):
     return reference, {s: torch.load(out / f"{s}.pt", weights_only=False) for s in STRATEGIES}
 
 
-# torch's own refusal of FSDP1 without an accelerator: the only error that skips instead of failing
-FSDP1_NEEDS_ACCELERATOR = "FSDP needs a non-CPU accelerator device"
-
-
 def _compare(reference, res, strategy):
     grads = res["grads"]
     assert set(grads) == set(reference), set(grads) ^ set(reference)
@@ -140,17 +120,6 @@ def test_fsdp2_fully_shard_looped_block_equals_one_process(distributed_grads):
     reference, results = distributed_grads
     assert "error" not in results["fsdp2"], results["fsdp2"].get("traceback")
     _compare(reference, results["fsdp2"], "FSDP2 fully_shard")
-
-
-def test_fsdp1_layer_wrapping_equals_one_process(distributed_grads):
-    """FSDP1 with looplab's wrap policy (the one Lightning's FSDPStrategy runs under hardware=fsdp)."""
-    reference, results = distributed_grads
-    res = results["fsdp1"]
-    if FSDP1_NEEDS_ACCELERATOR in res.get("error", ""):
-        pytest.skip(f"FSDP1 FullyShardedDataParallel on CPU/gloo is not supported by torch {torch.__version__}: "
-                    f"{res['error']}")
-    assert "error" not in res, res.get("traceback")  # any other failure is looplab's
-    _compare(reference, res, "FSDP1 FullyShardedDataParallel")
 
 
 # ----------------------------------------------------------------------------- Hydra multirun + DDP
@@ -186,3 +155,53 @@ def test_hydra_multirun_ddp_children_run_only_their_job(tmp_path):
         child_log = (folder / "train_ddp_process_1.log").read_text()
         assert f"1x{loops}" in child_log and "Launching" not in child_log
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
+
+
+# ----------------------------------------------------------------------------- SLURM sweeps, executed locally
+def test_submitit_local_sweep_writes_every_job(tmp_path):
+    """The -m sweep through hydra-submitit-launcher's local executor (what hardware=slurm submits to SLURM)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT / "tests")}
+    args = ["-m", "+experiment=phop_tiny", "hydra/launcher=submitit_local", "loop_depth=1x1,1x2", "trainer.max_steps=10",
+            "logger=none", "trainer.val_check_interval=5", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "dataset.val_size=64",
+            "dataset.test_size=64", "backbone.d_model=32", "backbone.n_heads=2", "backbone.ffn_hidden=64",
+            f"hydra.sweep.dir={tmp_path}/sweep"]
+    proc = subprocess.run([sys.executable, "-m", "looplab.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "Submitit 'local' sweep output dir" in out
+    for job, loops in ((0, 1), (1, 2)):
+        res = json.loads((tmp_path / "sweep" / str(job) / "results.json").read_text())
+        assert res["status"] == "ok" and res["model"]["loops"] == loops and res["global_step"] == 10
+    assert len(list((tmp_path / "sweep" / ".submitit").iterdir())) >= 2  # submitit's own job folders: it really ran them
+
+
+def test_paper_table_on_slurm_dry_run_composes(tmp_path):
+    """`python -m looplab.tables run N --scale paper --hardware slurm --dry-run` prints commands that compose,
+    with FSDP2 as the strategy for the LM tables."""
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import compose
+
+    proc = subprocess.run([sys.executable, "-m", "looplab.tables", "run", "1", "--scale", "paper", "--hardware", "slurm",
+                           "--dry-run", "--out-root", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    commands = [shlex.split(line) for line in proc.stdout.splitlines() if "looplab.train" in line]
+    assert commands, proc.stdout
+    for argv in commands:
+        overrides = [a for a in argv[argv.index("looplab.train") + 1:] if a != "-m"]
+        assert "hardware=slurm" in overrides
+        single = [o.split("=", 1)[0] + "=" + o.split("=", 1)[1].split(",")[0] if "," in o and "[" not in o else o for o in overrides]
+        single = [o for o in single if not o.startswith("hydra.")]
+        cfg = compose(single)
+        assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+        assert cfg.trainer.strategy == "fsdp" and cfg.trainer.num_nodes == cfg.hardware.nodes

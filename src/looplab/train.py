@@ -51,9 +51,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, RichProgressBar, ThroughputMonitor
 
-    from looplab.checkpoint import check_compatible, read_checkpoint
+    from looplab.checkpoint import check_compatible, read_checkpoint_meta
     from looplab.training.callbacks import AtomicCheckpointIO, ThroughputRecord
     from looplab.training.compose import model_config_from_cfg, objective_from_cfg
+    from looplab.training.distributed import recover_checkpoint, trainer_overrides
     from looplab.training.module import LoopedLMModule
 
     start = time.time()
@@ -78,6 +79,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             except Exception:  # a property that needs setup() first
                 pass
     ckpt_dir = out_dir / "checkpoints"
+    recover_checkpoint(ckpt_dir / "last.ckpt")  # a sharded save killed between its two renames
     ckpt_path = None
     if cfg.resume == "auto":
         if (ckpt_dir / "last.ckpt").exists():
@@ -85,7 +87,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     elif cfg.resume:
         ckpt_path = str(cfg.resume)
     if ckpt_path:
-        check_compatible(read_checkpoint(ckpt_path)["looplab"], model_cfg)
+        check_compatible(read_checkpoint_meta(ckpt_path), model_cfg)  # metadata only, every rank
         log.info("resuming from %s", ckpt_path)
 
     module = LoopedLMModule(
@@ -94,6 +96,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         objective=objective,
         dataset=dataset_meta,
         checkpoint_loops=bool(cfg.hardware.get("activation_checkpointing", False)),
+        compile_block=use_compile,  # applied in configure_model, after any sharding
     )
     warm = cfg.get("init_from") or (cfg.exit_gate.get("init_from") if objective["exit_stage"] else None)
     if warm and not ckpt_path:
@@ -102,8 +105,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if objective["exit_stage"] == "stage2":
         module.freeze_all_but_gate()
     log.info(compile_why)
-    if use_compile:
-        module.model.compile_block()  # each layer compiled once; the R loops reuse the compiled code
 
     params = module.model.num_parameters()
     seq_len = int(getattr(dm, "seq_len", model_cfg.max_seq_len))
@@ -127,7 +128,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(RichProgressBar(leave=True))
     trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],
-        default_root_dir=str(out_dir), _convert_="partial",
+        default_root_dir=str(out_dir), _convert_="partial", **trainer_overrides(cfg),  # precision auto, strategy fsdp
     )
     # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted)
     module.flops_per_batch = 3 * flops_fwd * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)

@@ -1,38 +1,176 @@
-"""Distributed strategies chosen by the `hardware` config; the model file knows nothing of them."""
+"""Distributed strategies chosen by the `hardware` config; the model file knows nothing of them.
+
+`trainer.strategy: fsdp` (hardware=fsdp, or any hardware with `trainer.strategy=fsdp`) is FSDP2:
+`fully_shard` per backbone layer and once at the root, through Lightning's
+`ModelParallelStrategy` and the LightningModule's `configure_model` hook. Why FSDP2 and not
+Lightning's FSDPStrategy (FSDP1), which looplab used before:
+
+* FSDP1's `FSDPPrecision` refuses norm gradient clipping outright; FSDP2 parameters are DTensors
+  and `torch.nn.utils.clip_grad_norm_` computes the global norm over their shards.
+* FSDP1 flattens parameters (1-D views under `use_orig_params`), which emptied the weight-decay
+  group; FSDP2 keeps every parameter's logical shape (and looplab groups by name anyway).
+* FSDP1 `bf16-mixed` all-gathers parameters and reduces gradients in bf16; here the policy is
+  the DDP recipe: fp32 sharded master weights, bf16 compute under Lightning's autocast,
+  fp32 gradient reduction (`MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`).
+* FSDP1 kept a reused block layer unsharded with a full gradient from loop R's backward to
+  loop 1's; FSDP2 all-gathers a layer at each of its R uses and reshards after each.
+* FSDP1 does not run on a CPU in torch 2.13; FSDP2 does (gloo), so `make test` executes it.
+
+A looped block calls each sharded layer R times per forward: FSDP2 gathers it before each call
+and frees it after (`reshard_after_forward`), and the R gradient contributions accumulate in
+the sharded gradient (tests/test_distributed.py checks them against one process).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+_DTYPES = {None: None, "null": None, "float32": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
 
 def block_layer_classes() -> set[type]:
-    """The classes FSDP wraps (and checkpoints): one unit per backbone layer."""
+    """One sharding unit per backbone layer."""
     from looplab.models.llama import AttentionLayer
+    from looplab.models.mamba2 import Mamba2Layer
 
-    classes: set[type] = {AttentionLayer}
-    try:
-        from looplab.models.mamba2 import Mamba2Layer
-
-        classes.add(Mamba2Layer)
-    except ImportError:
-        pass
-    return classes
+    return {AttentionLayer, Mamba2Layer}
 
 
-def fsdp_strategy(sharding_strategy: str = "FULL_SHARD", activation_checkpointing: bool = False, **kwargs):
-    """Lightning FSDP wrapping each backbone layer.
+def _dtype(name: Any, key: str) -> torch.dtype | None:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        from looplab.models.config import ConfigError
 
-    A looped block calls every wrapped layer R times per forward. FSDP gathers
-    a layer's shards before each call and frees them after (reshard after
-    forward), and its gradient hooks accumulate the R contributions before the
-    reduce-scatter. Lightning's FSDPStrategy is FSDP1, which needs an accelerator
-    (torch 2.13 refuses CPU); tests/test_distributed.py checks the reused-block
-    gradients under FSDP2 `fully_shard` on 2 CPU processes instead, and skips FSDP1.
+        raise ConfigError(f"hardware.fsdp.{key}={name!r} is unknown; choose one of null, float32, bfloat16, float16")
+    return _DTYPES[name]
+
+
+class LoopedFSDPStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy as pure FSDP2 (one data-parallel mesh dimension over every
+    rank, no tensor parallelism), with its sharding settings and an atomic sharded checkpoint.
+
+    The LightningModule's `configure_model` calls `shard_looped_model` with this strategy's
+    settings (looplab.training.module). Activation checkpointing is not this strategy's job:
+    `hardware.activation_checkpointing` checkpoints each loop once, under every strategy.
     """
-    from lightning.pytorch.strategies import FSDPStrategy
 
-    classes = block_layer_classes()
-    return FSDPStrategy(
-        auto_wrap_policy=classes,
-        activation_checkpointing_policy=classes if activation_checkpointing else None,
-        sharding_strategy=sharding_strategy,
-        **kwargs,
-    )
+    def __init__(self, param_dtype: Any = None, reduce_dtype: Any = "float32", reshard_after_forward: bool = True,
+                 sharded_checkpoint: bool = True, **kwargs):
+        super().__init__(save_distributed_checkpoint=bool(sharded_checkpoint), **kwargs)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
+                                              reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
+        self.reshard_after_forward = bool(reshard_after_forward)
+
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's "auto" sizes mean data-parallel across nodes and tensor-parallel
+        # within one; looplab shards one data-parallel dimension over all ranks instead
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        """Every rank writes its shard into a temporary folder; rank 0 then swaps it in by rename.
+
+        A run killed while saving leaves the previous checkpoint intact (or, killed between the
+        two renames, as `.NAME.old`, which `recover_checkpoint` puts back).
+        """
+        if not self._save_distributed_checkpoint:  # one file gathered on rank 0, written by the (atomic) CheckpointIO
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+        if self.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        self.barrier("looplab_ckpt_tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("looplab_ckpt_written")
+        if self.is_global_zero:
+            _fsync_tree(tmp)
+            if path.exists():
+                if old.exists():
+                    shutil.rmtree(old) if old.is_dir() else old.unlink()
+                os.replace(path, old)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+            if old.exists():
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        self.barrier("looplab_ckpt_swapped")
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def recover_checkpoint(path: str | os.PathLike) -> None:
+    """Put back `.NAME.old` when a sharded save was killed between its two renames."""
+    path = Path(path)
+    old = path.with_name(f".{path.name}.old")
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+
+
+def shard_looped_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> None:
+    """FSDP2: `fully_shard` each backbone layer (a unit gathered at each of its R uses), then the root
+    (embedding, state branch, exit gate, final norm and head). Idempotent."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+    classes = tuple(block_layer_classes())
+    for module in model.modules():
+        if isinstance(module, classes):
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def build_strategy(strategy: Any, fsdp_options: dict[str, Any] | None = None) -> Any:
+    """`trainer.strategy` as the config gives it → what Lightning's Trainer takes.
+
+    "fsdp" is looplab's FSDP2 strategy with `hardware.fsdp` options; anything else (ddp, auto,
+    an instantiated strategy) passes through unchanged.
+    """
+    if strategy == "fsdp":
+        return LoopedFSDPStrategy(**(fsdp_options or {}))
+    return strategy
+
+
+def trainer_overrides(cfg) -> dict[str, Any]:
+    """What `hydra.utils.instantiate(cfg.trainer, ...)` needs beyond the config: the resolved
+    precision, and looplab's FSDP2 strategy object for `trainer.strategy: fsdp`."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, Any] = {"precision": resolve_precision(cfg.trainer.get("precision", "32-true"), str(cfg.trainer.accelerator))}
+    if cfg.trainer.get("strategy") == "fsdp":  # not Lightning's FSDP1 "fsdp"
+        out["strategy"] = build_strategy("fsdp", OmegaConf.to_container(cfg.hardware.get("fsdp") or {}, resolve=True))
+    return out
+
+
+def resolve_precision(precision: Any, accelerator: str) -> str:
+    """`trainer.precision: auto` → bf16-mixed on a GPU, 32-true on a CPU (bf16 matmuls crawl there)."""
+    if precision != "auto":
+        return str(precision)
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    return "bf16-mixed" if accelerator in ("gpu", "cuda") else "32-true"

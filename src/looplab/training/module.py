@@ -43,11 +43,16 @@ class LoopedLMModule(L.LightningModule):
         objective: dict[str, Any],
         dataset: dict[str, Any] | None = None,
         checkpoint_loops: bool = False,
+        compile_block: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.model = LoopedLM(LoopedLMConfig.from_dict(model_config))
         self.model.checkpoint_loops = checkpoint_loops
+        self.compile_block = compile_block
+        self._configured = False
+        # decided once on the plain model, so that sharding (or compiling) cannot change it
+        self.decay_names = decayed_parameter_names(self.model)
         self.optim_cfg, self.objective = optim, objective
         self.dataset_cfg = dataset or {}
         self.R = self.model.config.n_loops
@@ -79,6 +84,26 @@ class LoopedLMModule(L.LightningModule):
             metrics[name] = m
         return metrics[name]
 
+    def configure_model(self) -> None:
+        """Lightning calls this once the processes exist, before wrapping the model and building the
+        optimizer, for fit and again for test (hence idempotent). Sharding comes first, compiling
+        after it, so the compiled layers are the sharded ones."""
+        if self._configured:
+            return
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from looplab.training.distributed import shard_looped_model
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = self.device_mesh
+            mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+            shard_looped_model(self.model, mesh, getattr(strategy, "mp_policy", None),
+                               getattr(strategy, "reshard_after_forward", True))
+        if self.compile_block:
+            self.model.compile_block()  # each layer compiled once; the R loops reuse the compiled code
+        self._configured = True
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["looplab"] = looplab_meta(self.model.config, self.dataset_cfg)
 
@@ -98,7 +123,8 @@ class LoopedLMModule(L.LightningModule):
             else:
                 loss = stage2_loss(loop_losses.detach(), out.exit_gate_logits[mask], self.objective["k"], self.objective["gamma"])
             self.log("train/last_loop_loss", loop_losses[-1].mean().detach())
-        self.log("train/loss", loss.detach(), prog_bar=True)
+        # the mean over ranks (a no-op on one process): the loss of the global batch, as one process logs it
+        self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=True)
         return loss
 
     # ------------------------------------------------------------ evaluation
@@ -150,10 +176,11 @@ class LoopedLMModule(L.LightningModule):
             for r, v in enumerate(series, start=1):
                 values[f"state_{key}_loop{r}"] = v
         self.diagnostics = {}
-        # MeanMetric.compute() already reduces across ranks
-        self.log_dict({f"{split}/{k}": v for k, v in values.items() if k != "acc"}, prog_bar=False)
+        # MeanMetric.compute() already reduced across ranks, so every rank holds the same values:
+        # sync_dist's mean leaves them as they are (and tells Lightning they are global)
+        self.log_dict({f"{split}/{k}": v for k, v in values.items() if k != "acc"}, prog_bar=False, sync_dist=True)
         if "acc" in values:
-            self.log(f"{split}/acc", values["acc"], prog_bar=True)
+            self.log(f"{split}/acc", values["acc"], prog_bar=True, sync_dist=True)
 
     def validation_step(self, batch, batch_idx):
         self._eval_step(batch, "val")
@@ -172,10 +199,8 @@ class LoopedLMModule(L.LightningModule):
         o = self.optim_cfg
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            # norms, biases, 1-D SSM/state parameters and embeddings are not decayed
-            (decay if p.dim() >= 2 and not name.startswith("embed.") else no_decay).append(p)
+            if p.requires_grad:
+                (decay if clean_param_name(name) in self.decay_names else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": o.get("weight_decay", 0.1)}, {"params": no_decay, "weight_decay": 0.0}]
         fused = o.get("fused", "auto")
         # fused AdamW has CPU and CUDA kernels (measured +6-9% per CPU training step); false = foreach
@@ -190,6 +215,18 @@ class LoopedLMModule(L.LightningModule):
         floor = o.get("min_lr_ratio", 0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, warmup, total, floor))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def clean_param_name(name: str) -> str:
+    """A parameter's name on the plain model, whatever wrappers (compile, checkpointing) sit around it."""
+    for junk in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+        name = name.replace(junk, "")
+    return name
+
+
+def decayed_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Weight matrices are decayed; norms, biases, 1-D SSM/state parameters and embeddings are not."""
+    return {clean_param_name(n) for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")}
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
