@@ -161,3 +161,24 @@ def test_cli_ddp_two_cpu_processes(tmp_path):
     res = json.loads((tmp_path / "ddp" / "results.json").read_text())
     assert res["status"] == "ok" and res["global_step"] == 4
     assert res["throughput"]["tokens"] == 4 * 8 * 33  # each rank saw its half of every global batch
+
+
+def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
+    """Under SLURM, CI or `> file` a live bar prints nothing for minutes: training logs a plain line
+    every log_every_n_steps instead (also into the run's train.log), and the model summary once."""
+    args = ["logger=none", f"hydra.run.dir={tmp_path}/run", "trainer.max_steps=6", "trainer.log_every_n_steps=2",
+            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+            "dataset.batch_size=8", "dataset.val_size=8", "dataset.test_size=8", "backbone.d_model=32",
+            "backbone.n_heads=2", "backbone.ffn_hidden=64", "loop_depth=1x2"]
+    proc = cli(args, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    import re
+
+    lines = re.findall(r"step (\d+)/6 · loss (\d+\.\d+) · ([\d,]+) tokens/s · elapsed \d+:\d\d:\d\d · eta \d+:\d\d:\d\d", out)
+    assert [int(s) for s, _, _ in lines] == [2, 4, 6], out[-3000:]
+    assert all(0 < float(loss) < 10 and int(tps.replace(",", "")) > 0 for _, loss, tps in lines)
+    assert re.search(r"validation at step 3: acc [\d.]+ · loss [\d.]+ · ppl [\d.]+", out)
+    assert out.count("Trainable params") == 1  # the model summary, once
+    assert "\x1b[" not in proc.stdout  # no terminal control sequences in a log file
+    assert len(re.findall(r"step \d+/6 · loss", (tmp_path / "run" / "train.log").read_text())) == 3

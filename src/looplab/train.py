@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -52,14 +53,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, RichProgressBar, ThroughputMonitor
 
     from looplab.checkpoint import check_compatible, read_checkpoint_meta
-    from looplab.training.callbacks import AtomicCheckpointIO, ThroughputRecord
+    from looplab.training.callbacks import AtomicCheckpointIO, PlainProgress, ThroughputRecord
     from looplab.training.compose import model_config_from_cfg, objective_from_cfg
     from looplab.training.distributed import recover_checkpoint, trainer_overrides
     from looplab.training.module import LoopedLMModule
 
     start = time.time()
     ctx = hydra_context()
-    for name in ("lightning.pytorch", "lightning.fabric"):  # Hydra's handlers already print and file them
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):  # Hydra's handlers already print and file them
         logging.getLogger(name).handlers.clear()
     out_dir = Path(ctx["output_dir"])
     if cfg.hardware.get("num_threads"):
@@ -124,11 +125,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.trainer.get("enable_model_summary", True) is not False:
         callbacks.append(ModelSummary(max_depth=2))  # shows block / state / exit_gate sizes separately
+    overrides = trainer_overrides(cfg)  # precision auto, strategy fsdp
     if cfg.trainer.get("enable_progress_bar", True) is not False:
-        callbacks.append(RichProgressBar(leave=True))
+        if sys.stdout.isatty():
+            callbacks.append(RichProgressBar(leave=True))
+        else:  # SLURM, CI, `> file`: a live bar prints nothing there; plain lines instead
+            callbacks.append(PlainProgress(every=int(cfg.trainer.get("log_every_n_steps") or 25)))
+            overrides["enable_progress_bar"] = False
     trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],
-        default_root_dir=str(out_dir), _convert_="partial", **trainer_overrides(cfg),  # precision auto, strategy fsdp
+        default_root_dir=str(out_dir), _convert_="partial", **overrides,
     )
     # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted)
     module.flops_per_batch = 3 * flops_fwd * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
