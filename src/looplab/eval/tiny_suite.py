@@ -15,9 +15,11 @@ as Σ log p(choice | context):
                             BPE length, the same capitalisation and the same
                             frequency band (⌊log2 count⌋ in the held-out plays),
                             drawn per occurrence.
-    looplab_tiny_next_line  the line that follows up to three lines of a speech;
-                            distractors are non-first lines of other speeches of
-                            the same play with the same BPE length.
+    looplab_tiny_next_line  the line that follows up to three lines of a speech, where
+                            the line before ends mid-sentence (in a letter, no
+                            punctuation); distractors are lines of other speeches
+                            of the same play that also follow such a break, with
+                            the same BPE length.
     looplab_tiny_speaker    who speaks next, after (the last two lines of) up to
                             three earlier speeches of the scene; choices are the
                             speaker and three other leading speakers of the play
@@ -196,7 +198,10 @@ def make_cloze(speeches: list[Speech], n: int, rng: random.Random, fresh: _Fresh
 
 
 def make_next_line(speeches: list[Speech], n: int, rng: random.Random, fresh: _Fresh, tok) -> list[dict]:
-    cands = [(k, i) for k, s in enumerate(speeches) for i in range(1, len(s.lines)) if len(s.lines[i].split()) >= 4]
+    # lines that continue a sentence: the line before ends in a letter (no punctuation), so the
+    # break falls inside a clause and the first words of the true line are constrained by the last ones
+    cands = [(k, i) for k, s in enumerate(speeches) for i in range(1, len(s.lines))
+             if len(s.lines[i].split()) >= 4 and s.lines[i - 1][-1].isalpha()]
     ntok = {(k, i): len(tok.encode("\n" + speeches[k].lines[i])) for k, i in cands}
     by_play: dict[str, list[tuple[int, int]]] = {}
     for c in cands:
