@@ -76,6 +76,15 @@ def test_results_json_contents(tiny_overrides, tmp_path):
     assert res["model"]["loops"] == 3
 
 
+def test_last_checkpoint_is_the_final_model_when_max_steps_is_off_the_interval(tiny_overrides, tmp_path):
+    """max_steps 5 with a checkpoint every 3 steps: last.ckpt must hold step 5, the model results.json
+    describes (it held step 3, so eval and zero-shot scored an older model)."""
+    run_dir = tmp_path / "run"
+    res = run_train(tiny_overrides + ["trainer.max_steps=5", "checkpoint_every_n_steps=3"], run_dir)
+    assert res["global_step"] == 5
+    assert read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 5
+
+
 def test_resume_after_crash_equals_uninterrupted(tiny_overrides, tmp_path):
     common = tiny_overrides + ["test_after_fit=false", "trainer.val_check_interval=100", "checkpoint_every_n_steps=3"]
     run_train(common, tmp_path / "straight")

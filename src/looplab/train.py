@@ -114,9 +114,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_name = f"{cfg.task_name}-{out_dir.name}" if not ctx["multirun"] else f"{cfg.task_name}-{out_dir.parent.name}-{out_dir.name}"
     loggers = build_loggers(cfg, out_dir, run_name)
     throughput = ThroughputRecord()
+    checkpointing = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=0,
+                                    every_n_train_steps=int(cfg.checkpoint_every_n_steps), auto_insert_metric_name=False)
     callbacks = [
-        ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=0,
-                        every_n_train_steps=int(cfg.checkpoint_every_n_steps), auto_insert_metric_name=False),
+        checkpointing,
         throughput,
         ThroughputMonitor(batch_size_fn=lambda b: b["input_ids"].shape[0], length_fn=lambda b: b["input_ids"].numel()),
     ]
@@ -143,6 +144,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
              f"{params['total']:,}", 100 * params["state_branch"] / max(1, params["total"] - params["state_branch"]), flops_fwd)
 
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    if not cfg.trainer.get("fast_dev_run") and checkpointing._last_global_step_saved != trainer.global_step:
+        # max_steps off the checkpoint interval: last.ckpt must be the model that results.json describes
+        trainer.save_checkpoint(ckpt_dir / "last.ckpt")
     val_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     test_metrics: dict[str, float] = {}
     if cfg.get("test_after_fit", True) and not cfg.trainer.get("fast_dev_run"):
