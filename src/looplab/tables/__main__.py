@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     zs = sub.add_parser("zeroshot", help="zero-shot suite on every trained checkpoint of a table")
     common(zs)
-    zs.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (default: the 8-task suite)")
+    zs.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (default: looplab_tiny at tiny scale, the paper's 8-task suite at paper scale)")
     zs.add_argument("--limit", type=float, default=None)
     zs.add_argument("--batch-size", type=int, default=8)
     zs.add_argument("--device", default=None)
