@@ -30,7 +30,7 @@ demo: $(STAMP) ## train a tiny looped model on p-hop on the CPU (a few minutes) 
 	$(PY) -m looplab.train
 
 test: $(STAMP) ## the whole CPU test suite (GPU tests are skipped without CUDA)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP) ## the suite without tests marked slow
 	$(PY) -m pytest -q -m "not slow"
