@@ -107,13 +107,14 @@ def build_checks(workdir: Path, python: str = sys.executable, steps: int = STEPS
     workdir = Path(workdir)
     base_env = {"PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline"}
     compile_env = {**base_env, "TORCH_LOGS": "graph_breaks,recompiles"}
-    checks = []
-    for backbone in BACKBONES:
-        run_dir = workdir / f"train-{backbone}-compile"
-        checks.append(Check(f"train-{backbone}-compile", "train",
-                            [python, "-m", "looplab.train", *train_overrides(run_dir, backbone, "gpu", True, steps)],
-                            240, run_dir / "results.json", compile_env,
-                            {"backbone": backbone, "compile": True, "steps": steps, "run_dir": str(run_dir)}))
+    def train_check(name: str, backbone: str, hardware: str, compile_: bool, timeout_s: int, env: dict) -> Check:
+        run_dir = workdir / name
+        return Check(name, "fsdp" if hardware == "fsdp" else "train",
+                     [python, "-m", "looplab.train", *train_overrides(run_dir, backbone, hardware, compile_, steps)],
+                     timeout_s, run_dir / "results.json", env,
+                     {"backbone": backbone, "compile": compile_, "steps": steps, "run_dir": str(run_dir)})
+
+    checks = [train_check(f"train-{b}-compile", b, "gpu", True, 240, compile_env) for b in BACKBONES]
     checks.append(Check("bench", "bench",
                         [python, "-m", "looplab.bench", "--device", "cuda", "--quick", "--only", "train",
                          "--out", str(workdir / "bench.json")],
@@ -121,17 +122,8 @@ def build_checks(workdir: Path, python: str = sys.executable, steps: int = STEPS
     checks.append(Check("parity", "parity",
                         [python, "-m", "looplab.gpu_check", "--worker", "parity", "--out", str(workdir / "parity.json")],
                         220, workdir / "parity.json", compile_env))
-    run_dir = workdir / "fsdp-hybrid"
-    checks.append(Check("fsdp-hybrid", "fsdp",
-                        [python, "-m", "looplab.train", *train_overrides(run_dir, "hybrid", "fsdp", False, steps)],
-                        180, run_dir / "results.json", base_env,
-                        {"backbone": "hybrid", "compile": False, "steps": steps, "run_dir": str(run_dir)}))
-    for backbone in BACKBONES:
-        run_dir = workdir / f"train-{backbone}-eager"
-        checks.append(Check(f"train-{backbone}-eager", "train",
-                            [python, "-m", "looplab.train", *train_overrides(run_dir, backbone, "gpu", False, steps)],
-                            150, run_dir / "results.json", base_env,
-                            {"backbone": backbone, "compile": False, "steps": steps, "run_dir": str(run_dir)}))
+    checks.append(train_check("fsdp-hybrid", "hybrid", "fsdp", False, 180, base_env))
+    checks += [train_check(f"train-{b}-eager", b, "gpu", False, 150, base_env) for b in BACKBONES]
     return checks
 
 
