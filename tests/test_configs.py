@@ -64,6 +64,7 @@ def test_user_facing_field_names():
         (["state_mode.s0=random", "state_mode=stateloop"], "state_init"),
         (["exit_gate=ouro", "exit_gate.stage=stage3"], "stage"),
         (["exit_gate=ouro", "exit_gate.stage=stage2"], "init_from"),
+        (["exit_gate=ouro", "exit_gate.final_loop_weight=heavy"], "final_loop_weight"),
     ],
 )
 def test_impossible_configs_name_the_field(overrides, field):
@@ -71,6 +72,14 @@ def test_impossible_configs_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
         model_config_from_cfg(cfg, vocab_size=10)
         objective_from_cfg(cfg)
+
+
+def test_table8_tiny_stage1_keeps_the_last_loop_loss():
+    """The tiny exit-gate experiments train stage 1 with final_loop_weight 1 (the measured recipe);
+    the group default stays Ouro's objective."""
+    assert objective_from_cfg(compose(["exit_gate=ouro"]))["final_loop_weight"] == 0.0
+    for name in ("exit_gate_mamba_tiny", "exit_gate_llama_tiny", "exit_gate_stateloop_tiny"):
+        assert objective_from_cfg(compose([f"+experiment={name}"]))["final_loop_weight"] == 1.0
 
 
 def test_unknown_option_is_rejected_by_hydra():

@@ -58,6 +58,21 @@ def test_stage1_loss_by_hand_and_entropy_sign():
     # a higher-entropy distribution lowers the loss: the entropy term is a bonus, not a penalty
     assert entropy(torch.tensor([0.5, 0.5])) > entropy(torch.tensor([0.9, 0.1]))
     assert stage1_loss(losses, p, 1.0) < stage1_loss(losses, p, 0.0)
+    # final_loop_weight w adds w·L^(R) per token (the deepest loop's loss at full weight)
+    w = 0.7
+    assert stage1_loss(losses, p, beta, w).item() == pytest.approx(expected + w * (0.5 + 0.5) / 2, rel=1e-6)
+
+
+def test_final_loop_weight_gives_the_last_loop_gradient_the_gate_withholds():
+    """A gate that has put all mass on loop 1 passes the deepest loop no gradient under Ouro's
+    objective; with final_loop_weight it gets w times the plain loss's gradient."""
+    losses = torch.tensor([[1.0], [2.0], [3.0]], requires_grad=True)  # (R=3, N=1)
+    p = torch.tensor([[1.0, 0.0, 0.0]])
+    stage1_loss(losses, p, 0.0).backward()
+    assert losses.grad[-1].item() == 0.0
+    losses.grad = None
+    stage1_loss(losses, p, 0.0, final_loop_weight=2.0).backward()
+    assert losses.grad[-1].item() == pytest.approx(2.0)
 
 
 def test_stage2_targets_and_which_gate_decides_which_step():

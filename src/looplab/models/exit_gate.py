@@ -59,13 +59,17 @@ def entropy(p: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     return -(p * torch.log(p.clamp_min(eps))).sum(-1)
 
 
-def stage1_loss(loop_losses: torch.Tensor, exit_probs: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
-    """Σ_t p(t)·L^(t) − β·H(p), averaged over tokens.
+def stage1_loss(loop_losses: torch.Tensor, exit_probs: torch.Tensor, beta: float = 0.1,
+                final_loop_weight: float = 0.0) -> torch.Tensor:
+    """Σ_t p(t)·L^(t) − β·H(p) + w·L^(R), averaged over tokens.
 
     loop_losses (R, N) per-token cross-entropy from each depth; exit_probs (N, R).
+    w = 0 is Ouro's objective. With w > 0 the deepest loop keeps a full-weight loss whatever
+    the gate does: the expected loss alone gives loop R only p(R) of the gradient, and a task
+    that needs all R loops (p-hop) can then stall at the shallow loops' accuracy.
     """
     expected = (exit_probs * loop_losses.transpose(0, 1)).sum(-1)
-    return (expected - beta * entropy(exit_probs)).mean()
+    return (expected - beta * entropy(exit_probs) + final_loop_weight * loop_losses[-1]).mean()
 
 
 def stage2_targets(loop_losses: torch.Tensor, k: float = 50.0, gamma: float = 0.005) -> torch.Tensor:

@@ -68,12 +68,13 @@ def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"exit_gate.stage={stage!r} is unknown; choose one of {EXIT_STAGES}")
     if stage == "stage2" and not gate.get("init_from") and not cfg.get("init_from"):
         raise ConfigError("exit_gate.stage=stage2 trains the gate of a trained model: set exit_gate.init_from=PATH/TO.ckpt")
-    for key in ("beta", "k", "gamma"):
+    for key in ("beta", "final_loop_weight", "k", "gamma"):
         if key in gate and not isinstance(gate[key], (int, float)):
             raise ConfigError(f"exit_gate.{key}={gate[key]!r} must be a number")
     return {
         "exit_stage": stage,
         "beta": float(gate.get("beta", 0.1)),
+        "final_loop_weight": float(gate.get("final_loop_weight", 0.0)),
         "k": float(gate.get("k", 50.0)),
         "gamma": float(gate.get("gamma", 0.005)),
         "eval_thresholds": list(gate.get("eval_thresholds", [])),

@@ -119,7 +119,8 @@ class LoopedLMModule(L.LightningModule):
             mask = targets != IGNORE
             loop_losses = torch.stack([per_token_loss(lg, targets) for lg in out.loop_logits])  # (R, N)
             if stage == "stage1":
-                loss = stage1_loss(loop_losses, out.exit_probs[mask], self.objective["beta"])
+                loss = stage1_loss(loop_losses, out.exit_probs[mask], self.objective["beta"],
+                                   self.objective.get("final_loop_weight", 0.0))
             else:
                 loss = stage2_loss(loop_losses.detach(), out.exit_gate_logits[mask], self.objective["k"], self.objective["gamma"])
             self.log("train/last_loop_loss", loop_losses[-1].mean().detach())
