@@ -312,6 +312,62 @@ def test_decode_bench_quick_at_tiny_dims(monkeypatch):
     assert set(res["per_token_ms"]) == {"64", "512"}
     assert "vanilla_R+1" in res["per_token_ms"]["512"] and "stateloop_R" in res["per_token_ms"]["512"]
     assert {"mamba2_R", "hybrid_R", "stateloop_mamba2_R"} <= set(res["per_token_ms"]["512"])
-    sc = res["skip_compute"]
-    assert 1 <= sc["mean_exit_step"] < 2  # the biased gate makes tokens leave before the last loop
-    assert sc["per_context"]["512"]["exit_step_agreement_with_exact"] > 0.5
+    # exits come from trained checkpoints only: without any, the section says what to run
+    assert "make table8" in res["skip_compute"]["skipped"]
+
+
+def _gated_phop_checkpoint(path, bias: float | None = None):
+    from looplab.data.tasks import make_task
+
+    args = {"n": 8, "p": 2, "alphabet": 4}
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=make_task("phop", args).vocab.vocab_size, d_model=32, n_heads=4,
+                                    n_layers=1, n_loops=3, exit_gate="ouro")).eval()
+    if bias is not None:
+        with torch.no_grad():
+            model.exit_gate.proj.weight.zero_()
+            model.exit_gate.proj.bias.fill_(bias)
+    dataset = {"_target_": "looplab.data.tasks.TaskDataModule", "name": "phop", "task": "phop", "task_args": args,
+               "batch_size": 4, "val_size": 8, "test_size": 8, "seed": 0}
+    _save_checkpoint(path, model, dataset)
+    return model, dataset
+
+
+def test_exit_decoding_of_a_checkpoint_matches_full_forward_passes(tmp_path):
+    """bench/exit_decode.py (table 4's exit columns): its all-loops and exit-depth decoders score the
+    answers exactly as a full forward pass does, skip_compute equals the exit depth computed in full
+    when every token exits at loop R, and a gate that stops every token after loop 1 skips loops."""
+    from looplab.bench import exit_decode
+    from looplab.eval.__main__ import build_datamodule
+
+    model, dataset = _gated_phop_checkpoint(tmp_path / "gated.ckpt")
+    res = exit_decode.decode_checkpoint(tmp_path / "gated.ckpt", n_sequences=8, warmup=0)
+    dm = build_datamodule(dataset)
+    dm.setup("test")
+    steps_total = 0
+    right = {"all_loops": 0, "exact_exit": 0}
+    for batch in dm.test_dataloader():  # 2 batches of 4 sequences
+        with torch.no_grad():
+            full = model(batch["input_ids"]).logits
+            gated = model(batch["input_ids"], exit_threshold=0.5)
+        m = batch["answer_mask"]
+        right["all_loops"] += int((full.argmax(-1) == batch["targets"])[m].sum())
+        right["exact_exit"] += int((gated.logits.argmax(-1) == batch["targets"])[m].sum())
+        steps_total += int(gated.exit_steps.sum())
+    assert res["sequences"] == 8 and res["answers"] == 8
+    assert res["accuracy"]["all_loops"] == right["all_loops"] / 8
+    assert res["accuracy"]["exact_exit"] == right["exact_exit"] / 8
+    assert res["mean_exit_step_exact_exit"] == pytest.approx(steps_total / res["tokens"])
+    assert sum(res["exit_histogram"]) == res["tokens"]
+
+    _gated_phop_checkpoint(tmp_path / "late.ckpt", bias=-30.0)  # λ ≈ 0: every token runs all 3 loops
+    late = exit_decode.decode_checkpoint(tmp_path / "late.ckpt", n_sequences=8, warmup=0)
+    assert late["exit_histogram"] == [0, 0, late["tokens"]] and late["top1_agreement_vs_exact_exit"] == 1.0
+    assert late["accuracy"]["skip"] == late["accuracy"]["all_loops"]
+    _gated_phop_checkpoint(tmp_path / "early.ckpt", bias=30.0)  # λ ≈ 1: every token stops after loop 1
+    early = exit_decode.decode_checkpoint(tmp_path / "early.ckpt", n_sequences=8, warmup=0)
+    assert early["exit_histogram"] == [early["tokens"], 0, 0] and early["mean_exit_step"] == 1.0
+
+    summary = exit_decode.run([tmp_path / "late.ckpt", tmp_path / "early.ckpt"], n_sequences=4)
+    s = summary["groups"]["vanilla"]["summary"]
+    assert s["mean_exit_step"]["n"] == 2 and s["mean_exit_step"]["mean"] == pytest.approx(2.0)

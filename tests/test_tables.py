@@ -223,13 +223,23 @@ def test_decode_table_from_benchmark_json(tmp_path):
             "flops_per_token_512": {"vanilla_R": 100, "stateloop_R": 101},
             "per_token_ms": {"64": {"vanilla_R": 2.0, "stateloop_R": 2.1}, "512": {"vanilla_R": 3.0, "stateloop_R": 3.1}},
             "recompute_per_token_ms": {"512": 40.0}, "state_overhead": 0.03, "cached_speedup_512": 13.3,
-            "skip_compute": {"speedup_vs_all_loops": 1.4}}
+            "skip_compute": {"q": 0.5, "sequences_per_checkpoint": 8, "groups": {"vanilla": {"runs": [
+                {"accuracy": {"all_loops": a, "exact_exit": a, "skip": a - 0.1}, "answers": 8, "n_loops": 4, "task": "phop",
+                 "top1_agreement_vs_exact_exit": 0.9, "mean_exit_step": 3.0, "speedup_vs_all_loops": s}
+                for a, s in ((1.0, 1.2), (0.9, 1.4), (0.8, 1.6))]}}}}
     path = tmp_path / "decode.json"
     path.write_text(json.dumps(data))
     t = report.build(4, "tiny", tmp_path, decode_json=path)
     assert [r["model"] for r in t.rows] == ["vanilla_R", "stateloop_R", "vanilla_R, no cache (recompute)"]
     assert t.rows[1]["ms/token @512"] == 3.1 and t.summary["cached_speedup_512"] == 13.3
-    assert t.summary["skip_compute.speedup_vs_all_loops"] == 1.4
+    where = "skip_compute, vanilla 1⊗4 stage 2 on phop, q = 0.5"
+    speed = t.summary[f"{where}: speed-up vs all loops (per-token latency)"]
+    assert speed.mean == pytest.approx(1.4) and speed.n == 3
+    acc = t.summary[f"{where}: answer accuracy, skip_compute"]
+    assert acc.mean == pytest.approx(0.8) and acc.examples == 8
+    data["skip_compute"] = {"skipped": "no trained gated checkpoint (exit runs: none given)"}
+    path.write_text(json.dumps(data))
+    assert "exit columns (skip_compute): no trained" in report.build(4, "tiny", tmp_path, decode_json=path).missing[0]
     missing = report.build(4, "tiny", tmp_path, decode_json=tmp_path / "nope" / "decode.json")
     assert not missing.rows and "not found" in missing.missing[0]
     assert report.write(missing, tmp_path / "tables")[0].read_text().count("Missing runs (1)") == 1
@@ -555,6 +565,10 @@ def test_tiny_tables_default_to_three_seeds(capsys):
     t1 = runner.plan(1, "tiny")
     assert t1[-1].argv[2:5] == ["looplab.tables", "zeroshot", "1"] and t1[-1].argv[-2:] == ["--tasks", "looplab_tiny"]
     assert not any("seed=" in a for c in runner.plan(6, "paper") for a in c.argv)
+    # table 4's exit columns decode table 8's stage-2 runs of the attention-only backbones
+    t4 = runner.plan(4, "tiny", out_root=Path("runs"))[0].argv
+    exit_runs = t4[t4.index("--exit-runs") + 1:]
+    assert exit_runs == ["runs/table8/tiny/exit_gate_llama_tiny_stage2", "runs/table8/tiny/exit_gate_stateloop_tiny_stage2"]
 
 
 # ----------------------------------------------------------------------------- make targets

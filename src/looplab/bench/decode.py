@@ -17,23 +17,20 @@ On an oversubscribed machine use threads=1: with 2 OpenMP threads and other proc
 competing for the cores, every parallel region spin-waits for a descheduled thread and
 per-token times inflate ~15× and scatter (measured here: 0.4 s instead of 27 ms).
 
-skip_compute: a Vanilla Looped model with an Ouro exit gate whose weights are set so tokens
-exit early (w ~ N(0, 1/d), bias logit(0.4), q = 0.5; measured: ~90% of tokens leave after
-loop 2 and the rest after loop 1, mean exit step ≈ 1.9 of 4). Three decoders consume the same tokens (teacher-forced with
-the all-loops greedy choice): all loops (reference), exit depth chosen by the gate with
-every loop computed (`exact_exit`), and skip_compute (deeper loops skipped, their KV reused).
-Quality compares skip_compute's logits to both; with random weights the numbers measure
-the KV-reuse approximation, not a trained model's accuracy.
+skip_compute (the exit columns): trained, gated checkpoints (table 8's stage-2 runs of the
+attention-only backbones) decode their own task's test sequences with all loops, with the gate's
+exit depth and every loop computed, and with `skip_compute` (bench/exit_decode.py): answer
+accuracy, agreement, exit depths and per-token latency. Without checkpoints
+(`--exit-runs DIR ...`, each DIR a sweep folder of such runs) the section is skipped and says so:
+exits of an untrained or hand-set gate would measure nothing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -112,72 +109,6 @@ def _latency(models: dict[str, LoopedLM], contexts, warmup: int, repeats: int, r
 
 
 @torch.no_grad()
-def _skip_compute(contexts, steps: int, warmup: int, q: float = 0.5, lam: float = 0.4) -> dict:
-    base = _build(_config(exit_gate="ouro"))
-    d = DIMS["d_model"]
-    with torch.no_grad():
-        base.exit_gate.proj.weight.normal_(0, 1 / math.sqrt(d), generator=torch.Generator().manual_seed(1))
-        base.exit_gate.proj.bias.fill_(math.log(lam / (1 - lam)))
-    V, R = DIMS["vocab_size"], DIMS["n_loops"]
-    g = torch.Generator().manual_seed(2)
-    res: dict = {
-        "gate": f"w ~ N(0, 1/d), b = logit({lam}) = {math.log(lam / (1 - lam)):.3f}, exit_threshold q = {q}",
-        "per_context": {},
-    }
-    for ctx in contexts:
-        prompt = torch.randint(0, V, (1, ctx), generator=g)
-        n = warmup + steps
-        caches = {k: base.allocate_cache(1, ctx + n + 1) for k in ("all_loops", "exact_exit", "skip")}
-        first = None
-        for k, c in caches.items():
-            first = base(prompt, cache=c).logits[:, -1]
-        tok = first.argmax(-1, keepdim=True)
-        times = {k: [] for k in caches}
-        exits_skip, exits_exact = [], []
-        agree_all = agree_exact = agree_exact_vs_all = 0
-        abs_diff, kl = [], []
-        for i in range(n):
-            t0 = time.perf_counter()
-            ref, _ = decode_step(base, tok, caches["all_loops"])
-            t1 = time.perf_counter()
-            exact, e_exact = decode_step(base, tok, caches["exact_exit"], exit_threshold=q)
-            t2 = time.perf_counter()
-            skip, e_skip = decode_step(base, tok, caches["skip"], exit_threshold=q, skip_compute=True)
-            t3 = time.perf_counter()
-            if i >= warmup:
-                times["all_loops"].append(t1 - t0)
-                times["exact_exit"].append(t2 - t1)
-                times["skip"].append(t3 - t2)
-            exits_skip.append(int(e_skip[0]))
-            exits_exact.append(int(e_exact[0]))
-            agree_all += int(skip.argmax() == ref.argmax())
-            agree_exact += int(skip.argmax() == exact.argmax())
-            agree_exact_vs_all += int(exact.argmax() == ref.argmax())
-            abs_diff.append(float((skip - exact).abs().max()))
-            kl.append(float(torch.nn.functional.kl_div(skip.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="sum")))
-            tok = ref.argmax(-1, keepdim=True)  # teacher-forced: every decoder sees the same tokens
-        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-        res["per_context"][str(ctx)] = {
-            "per_token_ms": med,
-            "speedup_vs_all_loops": med["all_loops"] / med["skip"],
-            "speedup_vs_exact_exit": med["exact_exit"] / med["skip"],
-            "mean_exit_step": sum(exits_skip) / n,
-            "exit_histogram": [exits_skip.count(t) for t in range(1, R + 1)],
-            "exit_step_agreement_with_exact": sum(a == b for a, b in zip(exits_skip, exits_exact)) / n,
-            "top1_agreement_vs_all_loops": agree_all / n,
-            "top1_agreement_vs_exact_exit": agree_exact / n,
-            "top1_agreement_exact_exit_vs_all_loops": agree_exact_vs_all / n,
-            "max_abs_logit_diff_vs_exact_exit": max(abs_diff),
-            "mean_kl_exact_exit_to_skip": sum(kl) / n,
-            "tokens": n,
-        }
-    pc = res["per_context"]
-    for key in ("speedup_vs_all_loops", "speedup_vs_exact_exit", "mean_exit_step", "top1_agreement_vs_all_loops", "top1_agreement_vs_exact_exit"):
-        res[key] = statistics.median(v[key] for v in pc.values())
-    return res
-
-
-@torch.no_grad()
 def _deep_block(warmup: int, repeats: int, n_layers: int = 24, ctx: int = 64) -> dict:
     """The state branch costs 3·d·d_s MACs per loop whatever N is, so its share shrinks as the
     block deepens; the paper's models have 24 layers per block. Same timing at N = 24."""
@@ -195,7 +126,34 @@ def _deep_block(warmup: int, repeats: int, n_layers: int = 24, ctx: int = 64) ->
     }
 
 
-def run(threads: int = 2, quick: bool = False) -> dict:
+def exit_checkpoints(run_dirs) -> list[Path]:
+    """The last.ckpt of every finished run (results.json status ok) under the sweep folders run_dirs."""
+    found = []
+    for d in run_dirs:
+        for res in sorted(Path(d).glob("*/results.json"), key=lambda p: (len(str(p)), str(p))):
+            ckpt = res.parent / "checkpoints" / "last.ckpt"
+            if json.loads(res.read_text()).get("status") == "ok" and ckpt.exists():
+                found.append(ckpt)
+    return found
+
+
+def skip_compute_section(run_dirs, threads: int, n_sequences: int = 128) -> dict:
+    from looplab.bench import exit_decode
+
+    ckpts = exit_checkpoints(run_dirs or [])
+    if not ckpts:
+        where = ", ".join(map(str, run_dirs)) if run_dirs else "none given"
+        return {"skipped": f"no trained gated checkpoint (exit runs: {where}); run `make table8` first, "
+                           "or pass --exit-runs DIR with stage-2 runs of an attention-only backbone"}
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return exit_decode.run(ckpts, n_sequences=n_sequences)
+    finally:
+        torch.set_num_threads(old)
+
+
+def run(threads: int = 2, quick: bool = False, exit_runs=None) -> dict:
     """Per-token decoding latency of every looped model side by side, the paper's ratios,
     cached-vs-recompute speed-up and the exit-gate skip_compute speed-up and quality."""
     contexts = (64, 512) if quick else (64, 256, 512)
@@ -241,7 +199,7 @@ def run(threads: int = 2, quick: bool = False) -> dict:
         del models
         if not quick:
             result["deep_block"] = _deep_block(warmup, repeats)
-        result["skip_compute"] = _skip_compute(contexts[-1:] if quick else (64, 512), steps=12 if quick else 40, warmup=2)
+        result["skip_compute"] = skip_compute_section(exit_runs, threads)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         if threads > 1 and load > (os.cpu_count() or 1):
             result["warning"] = (
@@ -258,11 +216,19 @@ def run(threads: int = 2, quick: bool = False) -> dict:
         torch.set_num_threads(old)
 
 
-if __name__ == "__main__":  # python -m looplab.bench.decode [--quick] [--threads N] [--out bench/decode.json]
-    args = sys.argv[1:]
-    threads = int(args[args.index("--threads") + 1]) if "--threads" in args else 2
-    out = Path(args[args.index("--out") + 1]) if "--out" in args else Path("bench/decode.json")
-    res = run(threads=threads, quick="--quick" in args)
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m looplab.bench.decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("bench/decode.json"))
+    ap.add_argument("--exit-runs", nargs="*", type=Path, default=[], metavar="DIR",
+                    help="sweep folders of trained gated runs (table 8 stage 2) for the skip_compute section")
+    a = ap.parse_args()
+    out = a.out
+    res = run(threads=a.threads, quick=a.quick, exit_runs=a.exit_runs)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict) or k in ("targets",)}, indent=2))

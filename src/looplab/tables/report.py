@@ -1009,10 +1009,7 @@ def build_decode(spec: TableSpec, scale: str, out_root: Path, decode_json: Path 
                 "state_overhead_attn_mixer", "state_overhead_mamba2_mixer", "cached_speedup_512"):
         if data.get(key) is not None:
             table.summary[key] = data[key]
-    sc = data.get("skip_compute") or {}
-    for key in ("speedup_vs_all_loops", "top1_agreement_vs_all_loops", "mean_exit_step"):
-        if sc.get(key) is not None:
-            table.summary[f"skip_compute.{key}"] = sc[key]
+    _exit_decoding_summary(table, data.get("skip_compute") or {})
     table.notes.append(f"from {path}: dims {data.get('dims')}, {data.get('threads')} thread(s), {data.get('dtype')}, "
                        "medians after warm-up, models timed round-robin")
     table.sizes = f"{len(contexts)} context length(s) ({', '.join(contexts)}), {data.get('repeats', '?')} timed tokens each"
@@ -1020,6 +1017,32 @@ def build_decode(spec: TableSpec, scale: str, out_root: Path, decode_json: Path 
              for name, ms in per.items()]
     table.verdicts = evaluate_findings(spec, units)
     return table
+
+
+def _exit_decoding_summary(table: Table, sc: dict[str, Any]) -> None:
+    """Table 4's exit columns: trained, gated checkpoints decoding their task (bench/exit_decode.py),
+    mean ± 95% t over the checkpoints (seeds) of each state mode; accuracies carry the Wilson
+    interval over the answers of one run."""
+    if sc.get("skipped") or not sc.get("groups"):
+        table.missing.append("exit columns (skip_compute): " + (sc.get("skipped") or "no trained gated checkpoint in "
+                                                                "the benchmark JSON; run `make table8`, then `make table4`"))
+        return
+    q = sc.get("q")
+    for mode, g in sc["groups"].items():
+        rs = g["runs"]
+        answers = rs[0].get("answers")
+        where = f"skip_compute, {mode} 1⊗{rs[0].get('n_loops')} stage 2 on {rs[0].get('task')}, q = {q}"
+        table.summary[f"{where}: answer accuracy, all loops"] = Stat([r["accuracy"]["all_loops"] for r in rs], answers)
+        table.summary[f"{where}: answer accuracy, exit depth (all loops computed)"] = Stat(
+            [r["accuracy"]["exact_exit"] for r in rs], answers)
+        table.summary[f"{where}: answer accuracy, skip_compute"] = Stat([r["accuracy"]["skip"] for r in rs], answers)
+        table.summary[f"{where}: top-1 agreement with the exit depth computed in full"] = Stat(
+            [r["top1_agreement_vs_exact_exit"] for r in rs])
+        table.summary[f"{where}: mean exit step"] = Stat([r["mean_exit_step"] for r in rs])
+        table.summary[f"{where}: speed-up vs all loops (per-token latency)"] = Stat([r["speedup_vs_all_loops"] for r in rs])
+    n = {m: len(g["runs"]) for m, g in sc["groups"].items()}
+    table.notes.append(f"exit columns: {', '.join(f'{v} {k} checkpoint(s)' for k, v in n.items())} (table 8 stage 2), "
+                       f"{sc.get('sequences_per_checkpoint')} test sequences each, decoded token by token")
 
 
 BUILDERS = {"lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,

@@ -119,10 +119,18 @@ def resolve_init_from(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, se
     return str(src_dir / "<job with " + ",".join(f"{k}={v}" for k, v in want.items()) + ">" / "checkpoints" / "last.ckpt")
 
 
-def decode_command(scale: str, decode_json: Path, extra: list[str]) -> Command:
+def exit_decode_dirs(scale: str, out_root: Path) -> list[Path]:
+    """Table 4's exit columns: table 8's stage-2 sweeps of the attention-only backbones (skip_compute needs one)."""
+    return [sweep_dir(out_root, 8, scale, sw) for sw in get(8).sweeps_for(scale)
+            if sw.init_from is not None and "mamba" not in sw.experiment]
+
+
+def decode_command(scale: str, decode_json: Path, extra: list[str], out_root: Path = DEFAULT_OUT_ROOT) -> Command:
     argv = [sys.executable, "-m", "looplab.bench.decode", "--out", str(decode_json)]
     # tiny: quick mode, one thread (two OpenMP threads on a loaded 2-core box spin-wait, see bench/decode.py)
     argv += ["--quick", "--threads", "1"] if scale == "tiny" else []
+    if scale == "tiny":  # trained gates decode p-hop test sequences (paper-scale exits: table 8's LM metrics)
+        argv += ["--exit-runs", *map(str, exit_decode_dirs(scale, out_root))]
     return Command(argv + list(extra), note="decoding benchmark")
 
 
@@ -145,7 +153,7 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
     logger = logger or default_logger(scale)
     extra = list(extra or [])
     if spec.kind == "decode":
-        return [decode_command(scale, decode_json, extra)]
+        return [decode_command(scale, decode_json, extra, out_root)]
     cmds: list[Command] = []
     for sw in spec.sweeps_for(scale):
         if sw.init_from is None:
