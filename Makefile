@@ -14,7 +14,7 @@ TABLES := 1 2 3 4 5 6 7 8
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
-	@echo "  tableN / tableN-report: run / only aggregate paper table N (1-8); SCALE=tiny (default, CPU) or SCALE=paper"
+	@echo "  tableN / tableN-report: run / only aggregate paper table N (1-8); SCALE=tiny (default, CPU) or SCALE=paper; JOBS=N: tiny sweeps run N jobs at once (default: the cores, at most 4)"
 
 # torch first, from the pinned CPU wheel; then everything else under a constraint that keeps it
 $(STAMP): pyproject.toml constraints.txt
@@ -41,7 +41,7 @@ bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/resul
 # Explicit rules: GNU make never searches pattern rules (table%:) for .PHONY targets, so
 # `make table3` used to print "Nothing to be done" and run nothing.
 $(addprefix table,$(TABLES)): table%: $(STAMP)
-	$(PY) -m looplab.tables run $* --scale $(SCALE)
+	$(PY) -m looplab.tables run $* --scale $(SCALE)$(if $(JOBS), --jobs $(JOBS))
 
 $(addsuffix -report,$(addprefix table,$(TABLES))): table%-report: $(STAMP)
 	$(PY) -m looplab.tables report $* --scale $(SCALE)

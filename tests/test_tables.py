@@ -565,6 +565,12 @@ def test_tiny_tables_default_to_three_seeds(capsys):
     t1 = runner.plan(1, "tiny")
     assert t1[-1].argv[2:5] == ["looplab.tables", "zeroshot", "1"] and t1[-1].argv[-2:] == ["--tasks", "looplab_tiny"]
     assert not any("seed=" in a for c in runner.plan(6, "paper") for a in c.argv)
+    # tiny sweeps run their jobs in parallel processes (one thread each on 2 cores), paper sweeps do not
+    par = runner.plan(6, "tiny", jobs=2)[0].argv
+    assert "hydra/launcher=joblib" in par and "hydra.launcher.n_jobs=2" in par
+    assert any(a.startswith("hardware.num_threads=") for a in par)
+    assert not any("joblib" in a for a in runner.plan(6, "tiny", jobs=1)[0].argv + runner.plan(6, "paper", jobs=2)[0].argv)
+    assert not any("joblib" in a for c in runner.plan(8, "tiny", jobs=2) if "exit_gate.stage=stage2" in c.argv for a in c.argv)
     # table 4's exit columns decode table 8's stage-2 runs of the attention-only backbones
     t4 = runner.plan(4, "tiny", out_root=Path("runs"))[0].argv
     exit_runs = t4[t4.index("--exit-runs") + 1:]

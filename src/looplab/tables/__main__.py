@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                    "seed at paper scale); rows show mean ± 95%% t-interval over them")
     r.add_argument("--logger", default=None, help="csv (tiny default), wandb (paper default) or none")
     r.add_argument("--hardware", default=None, help="e.g. slurm on a cluster (default: the experiment's own)")
+    r.add_argument("--jobs", type=int, default=None, help="tiny scale: jobs of a sweep run at once (hydra-joblib-launcher), "
+                   "the cores split between them (default: the cores, at most 4; 1 = one job after another)")
     r.add_argument("--zeroshot", action=argparse.BooleanOptionalAction, default=None,
                    help="evaluate the zero-shot suite after training (default: table 1 at paper scale)")
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "run":
         records = runner.run(a.number, a.scale, a.out_root, logger=a.logger, extra=a.extra, seeds=_seeds(a.seeds),
                              hardware=a.hardware, decode_json=a.decode_json, dry_run=a.dry_run, zeroshot=a.zeroshot,
-                             table_dir=a.table_dir)
+                             table_dir=a.table_dir, jobs=a.jobs)
         return 0 if a.dry_run or all(r["returncode"] in (0, None) for r in records) else 1
     if a.cmd == "report":
         kwargs = {"decode_json": a.decode_json} if spec.get(a.number).kind == "decode" else {}
