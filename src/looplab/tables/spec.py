@@ -189,9 +189,10 @@ TABLES: dict[int, TableSpec] = {
                                 "`looplab_tiny` suite on the held-out plays (`zeroshot 1 --tasks looplab_tiny`, run by `make table1`)",
                         "paper": "6⊗4 at 410M and 1.4B on the Pile; zero-shot average over the 8-task suite "
                                  "(`python -m looplab.tables zeroshot 1 --scale paper` after training)"}),
-    2: TableSpec(2, "Loop depth: Vanilla Looped vs StateLoop, R = 3..7", "depth",
+    2: TableSpec(2, "Loop depth: Vanilla Looped vs StateLoop per R", "depth",
                  {"tiny": (sweep("stateloop_depth_tiny"),), "paper": (sweep("stateloop_depth"),)}, "perplexity",
-                 notes={"tiny": "1⊗R llama d128, embedded corpus, 300 steps", "paper": "4⊗R at 410M on the Pile"}),
+                 notes={"tiny": "1⊗R (R = 2, 4, 6) llama d128, embedded corpus with its 1,024-token BPE, 600 steps",
+                        "paper": "4⊗R (R = 3..7) at 410M on the Pile"}),
     3: TableSpec(3, "State reset: carry vs reset", "reset",
                  {"tiny": (sweep("stateloop_reset_tiny"),), "paper": (sweep("stateloop_reset"),)}, "perplexity",
                  notes={"tiny": "2⊗3 llama d128, embedded corpus, 300 steps", "paper": "6⊗4 at 410M on the Pile"}),
