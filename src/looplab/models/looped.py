@@ -21,6 +21,7 @@ import torch.nn as nn
 from looplab.models.cache import LoopCache
 from looplab.models.config import LoopedLMConfig
 from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth, threshold_exit_steps
+from looplab.models.hub import LoopedHubMixin
 from looplab.models.llama import AttentionLayer, RMSNorm
 from looplab.models.state import StateBranch
 
@@ -46,7 +47,9 @@ class LoopedLMOutput:
     diagnostics: dict[str, list[float]] = field(default_factory=dict)
 
 
-class LoopedLM(nn.Module):
+class LoopedLM(nn.Module, LoopedHubMixin):
+    """N⊗R looped LM; `save_pretrained(dir)` / `from_pretrained(dir)` come from LoopedHubMixin (models/hub.py)."""
+
     def __init__(self, config: LoopedLMConfig):
         super().__init__()
         self.config = cfg = config

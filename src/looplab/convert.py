@@ -1,0 +1,393 @@
+"""Pretrained transformers checkpoints in, looplab folders out (issue 17).
+
+    python -m looplab.convert from-hf SRC --out DIR [--loops R] [--block-layers i,j,...] [--sharing cycle|middle_cycle]
+    python -m looplab.convert to-hf CKPT --out DIR
+
+Why: looped models are mostly retrofitted from pretrained ones (Mixture-of-Recursions,
+retrofitted recurrence), and hand-written conversions break silently. looplab's layers use
+transformers' parameterisation (rotate-half RoPE; fused QKV = cat(q, k, v); fused gate_up =
+cat(gate, up); Mamba-2's in_proj [z, xBC, dt], grouped gated norm), so the map below is a
+renaming plus two concatenations, and it is checked: after every `from-hf` both models run
+on random batches (one left-padded) and the command fails if the largest logit difference,
+relative to the logits' RMS, exceeds 1e-4. Settings looplab cannot represent (biases, RoPE
+scaling, another activation, an explicit head_dim, ...) are refused with the field named,
+never converted approximately.
+
+SRC is a `save_pretrained` folder of LlamaForCausalLM or Mamba2ForCausalLM (a hub id goes
+through the hub cache when reachable). The default is N⊗1 with every layer, in order.
+
+Retrofit (`--loops R`): the looped block's N layers are initialised from source layers, and
+the reference the check compares against is the source with its layers re-stacked in the
+looped order (R copies of the block), so the check also holds for a retrofit.
+  --block-layers i,j,...   the block is exactly these source layers (N = their count).
+  --sharing cycle          Mixture-of-Recursions' Cycle sharing, with Relaxed Recursive
+                           Transformers' "stepwise" initialisation: N = L // R, block layer l
+                           ← source layer l·R, so one pass of the block samples the whole
+                           source depth (L = 4, R = 2 → block [0, 2], run 0,2,0,2).
+  --sharing middle_cycle   MoR's Middle-Cycle keeps the first and the last layer unshared
+                           (prelude / coda) and cycles the middle ones. looplab has no
+                           prelude/coda yet, so the block is taken stepwise from the middle
+                           layers 1..L−2 (N = (L−2) // R, layer l ← 1 + l·R) and the first and
+                           last layers are dropped, with a note; --prelude/--coda are refused.
+A retrofit changes the function (it is a new model to train), so only N⊗1 is required to
+match the source; the retrofit check compares with the re-stacked source instead.
+
+`to-hf` writes a training checkpoint as a looplab Hub-style folder (LoopedLM.save_pretrained):
+config.json, model.safetensors, the model card, and the dataset's tokenizer when it is a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
+
+TOLERANCE = 1e-4  # max |Δlogit| / RMS(logits) for the built-in equivalence check
+SUPPORTED = ("llama", "mamba2")
+
+
+class ConversionError(ValueError):
+    """The source cannot be represented exactly; the message names the field and its value."""
+
+
+# --------------------------------------------------------------------------- config map
+def _refuse(field: str, value, why: str) -> None:
+    raise ConversionError(f"cannot convert exactly: {field}={value!r} — {why}")
+
+
+def _get(hf_cfg, name, default=None):
+    return getattr(hf_cfg, name, default)
+
+
+def _rope_theta(hf_cfg) -> float:
+    """RoPE base; anything but plain rotate-half RoPE (scaling, partial rotary) is refused."""
+    params = _get(hf_cfg, "rope_parameters") or {}
+    scaling = _get(hf_cfg, "rope_scaling")
+    if scaling and scaling != params:
+        _refuse("rope_scaling", scaling, "looplab's RoPE has no scaling")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        _refuse("rope_parameters.rope_type", rope_type, "looplab's RoPE has no scaling (only 'default')")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse("partial_rotary_factor", params["partial_rotary_factor"], "looplab rotates the whole head")
+    theta = params.get("rope_theta", _get(hf_cfg, "rope_theta", 10000.0))
+    return float(theta)
+
+
+def llama_config(hf_cfg) -> LoopedLMConfig:
+    for name in ("attention_bias", "mlp_bias"):
+        if _get(hf_cfg, name, False):
+            _refuse(name, True, "looplab's attention and MLP projections have no bias")
+    if _get(hf_cfg, "hidden_act", "silu") != "silu":
+        _refuse("hidden_act", hf_cfg.hidden_act, "looplab's MLP is SwiGLU (silu)")
+    head_dim = _get(hf_cfg, "head_dim") or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:
+        _refuse("head_dim", head_dim, f"looplab's head dim is hidden_size/num_attention_heads = "
+                f"{hf_cfg.hidden_size // hf_cfg.num_attention_heads}")
+    rope_base = _rope_theta(hf_cfg)
+    return LoopedLMConfig(
+        vocab_size=hf_cfg.vocab_size,
+        d_model=hf_cfg.hidden_size,
+        n_heads=hf_cfg.num_attention_heads,
+        n_kv_heads=_get(hf_cfg, "num_key_value_heads") or hf_cfg.num_attention_heads,
+        n_layers=hf_cfg.num_hidden_layers,
+        n_loops=1,
+        ffn_hidden=hf_cfg.intermediate_size,
+        backbone="llama",
+        max_seq_len=hf_cfg.max_position_embeddings,
+        rope_base=rope_base,
+        norm_eps=float(hf_cfg.rms_norm_eps),
+        tie_embeddings=bool(_get(hf_cfg, "tie_word_embeddings", False)),
+    )
+
+
+def mamba2_config(hf_cfg) -> LoopedLMConfig:
+    if _get(hf_cfg, "use_bias", False):
+        _refuse("use_bias", True, "looplab's Mamba-2 in/out projections have no bias")
+    if _get(hf_cfg, "hidden_act", "silu") != "silu":
+        _refuse("hidden_act", hf_cfg.hidden_act, "looplab's Mamba-2 conv activation is silu")
+    lo, hi = tuple(_get(hf_cfg, "time_step_limit", (0.0, math.inf)))
+    if lo > 0.0 or hi != math.inf:
+        _refuse("time_step_limit", (lo, hi), "looplab does not clamp dt")
+    expand = hf_cfg.expand
+    if int(expand) != expand:
+        _refuse("expand", expand, "looplab's expand is an integer")
+    if hf_cfg.num_heads * hf_cfg.head_dim != int(expand) * hf_cfg.hidden_size:
+        _refuse("num_heads", hf_cfg.num_heads, "num_heads·head_dim must equal expand·hidden_size")
+    return LoopedLMConfig(
+        vocab_size=hf_cfg.vocab_size,
+        d_model=hf_cfg.hidden_size,
+        n_layers=hf_cfg.num_hidden_layers,
+        n_loops=1,
+        backbone="mamba2",
+        d_state=hf_cfg.state_size,
+        headdim=hf_cfg.head_dim,
+        expand=int(expand),
+        ngroups=hf_cfg.n_groups,
+        d_conv=hf_cfg.conv_kernel,
+        chunk_size=hf_cfg.chunk_size,
+        norm_eps=float(hf_cfg.layer_norm_epsilon),
+        tie_embeddings=bool(_get(hf_cfg, "tie_word_embeddings", False)),
+    )
+
+
+# --------------------------------------------------------------------------- weight map
+# One entry per looplab layer parameter: (looplab name, source names). Several source
+# names are concatenated along dim 0 (the fused projections).
+LLAMA_LAYER_MAP = (
+    ("attn_norm.weight", ("input_layernorm.weight",)),
+    ("attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    ("attn.out_proj.weight", ("self_attn.o_proj.weight",)),
+    ("mlp_norm.weight", ("post_attention_layernorm.weight",)),
+    ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("mlp.down_proj.weight", ("mlp.down_proj.weight",)),
+)
+MAMBA2_LAYER_MAP = tuple(
+    (name, (name,))
+    for name in ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_bias",
+                 "mixer.A_log", "mixer.D", "mixer.norm.weight", "mixer.out_proj.weight")
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    to_config: Callable
+    layers_prefix: str  # source layer i lives under f"{layers_prefix}.{i}."
+    embed: str
+    final_norm: str
+    layer_map: tuple
+
+
+FAMILIES = {
+    "llama": Family("llama", llama_config, "model.layers", "model.embed_tokens.weight", "model.norm.weight", LLAMA_LAYER_MAP),
+    "mamba2": Family("mamba2", mamba2_config, "backbone.layers", "backbone.embeddings.weight", "backbone.norm_f.weight",
+                     MAMBA2_LAYER_MAP),
+}
+
+
+def family_of(hf_cfg) -> Family:
+    mt = _get(hf_cfg, "model_type")
+    if mt not in FAMILIES:
+        _refuse("model_type", mt, f"supported source families are {SUPPORTED}")
+    return FAMILIES[mt]
+
+
+def map_state_dict(fam: Family, src: dict[str, torch.Tensor], cfg: LoopedLMConfig, block_layers: list[int]) -> dict[str, torch.Tensor]:
+    """Source state dict → LoopedLM state dict; looped block layer l ← source layer block_layers[l]."""
+    out = {"embed.weight": src[fam.embed], "final_norm.weight": src[fam.final_norm]}
+    out["head.weight"] = src[fam.embed] if cfg.tie_embeddings else src["lm_head.weight"]
+    for l, i in enumerate(block_layers):
+        pre = f"{fam.layers_prefix}.{i}."
+        for name, parts in fam.layer_map:
+            if name == "mixer.conv1d.bias" and pre + name not in src:  # use_conv_bias=False ≡ a zero bias
+                w = src[pre + "mixer.conv1d.weight"]
+                out[f"block.{l}.{name}"] = torch.zeros(w.shape[0], dtype=w.dtype)
+                continue
+            ts = [src[pre + p] for p in parts]
+            out[f"block.{l}.{name}"] = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+    return out
+
+
+# --------------------------------------------------------------------------- retrofit
+def choose_block_layers(n_src: int, loops: int, block_layers: list[int] | None, sharing: str | None) -> list[int]:
+    """Which source layers initialise the looped block (see the module docstring)."""
+    if block_layers is not None:
+        if sharing is not None:
+            raise ConversionError("give --block-layers or --sharing, not both: --sharing chooses the block layers")
+        bad = [i for i in block_layers if not 0 <= i < n_src]
+        if bad or not block_layers:
+            raise ConversionError(f"--block-layers={block_layers}: the source has layers 0..{n_src - 1}")
+        return list(block_layers)
+    if loops == 1 and sharing is None:
+        return list(range(n_src))
+    sharing = sharing or "cycle"
+    if sharing == "cycle":
+        first, span = 0, n_src
+    elif sharing == "middle_cycle":
+        first, span = 1, n_src - 2
+    else:
+        raise ConversionError(f"--sharing={sharing!r} is unknown; choose cycle or middle_cycle")
+    n = span // loops
+    if n < 1:
+        raise ConversionError(f"--sharing={sharing} with --loops={loops}: {span} source layers cannot fill {loops} loops "
+                              "of at least one layer; lower --loops or give --block-layers")
+    return [first + l * loops for l in range(n)]
+
+
+# --------------------------------------------------------------------------- loading
+def load_source(src: str):
+    """(transformers model in fp32, its config) from a save_pretrained folder or hub id."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.from_pretrained(src)
+    family_of(hf_cfg)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.eval()
+    return model, hf_cfg
+
+
+def restack(hf_model, fam: Family, pattern: list[int]):
+    """The source with its layers applied in `pattern` order (shared modules): the reference a
+    retrofit must equal. Mutates and returns hf_model."""
+    owner_name, attr = fam.layers_prefix.split(".")
+    owner = getattr(hf_model, owner_name)
+    layers = getattr(owner, attr)
+    setattr(owner, attr, torch.nn.ModuleList([layers[i] for i in pattern]))
+    hf_model.config.num_hidden_layers = len(pattern)  # Llama's forward slices layers[: num_hidden_layers]
+    return hf_model
+
+
+# --------------------------------------------------------------------------- check
+def random_batches(vocab: int, seed: int = 0, batch: int = 2, length: int = 24):
+    """Three (input_ids, attention_mask) batches: two full ones and one left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        out.append((torch.randint(0, vocab, (batch, length), generator=g), None))
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, : length // 3] = 0  # row 0 left-padded by a third; row 1 full
+    out.append((ids, mask))
+    return out
+
+
+@torch.no_grad()
+def max_relative_logit_diff(looped: LoopedLM, reference, model_type: str, seed: int = 0) -> float:
+    """max |logits_looplab − logits_ref| / RMS(logits_ref) over the real tokens of random batches."""
+    looped = looped.float().eval()
+    worst = 0.0
+    for ids, mask in random_batches(looped.config.vocab_size, seed):
+        kw = {}
+        if mask is not None:
+            kw["attention_mask"] = mask
+            if model_type == "llama":  # transformers counts positions from 0 at the first column otherwise
+                kw["position_ids"] = (mask.cumsum(1) - 1).clamp_min(0)
+        ref = reference(input_ids=ids, use_cache=False, **kw).logits.float()
+        ours = looped(ids, attention_mask=mask).logits.float()
+        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        ref, ours = ref[real], ours[real]  # (n_real, V)
+        if not torch.isfinite(ours).all():
+            return math.inf
+        scale = ref.pow(2).mean().sqrt().clamp_min(1e-12)
+        worst = max(worst, float((ours - ref).abs().max() / scale))
+    return worst
+
+
+# --------------------------------------------------------------------------- from-hf
+def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: list[int] | None = None,
+            sharing: str | None = None, check: bool = True, tolerance: float = TOLERANCE, log=print) -> tuple[LoopedLM, float | None]:
+    """Convert SRC into a looplab folder at OUT; returns (model, max relative logit difference)."""
+    hf_model, hf_cfg = load_source(src)
+    fam = family_of(hf_cfg)
+    base = fam.to_config(hf_cfg)
+    if loops < 1:
+        raise ConversionError(f"--loops={loops} must be >= 1")
+    layers = choose_block_layers(base.n_layers, loops, block_layers, sharing)
+    if sharing == "middle_cycle":
+        log(f"note: middle_cycle without prelude/coda: source layers 0 and {base.n_layers - 1} are dropped "
+            f"(looplab has no prelude/coda yet); block = layers {layers}")
+    cfg_dict = base.to_dict()
+    cfg_dict.update(n_layers=len(layers), n_loops=loops,
+                    extra={"converted_from": str(src), "source_model_type": fam.model_type, "block_layers": layers})
+    cfg = LoopedLMConfig.from_dict(cfg_dict)
+    model = LoopedLM(cfg)
+    sd = map_state_dict(fam, hf_model.state_dict(), cfg, layers)
+    model.load_state_dict(sd, strict=True)
+    model.eval()
+
+    diff = None
+    if check:
+        restack(hf_model, fam, layers * loops)
+        diff = max_relative_logit_diff(model, hf_model, fam.model_type)
+        what = "source" if layers == list(range(base.n_layers)) and loops == 1 else f"source re-stacked as {layers}×{loops}"
+        log(f"equivalence check vs {what}: max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
+        if not diff <= tolerance:
+            raise ConversionError(f"converted model differs from the {what}: max relative logit difference "
+                                  f"{diff:.3e} > {tolerance:g}; nothing was written to {str(out)!r}")
+    src_dir = Path(src) if Path(src).is_dir() else _hub_snapshot(src)
+    model.save_pretrained(out, tokenizer=src_dir)
+    log(f"wrote {cfg.n_layers}⊗{cfg.n_loops} {cfg.backbone} model to {out}")
+    return model, diff
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt"]))
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------- to-hf
+def to_hf(ckpt: str, out: str | os.PathLike, log=print) -> LoopedLM:
+    """Export a training checkpoint (file or sharded folder) as a looplab Hub-style folder."""
+    from looplab.checkpoint import load_model
+
+    model, meta = load_model(ckpt)
+    tok = (meta.get("dataset") or {}).get("tokenizer")
+    tokenizer = tok if isinstance(tok, str) and os.path.isfile(tok) else None
+    if tokenizer is None and isinstance(tok, str):
+        try:  # an embedded or hub tokenizer: write its JSON along
+            from looplab.data.tokenizer import load_tokenizer
+
+            Path(out).mkdir(parents=True, exist_ok=True)
+            load_tokenizer(tok).tok.save(str(Path(out) / "tokenizer.json"))
+        except Exception as e:  # the weights are still worth exporting
+            log(f"note: tokenizer {tok!r} not written ({type(e).__name__}: {e})")
+    model.save_pretrained(out, tokenizer=tokenizer)
+    c = model.config
+    log(f"wrote {c.n_layers}⊗{c.n_loops} {c.backbone} ({c.state_mode}, exit gate {c.exit_gate}) to {out}")
+    return model
+
+
+# --------------------------------------------------------------------------- CLI
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of layer indices")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m looplab.convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("from-hf", help="transformers Llama / Mamba-2 folder → looplab folder (checked)")
+    f.add_argument("src")
+    f.add_argument("--out", required=True)
+    f.add_argument("--loops", type=int, default=1)
+    f.add_argument("--block-layers", type=_int_list, default=None)
+    f.add_argument("--sharing", choices=("cycle", "middle_cycle"), default=None)
+    f.add_argument("--prelude", type=int, default=None, help="not available yet (needs prelude/coda in looplab)")
+    f.add_argument("--coda", type=int, default=None, help="not available yet (needs prelude/coda in looplab)")
+    f.add_argument("--no-check", action="store_true", help="skip the built-in logit comparison")
+    t = sub.add_parser("to-hf", help="looplab training checkpoint → looplab Hub-style folder")
+    t.add_argument("ckpt")
+    t.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "from-hf":
+            if a.prelude or a.coda:
+                raise ConversionError("--prelude/--coda need prelude and coda layers, which looplab does not have yet "
+                                      "(the depth issue); convert the block only (--block-layers / --sharing)")
+            from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, check=not a.no_check)
+        else:
+            to_hf(a.ckpt, a.out)
+    except (ConversionError, ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
