@@ -1,0 +1,174 @@
+"""python -m looplab.convert from-hf: exact conversion of small random transformers models (offline)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM  # noqa: E402
+
+from looplab import convert  # noqa: E402
+from looplab.models import LoopedLM  # noqa: E402
+
+LLAMA = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+MAMBA2 = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, n_groups=2,
+              state_size=16, conv_kernel=4, chunk_size=8)
+
+
+def _randomise(model: torch.nn.Module, seed: int = 0) -> None:
+    """Perturb every parameter (norm weights and SSM scalars included) so that a swapped or
+    missing tensor changes the logits; transformers' init leaves norms at exactly 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def _write_tokenizer(folder) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(99)} | {"</s>": 99}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
+def _save(model, folder, tokenizer: bool = True):
+    model.save_pretrained(folder)
+    if tokenizer:
+        _write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+    _randomise(model)
+    return _save(model, tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def mamba2_src(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Mamba2ForCausalLM(Mamba2Config(**MAMBA2))
+    _randomise(model, seed=1)
+    return _save(model, tmp_path_factory.mktemp("mamba2"))
+
+
+def _logits(folder, ids, mask=None):
+    return LoopedLM.from_pretrained(str(folder))(ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("source", ["llama_src", "mamba2_src"])
+def test_n_by_1_conversion_is_exact_and_writes_a_loadable_folder(source, request, tmp_path):
+    src = request.getfixturevalue(source)
+    out = tmp_path / "out"
+    model, diff = convert.from_hf(str(src), out)
+    assert diff is not None and diff < 1e-5  # measured ~1e-6 (fp32 reassociation)
+    cfg = model.config
+    assert cfg.n_loops == 1 and cfg.n_layers == (4 if source == "llama_src" else 2)
+    if source == "llama_src":
+        assert (cfg.n_heads, cfg.n_kv_heads, cfg.rope_base) == (4, 2, 5000.0)  # GQA and the source's RoPE base kept
+    # the folder reads back to the same function, and the tokenizer went along
+    ids = torch.randint(0, 100, (2, 12))
+    assert torch.equal(_logits(out, ids), model(ids).logits)
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer_config.json").is_file()
+    card = (out / "README.md").read_text()
+    assert f"| N⊗R | {cfg.n_layers}⊗1 |" in card and f"| backbone | {cfg.backbone} |" in card
+
+
+def test_left_padding_is_part_of_the_check(llama_src):
+    # the check's third batch is left-padded; a model that ignored the mask would fail it
+    batches = convert.random_batches(100)
+    assert any(m is not None and not bool(m.all()) for _, m in batches)
+
+
+def test_retrofit_2x2_equals_transformers_model_with_layers_repeated(llama_src, tmp_path):
+    """2⊗2 from a 4-layer source with --sharing cycle = source layers [0, 2] applied as 0,2,0,2:
+    compared with an independently built 4-layer transformers model holding those layers' weights."""
+    model, diff = convert.from_hf(str(llama_src), tmp_path / "r", loops=2, sharing="cycle")
+    assert (model.config.n_layers, model.config.n_loops) == (2, 2)
+    assert model.config.extra["block_layers"] == [0, 2]
+    src = LlamaForCausalLM.from_pretrained(str(llama_src), dtype=torch.float32).state_dict()
+    pattern = [0, 2, 0, 2]
+    ref = LlamaForCausalLM(LlamaConfig(**LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+    sd = {}
+    for k in ref.state_dict():
+        if k.startswith("model.layers."):
+            i, rest = k[len("model.layers."):].split(".", 1)
+            sd[k] = src[f"model.layers.{pattern[int(i)]}.{rest}"]
+        else:
+            sd[k] = src[k]
+    ref.load_state_dict(sd)
+    ref.eval()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = model(ids).logits, ref(input_ids=ids, use_cache=False).logits
+    assert float((a - b).abs().max() / b.pow(2).mean().sqrt()) < 1e-5
+    assert diff < 1e-5
+
+
+def test_block_choice_follows_the_sharing_patterns():
+    assert convert.choose_block_layers(4, 1, None, None) == [0, 1, 2, 3]
+    assert convert.choose_block_layers(4, 2, None, "cycle") == [0, 2]
+    assert convert.choose_block_layers(6, 2, None, "middle_cycle") == [1, 3]
+    assert convert.choose_block_layers(8, 3, None, "middle_cycle") == [1, 4]
+    assert convert.choose_block_layers(4, 3, [3, 1], None) == [3, 1]
+    with pytest.raises(convert.ConversionError, match="layers 0..3"):
+        convert.choose_block_layers(4, 2, [4], None)
+    with pytest.raises(convert.ConversionError, match="not both"):
+        convert.choose_block_layers(4, 2, [0], "cycle")
+    with pytest.raises(convert.ConversionError, match="cannot fill"):
+        convert.choose_block_layers(3, 2, None, "middle_cycle")
+
+
+def test_mamba2_retrofit_matches_restacked_source(mamba2_src, tmp_path):
+    model, diff = convert.from_hf(str(mamba2_src), tmp_path / "m", loops=3, block_layers=[1])
+    assert (model.config.n_layers, model.config.n_loops) == (1, 3) and diff < 1e-5
+
+
+@pytest.mark.parametrize(
+    "family, change, field",
+    [
+        ("llama", {"attention_bias": True}, "attention_bias"),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+        ("llama", {"head_dim": 32}, "head_dim"),
+        ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type"),
+        ("mamba2", {"use_bias": True}, "use_bias"),
+        ("mamba2", {"time_step_limit": (0.0, 0.5)}, "time_step_limit"),
+        ("mamba2", {"hidden_act": "relu"}, "hidden_act"),
+    ],
+)
+def test_unrepresentable_settings_are_refused_with_the_field_named(family, change, field):
+    cfg = LlamaConfig(**LLAMA, **change) if family == "llama" else Mamba2Config(**MAMBA2, **change)
+    with pytest.raises(convert.ConversionError, match=field):
+        convert.family_of(cfg).to_config(cfg)
+
+
+def test_cli_refuses_a_biased_source_and_prelude(tmp_path, capsys):
+    biased = tmp_path / "biased"
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 1}, attention_bias=True)).save_pretrained(biased)
+    assert convert.main(["from-hf", str(biased), "--out", str(tmp_path / "o")]) == 1
+    assert "attention_bias=True" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert convert.main(["from-hf", str(biased), "--out", str(tmp_path / "o"), "--prelude", "1"]) == 1
+    assert "prelude" in capsys.readouterr().err
+
+
+def test_failed_check_writes_nothing(llama_src, tmp_path):
+    with pytest.raises(convert.ConversionError, match="nothing was written"):
+        convert.from_hf(str(llama_src), tmp_path / "x", tolerance=-1.0)
+    assert not (tmp_path / "x").exists()
