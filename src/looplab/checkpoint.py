@@ -21,9 +21,11 @@ Two layouts are read:
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -61,15 +63,48 @@ def _checkpoint_layout(path: Path) -> str:
     return "file"
 
 
+# Every checkpoint is read with torch.load(weights_only=True): a pickle may name any callable, and
+# unpickling calls it, so a checkpoint from someone else could run code on `init_from=`, `resume=`,
+# eval, generate, the lm-eval adapter or convert. torch's weights-only unpickler already admits
+# tensors, storages, OrderedDict and plain containers, which is all that looplab's own Lightning
+# checkpoints hold (checked on 88 checkpoints of this project: file and sharded meta.pt, optimizer
+# and scheduler states, callback states, hyper-parameters saved as plain dicts). The allowlist below
+# adds nothing else; a file that needs another global is refused, never trusted.
+SAFE_GLOBALS: list = [collections.OrderedDict]
+
+
+class UnsafeCheckpointError(ValueError):
+    """The checkpoint needs a global outside the allowlist to unpickle; it is not loaded."""
+
+
+def _torch_load(path: Path, map_location, mmap: bool):
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+def _unsafe(path: Path, e: Exception) -> UnsafeCheckpointError:
+    first = str(e).strip().splitlines()
+    why = next((l for l in first if "GLOBAL" in l or "global" in l), first[0] if first else type(e).__name__)
+    return UnsafeCheckpointError(
+        f"checkpoint {str(path)!r} was refused: unpickling it needs something outside looplab's weights-only "
+        f"allowlist ({why.strip()}). A pickle can run arbitrary code, so it is not loaded; if the file comes "
+        "from a source you trust, re-save its tensors with safetensors (LoopedLM.save_pretrained)"
+    )
+
+
 def _load_file(path: Path, map_location="cpu") -> dict[str, Any]:
-    """torch.load with mmap (the weights stay on disk until touched), clear errors for bad files."""
+    """torch.load (weights only) with mmap (the weights stay on disk until touched), clear errors for bad files."""
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {str(path)!r} is empty (an interrupted write?)")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+        ckpt = _torch_load(path, map_location, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise _unsafe(path, e) from None
     except Exception:  # a legacy (non-zip) torch.save file cannot be mmapped; or the file is bad
         try:
-            ckpt = torch.load(path, map_location=map_location, weights_only=False)
+            ckpt = _torch_load(path, map_location, mmap=False)
+        except pickle.UnpicklingError as e:
+            raise _unsafe(path, e) from None
         except Exception as e:  # truncated zip, not a torch file, ...
             raise ValueError(f"checkpoint {str(path)!r} cannot be read: {e}") from e
     if not isinstance(ckpt, dict):
