@@ -17,6 +17,12 @@ Two layouts are read:
   `looplab` entry included; lightning/pytorch/strategies/model_parallel.py save_checkpoint).
   The metadata comes from `meta.pt` alone; `read_checkpoint` assembles the full model state
   dict in this one process (no process group needed), leaving the optimizer shards unread.
+* a Hub-style folder (`config.json` + `model.safetensors`, from `LoopedLM.save_pretrained`,
+  `python -m looplab.convert from-hf` or `to-hf`): read through safetensors; its tokenizer.json,
+  when present, becomes the dataset's tokenizer, so `init_from=DIR`, eval and generate accept it.
+
+Pickled files are read with `torch.load(weights_only=True)` and an explicit allowlist (see
+SAFE_GLOBALS): a checkpoint from someone else cannot run code when loaded.
 """
 
 from __future__ import annotations
@@ -49,11 +55,17 @@ def looplab_meta(cfg: LoopedLMConfig, dataset: dict[str, Any] | None = None, **e
 SHARDED_META_FILE = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 
 
+PRETRAINED_FILES = ("config.json", "model.safetensors")  # looplab.models.hub
+
+
 def _checkpoint_layout(path: Path) -> str:
-    """'file' or 'sharded' (a folder with meta.pt); FileNotFoundError naming what is missing."""
+    """'file', 'sharded' (a folder with meta.pt) or 'pretrained' (a Hub-style folder);
+    FileNotFoundError naming what is missing."""
     if path.is_dir():
         if (path / SHARDED_META_FILE).is_file():
             return "sharded"
+        if all((path / f).is_file() for f in PRETRAINED_FILES):
+            return "pretrained"
         raise FileNotFoundError(
             f"checkpoint {str(path)!r} is a folder without {SHARDED_META_FILE}: not a sharded (FSDP2) checkpoint"
             " (an interrupted save? look for a .NAME.old or .NAME.tmp next to it)"
@@ -117,11 +129,31 @@ def _require_looplab(ckpt: dict[str, Any], path: Path) -> None:
         raise ValueError(f"{str(path)!r} is not a looplab checkpoint (no 'looplab' entry)")
 
 
+def _pretrained_meta(path: Path) -> dict[str, Any]:
+    """The `looplab` entry of a Hub-style folder: its config, and its tokenizer as the dataset's."""
+    cfg = json.loads((path / "config.json").read_text())
+    if "model_type" in cfg:
+        raise ValueError(f"{str(path)!r} is a transformers folder (model_type={cfg['model_type']!r}), not a looplab one; "
+                         f"convert it first: python -m looplab.convert from-hf {path} --out DIR")
+    model_cfg = LoopedLMConfig.from_dict(cfg)
+    dataset: dict[str, Any] = {}
+    if (path / "tokenizer.json").is_file():
+        dataset["tokenizer"] = str(path / "tokenizer.json")
+        from looplab.data.tokenizer import folder_eos_token
+
+        eos = folder_eos_token(path)
+        if eos:
+            dataset["eos_token"] = eos
+    return looplab_meta(model_cfg, dataset, source=str(path))
+
+
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The `looplab` entry (model config, dataset, architecture hash) without reading the weights:
     cheap enough for every rank to call at resume."""
     path = Path(path)
     layout = _checkpoint_layout(path)
+    if layout == "pretrained":
+        return _pretrained_meta(path)
     ckpt = _load_file(path / SHARDED_META_FILE if layout == "sharded" else path)
     _require_looplab(ckpt, path)
     return ckpt["looplab"]
@@ -149,7 +181,12 @@ def _load_sharded_state_dict(path: Path) -> dict[str, torch.Tensor]:
 def read_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict[str, Any]:
     """The checkpoint dict: a file (mmapped), or a sharded folder as {meta.pt entries, 'state_dict'}."""
     path = Path(path)
-    if _checkpoint_layout(path) == "file":
+    layout = _checkpoint_layout(path)
+    if layout == "pretrained":
+        model = LoopedLM.from_pretrained(str(path), map_location=str(map_location))
+        state = {MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
+        return {"state_dict": state, "looplab": _pretrained_meta(path)}
+    if layout == "file":
         ckpt = _load_file(path, map_location)
         _require_looplab(ckpt, path)
         return ckpt
@@ -182,8 +219,12 @@ def model_state_dict(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | os.PathLike, map_location="cpu", **config_overrides) -> tuple[LoopedLM, dict[str, Any]]:
-    """Rebuild the LoopedLM of a checkpoint (file or sharded folder); config_overrides may change
-    non-architecture fields (kernel, ...)."""
+    """Rebuild the LoopedLM of a checkpoint (file, sharded folder or Hub-style folder);
+    config_overrides may change non-architecture fields (kernel, ...)."""
+    if Path(path).is_dir() and _checkpoint_layout(Path(path)) == "pretrained":
+        meta = _pretrained_meta(Path(path))
+        model = LoopedLM.from_pretrained(str(path), map_location=str(map_location), **config_overrides)
+        return model, meta
     ckpt = read_checkpoint(path, map_location)
     meta = ckpt["looplab"]
     cfg = LoopedLMConfig.from_dict({**meta["model_config"], **config_overrides})

@@ -317,6 +317,8 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
     src_dir = Path(src) if Path(src).is_dir() else _hub_snapshot(src)
     model.save_pretrained(out, tokenizer=src_dir)
     log(f"wrote {cfg.n_layers}⊗{cfg.n_loops} {cfg.backbone} model to {out}")
+    log("train from it with: python -m looplab.train " + " ".join(train_overrides(cfg, out))
+        + "  (any text dataset works, e.g. dataset=hf)")
     return model, diff
 
 
@@ -329,6 +331,27 @@ def _hub_snapshot(repo_id: str) -> Path | None:
         return None
 
 
+# --------------------------------------------------------------------------- training from a folder
+_BACKBONE_KEYS = {
+    "llama": ("vocab_size", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len", "rope_base", "norm_eps",
+              "tie_embeddings"),
+    "mamba2": ("vocab_size", "d_model", "d_state", "headdim", "expand", "ngroups", "d_conv", "mamba_mlp", "max_seq_len",
+               "norm_eps", "tie_embeddings"),
+}
+
+
+def train_overrides(cfg: LoopedLMConfig, folder: str | os.PathLike, dataset: str = "lm_tiny") -> list[str]:
+    """Hydra overrides under which `python -m looplab.train` builds this folder's architecture and
+    warm-starts from it (init_from checks the architecture field by field); a text dataset uses
+    the folder's own tokenizer."""
+    out = [f"dataset={dataset}", f"backbone={cfg.backbone}"]
+    out += [f"++backbone.{k}={json.dumps(getattr(cfg, k))}" for k in _BACKBONE_KEYS.get(cfg.backbone, ())]
+    out += [f"loop_depth.layers={cfg.n_layers}", f"loop_depth.loops={cfg.n_loops}", f"init_from={folder}"]
+    if (Path(folder) / "tokenizer.json").is_file():
+        out.append(f"dataset.tokenizer={folder}")
+    return out
+
+
 # --------------------------------------------------------------------------- to-hf
 def to_hf(ckpt: str, out: str | os.PathLike, log=print) -> LoopedLM:
     """Export a training checkpoint (file or sharded folder) as a looplab Hub-style folder."""
@@ -336,7 +359,7 @@ def to_hf(ckpt: str, out: str | os.PathLike, log=print) -> LoopedLM:
 
     model, meta = load_model(ckpt)
     tok = (meta.get("dataset") or {}).get("tokenizer")
-    tokenizer = tok if isinstance(tok, str) and os.path.isfile(tok) else None
+    tokenizer = tok if isinstance(tok, str) and os.path.exists(tok) else None  # a tokenizer.json or a folder
     if tokenizer is None and isinstance(tok, str):
         try:  # an embedded or hub tokenizer: write its JSON along
             from looplab.data.tokenizer import load_tokenizer

@@ -6,6 +6,8 @@ run was trained with:
 
     "shakespeare-bpe-4096"      byte-level BPE shipped in looplab/assets/ (no network)
     "/path/to/tokenizer.json"   any `tokenizers` JSON file
+    "/path/to/folder"           its tokenizer.json, e.g. a converted model's folder
+                                (python -m looplab.convert from-hf); eos from its tokenizer_config.json
     "EleutherAI/gpt-neox-20b"   a Hugging Face hub tokenizer (paper runs; needs the
                                 network once, then the hub cache; HF_HUB_OFFLINE=1 works)
 
@@ -77,11 +79,28 @@ def _load(spec: str, eos_token: str | None) -> LMTokenizer:
     if asset.is_file():
         return LMTokenizer(Tokenizer.from_file(str(asset)), spec, eos_token)
     path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer folder {spec!r} has no tokenizer.json")
+        return LMTokenizer(Tokenizer.from_file(str(path / "tokenizer.json")), spec, eos_token or folder_eos_token(path))
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {spec!r} does not exist (known assets: {available_assets()})")
         return LMTokenizer(Tokenizer.from_file(str(path)), spec, eos_token)
     return LMTokenizer(_from_hub(spec), spec, eos_token)
+
+
+def folder_eos_token(folder: str | os.PathLike) -> str | None:
+    """The end-of-text token named by a transformers folder's tokenizer_config.json, if any."""
+    import json
+
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    eos = json.loads(path.read_text()).get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken written out
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
 
 
 def _from_hub(name: str) -> Tokenizer:
