@@ -227,7 +227,10 @@ def choose_block_layers(n_src: int, loops: int, block_layers: list[int] | None, 
 # --------------------------------------------------------------------------- loading
 def load_source(src: str):
     """(transformers model in fp32, its config) from a save_pretrained folder or hub id."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise ConversionError(f"from-hf reads transformers models and needs transformers: pip install 'looplab[eval]' ({e})")
 
     hf_cfg = AutoConfig.from_pretrained(src)
     family_of(hf_cfg)
