@@ -61,7 +61,7 @@ def llama_src(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mamba2_src(tmp_path_factory):
     torch.manual_seed(0)
-    model = Mamba2ForCausalLM(Mamba2Config(**MAMBA2))
+    model = Mamba2ForCausalLM(Mamba2Config(**MAMBA2, tie_word_embeddings=True))  # as the released Mamba-2 models
     _randomise(model, seed=1)
     return _save(model, tmp_path_factory.mktemp("mamba2"))
 
@@ -80,6 +80,7 @@ def test_n_by_1_conversion_is_exact_and_writes_a_loadable_folder(source, request
     assert cfg.n_loops == 1 and cfg.n_layers == (4 if source == "llama_src" else 2)
     if source == "llama_src":
         assert (cfg.n_heads, cfg.n_kv_heads, cfg.rope_base) == (4, 2, 5000.0)  # GQA and the source's RoPE base kept
+    assert cfg.tie_embeddings == (source == "mamba2_src")
     # the folder reads back to the same function, and the tokenizer went along
     ids = torch.randint(0, 100, (2, 12))
     assert torch.equal(_logits(out, ids), model(ids).logits)
@@ -166,6 +167,17 @@ def test_cli_refuses_a_biased_source_and_prelude(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     assert convert.main(["from-hf", str(biased), "--out", str(tmp_path / "o"), "--prelude", "1"]) == 1
     assert "prelude" in capsys.readouterr().err
+
+
+def test_a_bf16_source_is_stored_in_bf16(tmp_path):
+    src = tmp_path / "bf16"
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 1})).to(torch.bfloat16).save_pretrained(src)
+    model, diff = convert.from_hf(str(src), tmp_path / "o")
+    assert diff < 1e-5  # checked in fp32 on the bf16 values
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("embed.weight").dtype == torch.bfloat16
 
 
 def test_failed_check_writes_nothing(llama_src, tmp_path):

@@ -318,11 +318,22 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
             raise ConversionError(f"converted model differs from the {what}: max relative logit difference "
                                   f"{diff:.3e} > {tolerance:g}; nothing was written to {str(out)!r}")
     src_dir = Path(src) if Path(src).is_dir() else _hub_snapshot(src)
+    dtype = _source_dtype(hf_cfg)
+    if dtype is not None and dtype != torch.float32:
+        model.to(dtype)  # stored like the source (the check above ran in fp32); Mamba-2's A_log, dt_bias, D stay fp32
+        log(f"weights stored in the source's {dtype}")
     model.save_pretrained(out, tokenizer=src_dir)
     log(f"wrote {cfg.n_layers}⊗{cfg.n_loops} {cfg.backbone} model to {out}")
     log("train from it with: python -m looplab.train " + " ".join(train_overrides(cfg, out))
         + "  (any text dataset works, e.g. dataset=hf)")
     return model, diff
+
+
+def _source_dtype(hf_cfg) -> torch.dtype | None:
+    d = _get(hf_cfg, "dtype") or _get(hf_cfg, "torch_dtype")
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) and d.is_floating_point else None
 
 
 def _hub_snapshot(repo_id: str) -> Path | None:
