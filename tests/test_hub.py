@@ -26,7 +26,7 @@ def _model(backbone, state_mode, exit_gate, seed=0):
 
 
 def _check_same(a: LoopedLM, b: LoopedLM) -> None:
-    ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         oa, ob = a(ids, return_all_loops=True), b(ids, return_all_loops=True)
     assert torch.equal(oa.loop_logits, ob.loop_logits)
@@ -34,9 +34,9 @@ def _check_same(a: LoopedLM, b: LoopedLM) -> None:
         assert torch.equal(oa.exit_probs, ob.exit_probs)
 
 
-# every backbone × state mode pair (15), the exit gate alternating so that each backbone and
-# each state mode meets both gate settings somewhere: the full 30-case product doubled the time
-CASES = [(b, s, EXIT_GATES[(i + j) % 2]) for i, b in enumerate(BACKBONES) for j, s in enumerate(STATE_MODES)]
+# 10 cases: every state mode × exit gate pair, the backbone cycling so that every backbone meets
+# both gate settings and several state modes (the full 30-case product took ~20 s on a busy CPU)
+CASES = [(BACKBONES[k % 3], STATE_MODES[k // 2], EXIT_GATES[k % 2]) for k in range(10)]
 
 
 @pytest.mark.parametrize("backbone, state_mode, exit_gate", CASES)
