@@ -136,7 +136,7 @@ def _pretrained_meta(path: Path) -> dict[str, Any]:
         raise ValueError(f"{str(path)!r} is a transformers folder (model_type={cfg['model_type']!r}), not a looplab one; "
                          f"convert it first: python -m looplab.convert from-hf {path} --out DIR")
     model_cfg = LoopedLMConfig.from_dict(cfg)
-    dataset: dict[str, Any] = {}
+    dataset: dict[str, Any] = dict(model_cfg.extra.get("dataset") or {})  # to-hf keeps the run's dataset config
     if (path / "tokenizer.json").is_file():
         dataset["tokenizer"] = str(path / "tokenizer.json")
         from looplab.data.tokenizer import folder_eos_token

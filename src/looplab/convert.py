@@ -372,7 +372,10 @@ def to_hf(ckpt: str, out: str | os.PathLike, log=print) -> LoopedLM:
     from looplab.checkpoint import load_model
 
     model, meta = load_model(ckpt)
-    tok = (meta.get("dataset") or {}).get("tokenizer")
+    dataset = meta.get("dataset") or {}
+    if dataset:  # kept so that eval of the folder rebuilds the run's data (extra is never read by the model)
+        model.config.extra = {**model.config.extra, "dataset": dataset}
+    tok = dataset.get("tokenizer")
     tokenizer = tok if isinstance(tok, str) and os.path.exists(tok) else None  # a tokenizer.json or a folder
     if tokenizer is None and isinstance(tok, str):
         try:  # an embedded or hub tokenizer: write its JSON along
