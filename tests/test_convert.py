@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -135,9 +136,15 @@ def test_block_choice_follows_the_sharing_patterns():
         convert.choose_block_layers(3, 2, None, "middle_cycle")
 
 
-def test_mamba2_retrofit_matches_restacked_source(mamba2_src, tmp_path):
-    model, diff = convert.from_hf(str(mamba2_src), tmp_path / "m", loops=3, block_layers=[1])
-    assert (model.config.n_layers, model.config.n_loops) == (1, 3) and diff < 1e-5
+def test_cli_mamba2_retrofit_prints_the_check_and_the_train_command(mamba2_src, tmp_path, capsys):
+    out = tmp_path / "m"
+    assert convert.main(["from-hf", str(mamba2_src), "--out", str(out), "--loops", "3", "--block-layers", "1"]) == 0
+    printed = capsys.readouterr().out
+    diff = float(re.search(r"max \|Δlogit\| / RMS\(logits\) = (\S+)", printed).group(1))
+    assert diff < 1e-5 and "re-stacked as [1]×3" in printed
+    assert "loop_depth.layers=1 loop_depth.loops=3" in printed and f"init_from={out}" in printed
+    cfg = LoopedLM.from_pretrained(str(out)).config
+    assert (cfg.n_layers, cfg.n_loops, cfg.backbone, cfg.tie_embeddings) == (1, 3, "mamba2", True)
 
 
 @pytest.mark.parametrize(
