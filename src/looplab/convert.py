@@ -367,8 +367,9 @@ def train_overrides(cfg: LoopedLMConfig, folder: str | os.PathLike, dataset: str
 
 
 # --------------------------------------------------------------------------- to-hf
-def to_hf(ckpt: str, out: str | os.PathLike, log=print) -> LoopedLM:
-    """Export a training checkpoint (file or sharded folder) as a looplab Hub-style folder."""
+def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = False) -> LoopedLM:
+    """Export a training checkpoint (file, sharded or Hub-style folder) as a looplab Hub-style
+    folder, or (transformers=True) as a transformers Llama / Mamba-2 folder, unrolled and checked."""
     from looplab.checkpoint import load_model
 
     model, meta = load_model(ckpt)
@@ -385,10 +386,86 @@ def to_hf(ckpt: str, out: str | os.PathLike, log=print) -> LoopedLM:
             load_tokenizer(tok).tok.save(str(Path(out) / "tokenizer.json"))
         except Exception as e:  # the weights are still worth exporting
             log(f"note: tokenizer {tok!r} not written ({type(e).__name__}: {e})")
-    model.save_pretrained(out, tokenizer=tokenizer)
+    if transformers:
+        to_transformers(model, out, tokenizer, log=log)
+    else:
+        model.save_pretrained(out, tokenizer=tokenizer)
     c = model.config
     log(f"wrote {c.n_layers}⊗{c.n_loops} {c.backbone} ({c.state_mode}, exit gate {c.exit_gate}) to {out}")
     return model
+
+
+# --------------------------------------------------------------------------- to transformers
+def transformers_config(cfg: LoopedLMConfig):
+    """The transformers config of the unrolled model: N·R layers, the block repeated R times."""
+    if cfg.state_mode != "vanilla":
+        _refuse("state_mode", cfg.state_mode, "transformers models have no StateLoop branch (export vanilla models)")
+    if cfg.exit_gate != "none":
+        _refuse("exit_gate", cfg.exit_gate, "transformers models have no exit gate")
+    depth = cfg.n_layers * cfg.n_loops
+    if cfg.backbone == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+            num_hidden_layers=depth, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+            max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base}, hidden_act="silu",
+            attention_bias=False, mlp_bias=False,
+        )
+    if cfg.backbone == "mamba2":
+        if cfg.mamba_mlp:
+            _refuse("mamba_mlp", True, "transformers' Mamba-2 layer has no MLP")
+        from transformers import Mamba2Config
+
+        return Mamba2Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=depth,
+            num_heads=cfg.expand * cfg.d_model // cfg.headdim, head_dim=cfg.headdim, state_size=cfg.d_state,
+            expand=cfg.expand, n_groups=cfg.ngroups, conv_kernel=cfg.d_conv, chunk_size=cfg.chunk_size,
+            layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, use_bias=False,
+            use_conv_bias=True, hidden_act="silu",
+        )
+    _refuse("backbone", cfg.backbone, "transformers has no looplab hybrid; export llama or mamba2 models")
+
+
+def unmap_state_dict(fam: Family, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], cfg: LoopedLMConfig) -> dict[str, torch.Tensor]:
+    """The inverse of map_state_dict for the unrolled model: source layer k ← block layer k mod N;
+    fused tensors split at the sizes of the transformers parameters (`theirs`, shapes only)."""
+    out = {fam.embed: ours["embed.weight"], fam.final_norm: ours["final_norm.weight"]}
+    if "lm_head.weight" in theirs:
+        out["lm_head.weight"] = ours["head.weight"]
+    for k in range(cfg.n_layers * cfg.n_loops):
+        pre, l = f"{fam.layers_prefix}.{k}.", k % cfg.n_layers
+        for name, parts in fam.layer_map:
+            t = ours[f"block.{l}.{name}"]
+            for p, piece in zip(parts, t.split([theirs[pre + p].shape[0] for p in parts], dim=0)):
+                out[pre + p] = piece.clone()
+    return out
+
+
+def to_transformers(model: LoopedLM, out: str | os.PathLike, tokenizer=None, tolerance: float = TOLERANCE, log=print):
+    """Write a vanilla N⊗R LoopedLM as a transformers folder (its N·R layers unrolled, so the
+    shared weights are stored R times), checked like from-hf; returns the max relative difference."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = model.config
+    hf_cfg = transformers_config(cfg)
+    fam = FAMILIES[hf_cfg.model_type]
+    hf_model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    sd = unmap_state_dict(fam, {k: v.float() for k, v in model.state_dict().items()}, hf_model.state_dict(), cfg)
+    hf_model.load_state_dict(sd, strict=True)
+    hf_model.eval()
+    diff = max_relative_logit_diff(model.float(), hf_model, fam.model_type)
+    log(f"equivalence check vs the exported {cfg.n_layers * cfg.n_loops}-layer transformers model: "
+        f"max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
+    if not diff <= tolerance:
+        raise ConversionError(f"exported model differs: max relative logit difference {diff:.3e} > {tolerance:g}")
+    hf_model.save_pretrained(out)
+    if tokenizer is not None:
+        from looplab.models.hub import copy_tokenizer
+
+        copy_tokenizer(tokenizer, out)
+    return diff
 
 
 # --------------------------------------------------------------------------- CLI
@@ -414,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("to-hf", help="looplab training checkpoint → looplab Hub-style folder")
     t.add_argument("ckpt")
     t.add_argument("--out", required=True)
+    t.add_argument("--transformers", action="store_true",
+                   help="write a transformers LlamaForCausalLM / Mamba2ForCausalLM folder (vanilla models; N·R layers unrolled)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "from-hf":
@@ -422,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "(the depth issue); convert the block only (--block-layers / --sharing)")
             from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, check=not a.no_check)
         else:
-            to_hf(a.ckpt, a.out)
+            to_hf(a.ckpt, a.out, transformers=a.transformers)
     except (ConversionError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
