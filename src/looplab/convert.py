@@ -232,6 +232,10 @@ def load_source(src: str):
     except ImportError as e:
         raise ConversionError(f"from-hf reads transformers models and needs transformers: pip install 'looplab[eval]' ({e})")
 
+    cfg_file = Path(src) / "config.json"
+    if cfg_file.is_file() and "backbone" in json.loads(cfg_file.read_text()):
+        raise ConversionError(f"{src!r} is already a looplab folder (LoopedLM.from_pretrained reads it); "
+                              "from-hf reads transformers LlamaForCausalLM / Mamba2ForCausalLM folders")
     hf_cfg = AutoConfig.from_pretrained(src)
     family_of(hf_cfg)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -502,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, check=not a.no_check)
         else:
             to_hf(a.ckpt, a.out, transformers=a.transformers)
-    except (ConversionError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConversionError, ConfigError, OSError, ValueError) as e:  # OSError: no such folder, hub unreachable
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
