@@ -74,3 +74,14 @@ def test_a_transformers_folder_is_pointed_to_convert(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="looplab.convert from-hf"):
         checkpoint.load_model(tmp_path)
+
+
+def test_generate_reads_a_folder(folder, capsys):
+    from looplab.generate import main
+
+    path, model = folder
+    main([f"ckpt={path}", "prompt=w3 w5", "max_new_tokens=3", "device=cpu"])
+    printed = capsys.readouterr().out
+    ids = model.generate(torch.tensor([[3, 5]]), 3, temperature=0)[0, 2:].tolist()  # greedy, as generate's default
+    expected = load_tokenizer(str(path)).decode(ids)
+    assert len(ids) == 3 and expected.strip() and printed.startswith("w3 w5") and expected.strip() in printed
