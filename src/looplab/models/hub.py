@@ -74,6 +74,8 @@ def model_card_text(cfg, num_params: int, source: str | None = None) -> str:
     ]
     if source:
         lines.append(f"| converted from | {source} |")
+    if isinstance(cfg.extra, dict) and cfg.extra.get("block_layers") is not None:
+        lines.append(f"| block initialised from source layers | {cfg.extra['block_layers']} |")
     lines += [
         "",
         "Load with:",
