@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from looplab.models.cache import LoopCache
 from looplab.models.config import LoopedLMConfig
-from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth, threshold_exit_steps
+from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth
+from looplab.models.exit_rules import EXIT_RULES, first_exit
 from looplab.models.hub import LoopedHubMixin
 from looplab.models.llama import AttentionLayer, RMSNorm
 from looplab.models.state import StateBranch
@@ -131,6 +132,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         cache: LoopCache | None = None,
         return_all_loops: bool = False,
         exit_threshold: float | None = None,
+        exit_rule: str | None = None,
+        exit_min_loops: int = 1,
         exit_at_step: int | None = None,
         expected_exit: bool = False,
         return_diagnostics: bool = False,
@@ -157,6 +160,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                 readouts.append(h)
 
         diagnostics = {k: v for k, v in diag.items() if v}
+        if exit_rule is not None and exit_threshold is None:
+            raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
         want_loops = return_all_loops or exit_threshold is not None or exit_at_step is not None or expected_exit
         if not want_loops:
             return LoopedLMOutput(logits=self.head(self.final_norm(readouts[-1])), diagnostics=diagnostics)
@@ -172,14 +177,17 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                 raise ValueError(f"exit_at_step={exit_at_step} must lie in 1..{cfg.n_loops}")
             out.exit_steps = torch.full((B, T), exit_at_step, dtype=torch.long, device=input_ids.device)
         elif exit_threshold is not None or expected_exit:
-            if out.exit_probs is None:
-                raise ValueError("exit_threshold / expected_exit need a model with an exit gate (exit_gate=ouro)")
+            rule = exit_rule or "gate"
+            if out.exit_probs is None and (expected_exit or rule == "gate"):
+                raise ValueError("exit_threshold / expected_exit need a model with an exit gate (exit_gate=ouro), "
+                                 f"or a zero-shot exit_rule ({', '.join(EXIT_RULES[1:])})")
             if expected_exit:
                 out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs, loop_logits)
                 steps = torch.arange(1, cfg.n_loops + 1, device=input_ids.device, dtype=out.exit_probs.dtype)
                 out.diagnostics["expected_exit_step"] = [float((out.exit_probs * steps).sum(-1).mean())]
             else:
-                out.exit_steps = threshold_exit_steps(out.exit_probs, exit_threshold)
+                out.exit_steps = first_exit(rule, exit_threshold, cfg.n_loops, min_loops=exit_min_loops,
+                                            logits=loop_logits, hidden=loop_hidden, exit_probs=out.exit_probs)
         if out.exit_steps is not None:
             out.logits = logits_at_depth(loop_logits, out.exit_steps)
         return out
