@@ -157,3 +157,26 @@ def test_eval_reproduces_results_json(case, tmp_path):
     else:
         assert report["max_batches"] == 3 and report["scored_tokens"] == 3 * 8 * 32
         assert mine["test/ppl"] == pytest.approx(res["perplexity"], rel=1e-5)
+
+
+def test_eval_cli_zero_shot_exit_rule_rows(gated_checkpoint, tmp_path):
+    """`python -m looplab.eval CKPT --exit-rule kl --rule-thresholds ...`: one row per threshold, each the
+    accuracy of reading every answer at the depth the rule picks, recomputed here from the model."""
+    path, model, dm = gated_checkpoint
+    report = main([str(path), "--exit-rule", "kl", "--rule-thresholds", "0", "0.01", "1e9", "--out", str(tmp_path / "e")])
+    never, mid, always = report["sweep"]["rule"]
+    assert [r["mode"] for r in (never, mid, always)] == ["kl<0.0", "kl<0.01", "kl<1000000000.0"]
+    fixed = report["sweep"]["fixed"]
+    assert never["mean_exit_step"] == pytest.approx(3.0) and never["accuracy"] == pytest.approx(fixed[2]["accuracy"])
+    assert always["mean_exit_step"] == pytest.approx(2.0)  # KL needs a previous loop: the earliest stop is loop 2
+    dm.setup("test")
+    correct = n = 0
+    with torch.no_grad():
+        for batch in dm.test_dataloader():
+            logits = model(batch["input_ids"], exit_rule="kl", exit_threshold=0.01).logits
+            m = batch["answer_mask"]
+            correct += int((logits.argmax(-1) == batch["targets"])[m].sum())
+            n += int(m.sum())
+    assert mid["accuracy"] == pytest.approx(correct / n)
+    with pytest.raises(SystemExit):  # a rule without thresholds is refused before anything loads
+        main([str(path), "--exit-rule", "entropy"])

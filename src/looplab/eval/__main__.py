@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("checkpoint")
     ap.add_argument("--split", choices=["test", "val"], default="test")
     ap.add_argument("--thresholds", type=float, nargs="*", default=[0.3, 0.5, 0.7, 0.9, 1.01], help="exit thresholds q (gated models)")
+    ap.add_argument("--exit-rule", default=None, choices=["gate", "kl", "entropy", "hidden_delta", "argmax_stable"],
+                    help="add rows for a zero-shot exit rule at --rule-thresholds (models/exit_rules.py); gate = the "
+                         "learned gate's q (--thresholds), the default for gated models")
+    ap.add_argument("--rule-thresholds", type=float, nargs="*", default=None,
+                    help="thresholds of --exit-rule (kl/entropy: nats; hidden_delta: relative change; argmax_stable: k)")
+    ap.add_argument("--min-loops", type=int, default=1, help="no exit before this loop (zero-shot exit rules)")
     ap.add_argument("--max-batches", type=int, default=None)
     ap.add_argument("--zeroshot", nargs="*", default=None, metavar="TASK", help="lm-eval tasks or tags (none given: the paper's 8-task hub suite; offline: looplab_tiny)")
     ap.add_argument("--limit", type=float, default=None, help="lm-eval: documents per task")
@@ -48,6 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--results", default=None,
                     help="the run's results.json (default: <run>/results.json of a <run>/checkpoints/X.ckpt, when present)")
     args = ap.parse_args(argv)
+    rule = args.exit_rule if args.exit_rule not in (None, "gate") else None
+    if rule is not None and not args.rule_thresholds:
+        ap.error(f"--exit-rule {rule} needs --rule-thresholds (e.g. 0.01 0.05 0.2)")
 
     from looplab.checkpoint import load_model
     from looplab.eval.exit_sweep import exit_sweep, plot_sweep, sweep_markdown
@@ -74,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
             max_batches = eval_batches(limit, len(loader))
         if run.get("exit"):
             thresholds = sorted({float(q) for q in run["exit"]} | set(thresholds))
-    sweep = exit_sweep(model, loader, thresholds, max_batches=max_batches, device=args.device)
+    sweep = exit_sweep(model, loader, thresholds, max_batches=max_batches, device=args.device, rule=rule,
+                       rule_thresholds=args.rule_thresholds or (), min_loops=args.min_loops)
     metrics = split_metrics(model, loader, thresholds, max_batches=max_batches, device=args.device)
     is_task = "task" in meta["dataset"]
     metric = "accuracy" if is_task else "perplexity"

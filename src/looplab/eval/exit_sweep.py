@@ -2,7 +2,8 @@
 
 Each row of the sweep is one inference mode (SPEC §4): a fixed depth k
 (`exit_at_step=k`), a threshold q (first depth whose cumulative exit probability
-≥ q), or `expected` (probability-weighted logits). Every row reports its metric
+≥ q), `expected` (probability-weighted logits), or a zero-shot exit rule at a threshold
+(`kl`, `entropy`, `hidden_delta`, `argmax_stable`; models/exit_rules.py). Every row reports its metric
 together with the mean and histogram of the exit depth, scored at the task's
 answer positions (synthetic tasks) or at every target token (language modelling).
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from looplab.models.exit_gate import logits_at_depth, threshold_exit_steps
+from looplab.models.exit_rules import check_rule, first_exit
 
 IGNORE = -100
 
@@ -61,12 +63,23 @@ def exit_sweep(
     thresholds: Sequence[float] = (0.3, 0.5, 0.7, 0.9, 1.01),
     max_batches: int | None = None,
     device: str | torch.device | None = None,
+    rule: str | None = None,
+    rule_thresholds: Sequence[float] = (),
+    min_loops: int = 1,
 ) -> dict[str, Any]:
+    """thresholds: the gate's q (gated models); rule, rule_thresholds: a zero-shot exit rule's rows."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     R = model.config.n_loops
     gated = model.exit_gate is not None
     rows = [_Row(f"exit_at_step={k}", R) for k in range(1, R + 1)]
     q_rows = [_Row(f"q={q}", R) for q in thresholds] if gated else []
+    if rule is not None:
+        if rule == "gate":
+            raise ValueError("exit rule 'gate' is the thresholds q of a gated model; pass it as thresholds")
+        for tau in rule_thresholds:
+            check_rule(rule, tau, min_loops, R)
+    rule_rows = [_Row(f"{rule}<{tau}" if rule != "argmax_stable" else f"{rule} k={tau:g}", R) for tau in rule_thresholds] \
+        if rule is not None else []
     expected = _Row("expected", R) if gated else None
     was_training = model.training
     model.eval()
@@ -86,9 +99,14 @@ def exit_sweep(
                     row.update(logits_at_depth(out.loop_logits, steps), targets, scored, steps)
                 mixed = torch.einsum("btr,rbtv->btv", out.exit_probs, out.loop_logits)  # SPEC §4: weighted logits
                 expected.update(mixed, targets, scored, out.exit_probs)
+            for tau, row in zip(rule_thresholds, rule_rows):
+                steps = first_exit(rule, tau, R, min_loops=min_loops, logits=out.loop_logits, hidden=out.loop_hidden)
+                row.update(logits_at_depth(out.loop_logits, steps), targets, scored, steps)
     finally:
         model.train(was_training)
-    result = {"n_loops": R, "fixed": [r.result() for r in rows], "thresholds": [], "expected": None}
+    result = {"n_loops": R, "fixed": [r.result() for r in rows], "thresholds": [], "expected": None,
+              "rule": [{**r.result(), "rule": rule, "threshold": tau, "min_loops": min_loops}
+                       for tau, r in zip(rule_thresholds, rule_rows)]}
     if gated:
         result["thresholds"] = [{**r.result(), "q": q} for q, r in zip(thresholds, q_rows)]
         result["expected"] = expected.result()
@@ -97,7 +115,8 @@ def exit_sweep(
 
 def sweep_markdown(result: dict[str, Any], metric: str) -> str:
     lines = [f"| mode | {metric} | mean exit step | exit-depth histogram (1..R) |", "|---|---|---|---|"]
-    for row in result["fixed"] + result["thresholds"] + ([result["expected"]] if result["expected"] else []):
+    for row in (result["fixed"] + result["thresholds"] + ([result["expected"]] if result["expected"] else [])
+                + result.get("rule", [])):
         hist = " ".join(f"{p:.2f}" for p in row["exit_histogram"])
         lines.append(f"| {row['mode']} | {row[metric]:.4f} | {row['mean_exit_step']:.2f} | {hist} |")
     return "\n".join(lines) + "\n"
@@ -117,6 +136,12 @@ def plot_sweep(result: dict[str, Any], metric: str, path) -> None:
         ax.plot([r["mean_exit_step"] for r in th], [r[metric] for r in th], "s--", label="exit gate, threshold q")
         for r in th:
             ax.annotate(f"q={r['q']}", (r["mean_exit_step"], r[metric]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if result.get("rule"):
+        ru = result["rule"]
+        ax.plot([r["mean_exit_step"] for r in ru], [r[metric] for r in ru], "^:", label=f"exit rule {ru[0]['rule']}")
+        for r in ru:
+            ax.annotate(f"{r['threshold']:g}", (r["mean_exit_step"], r[metric]), fontsize=7, xytext=(3, -9),
+                        textcoords="offset points")
     ax.set_xlabel("mean exit depth")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
