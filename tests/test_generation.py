@@ -240,6 +240,49 @@ def test_skip_compute_early_exit_uses_threshold_depth_and_reuses_kv(state_mode):
     assert seen_mixed and seen_all_early, "the gate was meant to make rows exit at mixed depths"
 
 
+def _median_threshold(model, prompt, rule):
+    """A threshold at which about half the prompt's tokens stop after loop 2 (so exits are mixed)."""
+    out = model(prompt, return_all_loops=True)
+    if rule == "argmax_stable":
+        return 1
+    lp = torch.log_softmax(out.loop_logits.float(), -1)
+    if rule == "entropy":
+        v = -(lp[1].exp() * lp[1]).sum(-1)
+    elif rule == "kl":
+        v = (lp[1].exp() * (lp[1] - lp[0])).sum(-1)
+    else:
+        h = out.loop_hidden
+        v = (h[1] - h[0]).norm(dim=-1) / h[1].norm(dim=-1)
+    return float(v.median())
+
+
+@pytest.mark.parametrize("rule", ["kl", "entropy", "hidden_delta", "argmax_stable"])
+@pytest.mark.parametrize("state_mode", ["vanilla", "stateloop"])
+@torch.no_grad()
+def test_skip_compute_with_zero_shot_exit_rules_matches_forward(rule, state_mode):
+    """Zero-shot rules need no gate: each skip step takes the depth forward(exit_rule=...) takes from
+    the same cache, with the same logits, and generate() runs them end to end."""
+    model = make_model("llama", state_mode, "none", n_loops=4, seed=2)
+    B, T, R = 3, 5, 4
+    prompt = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(9))
+    tau = _median_threshold(model, prompt, rule)
+    cache = model.allocate_cache(B, T + 8)
+    model(prompt, cache=cache)
+    tok, seen_early = prompt[:, -1:], False
+    for _ in range(8):
+        ref = model(tok, cache=copy.deepcopy(cache), exit_rule=rule, exit_threshold=tau, exit_min_loops=2)
+        logits, exits = decode_step(model, tok, cache, exit_threshold=tau, skip_compute=True, exit_rule=rule,
+                                    exit_min_loops=2)
+        assert torch.equal(exits, ref.exit_steps[:, 0]) and int(exits.min()) >= 2
+        torch.testing.assert_close(logits, ref.logits[:, 0], atol=ATOL, rtol=1e-4)
+        seen_early |= bool((exits < R).any())
+        tok = logits.argmax(-1, keepdim=True)
+    assert seen_early, f"threshold {tau} of {rule!r} was meant to make some tokens stop early"
+    out = generate(model, prompt, 4, exit_rule=rule, exit_threshold=tau, skip_compute=True, return_logits=True)
+    full = generate(model, prompt, 4, exit_rule=rule, exit_threshold=tau, return_logits=True)
+    assert out.exit_steps.shape == (B, 4) and full.exit_steps.shape == (B, 4)
+
+
 @torch.no_grad()
 def test_skip_compute_whole_batch_exit_at_depth_one():
     """A gate that always exits after loop 1: deeper loops are never run, only copied."""
@@ -266,6 +309,10 @@ def test_skip_compute_refused_for_ssm(backbone, state_mode):
 def test_skip_compute_needs_gate_and_threshold():
     with pytest.raises(ValueError, match="exit gate"):
         generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
+    with pytest.raises(ValueError, match="exit_rule='kl' needs exit_threshold"):
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_rule="kl")
+    with pytest.raises(ValueError, match="'loudness'"):
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_rule="loudness", exit_threshold=1.0)
     with pytest.raises(ValueError, match="exit_threshold"):
         generate(make_model(exit_gate="ouro"), torch.zeros(1, 3, dtype=torch.long), 2, skip_compute=True)
 
@@ -288,6 +335,11 @@ def test_cli_streams_text_and_task_tokens(tmp_path, capsys):
     out = capsys.readouterr()
     assert out.out.startswith("To be, or not") and len(out.out.strip()) > len("To be, or not")
     assert "mean exit depth" in out.err
+    # a zero-shot exit rule, decoding with skip_compute
+    main([f"ckpt={tmp_path / 'lm.ckpt'}", "prompt=To be", "max_new_tokens=3", "exit_rule=entropy",
+          "exit_threshold=100", "skip_compute=true"])
+    out = capsys.readouterr()
+    assert out.out.startswith("To be") and "mean exit depth 1.00" in out.err
 
     from looplab.data.tasks import make_task
 

@@ -278,6 +278,30 @@ def test_exit_threshold_scores_from_the_gate_selected_depths():
         LooplabLM.from_model(tiny_model(), TOK, exit_threshold=0.5)
 
 
+def test_loglikelihood_under_a_zero_shot_exit_rule_sums_the_chosen_depths_log_probs():
+    """exit_rule=entropy (no gate): the score is Σ of each continuation token's log-probability read at
+    the depth the rule picks for that position, computed here from all loops' logits."""
+    from looplab.models.exit_rules import first_exit
+
+    model = tiny_model(loops=3)
+    tok = load_tokenizer(TOK)
+    ctx, cont = tok.encode("Once more unto the breach"), tok.encode(", dear friends")
+    ids = torch.tensor([ctx + cont[:-1]])
+    with torch.no_grad():
+        full = model(ids, return_all_loops=True)
+    lp2 = torch.log_softmax(full.loop_logits[1].double(), -1)
+    tau = float(-(lp2.exp() * lp2).sum(-1).median())  # about half the positions stop at loop 2
+    steps = first_exit("entropy", tau, 3, min_loops=2, logits=full.loop_logits)[0]  # (T,)
+    assert int(steps.min()) == 2 and int(steps.max()) == 3
+    want = sum(torch.log_softmax(full.loop_logits[int(steps[i]) - 1, 0, i].double(), -1)[cont[j]].item()
+               for j, i in enumerate(range(len(ctx) - 1, ids.shape[1])))
+    lm = LooplabLM.from_model(model, TOK, exit_rule="entropy", exit_threshold=tau, exit_min_loops=2)
+    (lp, _), = lm.loglikelihood(requests("loglikelihood", ("Once more unto the breach", ", dear friends")))
+    assert lp == pytest.approx(want, abs=1e-3)
+    with pytest.raises(ValueError, match="needs exit_threshold"):
+        LooplabLM.from_model(model, TOK, exit_rule="kl")
+
+
 # ------------------------------------------------------- looplab_tiny suite
 def test_tiny_suite_runs_offline_through_the_adapter_and_matches_own_scoring():
     """`--tasks looplab_tiny` (the tag) runs the three held-out-play tasks offline; lm-eval's accuracy

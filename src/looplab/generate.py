@@ -1,7 +1,9 @@
 """Generate from a checkpoint: `python -m looplab.generate ckpt=PATH prompt="..." [key=value ...]`.
 
 Keys: ckpt (required), prompt, max_new_tokens (64), temperature (0 = greedy), top_k, top_p,
-exit_threshold (needs an exit gate), skip_compute (true|false), seed (0), device (cpu).
+exit_threshold (the gate's q, or the threshold of exit_rule), exit_rule (gate | kl | entropy |
+hidden_delta | argmax_stable; zero-shot rules need no gate), exit_min_loops (1), skip_compute
+(true|false; attention-only models), seed (0), device (cpu).
 
 Language-model checkpoints stream decoded text as tokens arrive (the tokenizer named in the
 checkpoint's dataset config). Synthetic-task checkpoints (p-hop, Mano) take the prompt as
@@ -20,7 +22,7 @@ from looplab.models.generation import stream
 
 DEFAULTS: dict[str, Any] = {
     "ckpt": None, "prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": None, "top_p": None,
-    "exit_threshold": None, "skip_compute": False, "seed": 0, "device": "cpu",
+    "exit_threshold": None, "exit_rule": None, "exit_min_loops": 1, "skip_compute": False, "seed": 0, "device": "cpu",
 }
 
 
@@ -33,12 +35,14 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             raise SystemExit(f"bad argument {a!r}: use key=value with key in {sorted(DEFAULTS)}")
         if key in ("ckpt", "prompt", "device"):
             args[key] = val
+        elif key == "exit_rule":
+            args[key] = val if val.lower() not in ("none", "null", "") else None
         elif key == "skip_compute":
             args[key] = val.lower() in ("1", "true", "yes", "on")
         elif val.lower() in ("none", "null", ""):
             args[key] = None
         else:
-            args[key] = int(val) if key in ("max_new_tokens", "top_k", "seed") else float(val)
+            args[key] = int(val) if key in ("max_new_tokens", "top_k", "seed", "exit_min_loops") else float(val)
     if not args["ckpt"]:
         raise SystemExit("ckpt=PATH is required (a looplab training checkpoint)")
     return args
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = stream(
         model, input_ids, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"],
         top_p=args["top_p"], eos_token_id=tok.eos_id, exit_threshold=args["exit_threshold"],
-        skip_compute=args["skip_compute"], generator=gen,
+        skip_compute=args["skip_compute"], generator=gen, exit_rule=args["exit_rule"],
+        exit_min_loops=args["exit_min_loops"],
     )
     new, depths = [], []
     if is_task:

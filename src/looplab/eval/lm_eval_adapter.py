@@ -57,6 +57,8 @@ class LooplabLM(LM):
         device: str | None = None,
         max_length: int | None = None,
         exit_threshold: float | None = None,
+        exit_rule: str | None = None,
+        exit_min_loops: int = 1,
         max_gen_toks: int = 256,
         tokenizer: str | LMTokenizer | None = None,
         model: torch.nn.Module | None = None,
@@ -97,8 +99,15 @@ class LooplabLM(LM):
             log.warning("max_length=%d exceeds the model's max_seq_len=%d (RoPE table); using %d", want, model.config.max_seq_len, model.config.max_seq_len)
         self._max_length = min(want, model.config.max_seq_len)
         self.exit_threshold = float(exit_threshold) if exit_threshold is not None else None
-        if self.exit_threshold is not None and getattr(model, "exit_gate", None) is None:
-            raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro)")
+        self.exit_rule, self.exit_min_loops = exit_rule or None, _as_int(exit_min_loops, 1)
+        if self.exit_rule is not None and self.exit_threshold is None:
+            raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
+        if self.exit_threshold is not None:
+            from looplab.models.exit_rules import check_rule
+
+            if (self.exit_rule or "gate") == "gate" and getattr(model, "exit_gate", None) is None:
+                raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot exit_rule")
+            check_rule(self.exit_rule or "gate", self.exit_threshold, self.exit_min_loops, model.config.n_loops)
         self.max_gen_toks = int(max_gen_toks)
         self.checkpoint = checkpoint
 
@@ -191,8 +200,14 @@ class LooplabLM(LM):
         return out  # type: ignore[return-value]
 
     # -------------------------------------------------------------- internals
+    def _exit_kwargs(self) -> dict[str, Any]:
+        """The exit rule every forward pass and generation of this adapter uses (none: loop R)."""
+        if self.exit_threshold is None:
+            return {}
+        return {"exit_threshold": self.exit_threshold, "exit_rule": self.exit_rule, "exit_min_loops": self.exit_min_loops}
+
     def _forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        kw = {"exit_threshold": self.exit_threshold} if self.exit_threshold is not None else {}
+        kw = self._exit_kwargs()
         if attention_mask is not None:
             kw["attention_mask"] = attention_mask
         return self.model(ids, **kw).logits
@@ -239,7 +254,7 @@ class LooplabLM(LM):
             mask[r, T - len(p):] = 1
         ids, mask = ids.to(self._device), mask.to(self._device)
         try:
-            kw = {"exit_threshold": self.exit_threshold} if self.exit_threshold is not None else {}
+            kw = self._exit_kwargs()
             seq = self.model.generate(ids, n_new, temperature=0.0, eos_token_id=self.eot_token_id,
                                       attention_mask=mask if not bool(mask.all()) else None, **kw)
             new = seq[:, T:]

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import torch
 
 from looplab.models.cache import KVCache, LoopCache
+from looplab.models.exit_rules import check_rule, stops_at
 
 
 @dataclass
@@ -66,8 +67,8 @@ def sample_next(
 
 
 # ------------------------------------------------------------- skip_compute
-def skip_compute_unsupported(config) -> str | None:
-    """Why exit-gate skip_compute cannot be used with this model, or None when it can."""
+def skip_compute_unsupported(config, exit_rule: str | None = None) -> str | None:
+    """Why skip_compute cannot be used with this model (and exit rule), or None when it can."""
     if "M" in config.layer_types or config.state_mode == "stateloop_mamba2":
         where = "the state mixer is Mamba-2" if "M" not in config.layer_types else f"backbone={config.backbone!r} has Mamba-2 layers"
         return (
@@ -77,8 +78,9 @@ def skip_compute_unsupported(config) -> str | None:
             "In SSM/hybrid models every loop must still run and the exit only selects the depth "
             "(use exit_threshold without skip_compute)."
         )
-    if config.exit_gate == "none":
-        return "exit_gate.skip_compute needs a model with an exit gate (exit_gate=ouro)"
+    if config.exit_gate == "none" and (exit_rule or "gate") == "gate":
+        return ("exit_gate.skip_compute needs a model with an exit gate (exit_gate=ouro), "
+                "or a zero-shot exit_rule (kl, entropy, hidden_delta, argmax_stable)")
     return None
 
 
@@ -93,16 +95,19 @@ def _reuse_exit_kv(cache: LoopCache, r: int, exit_loop: torch.Tensor, rows: torc
             dst.length = max(dst.length, pos + 1)
 
 
-def _skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, q: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshold: float, rule: str = "gate",
+                       min_loops: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """One T = 1 decoding step that stops running loops for rows that have exited.
 
-    Exit rule as in forward(exit_threshold=q): first depth t with CDF(t) ≥ q, computed
-    incrementally (S_t = S_{t−1}(1 − λ_t), p(t) = λ_t S_{t−1}, p(R) = S_{R−1}). While some rows
-    still run, the whole batch is computed (caches are batched) and the exited rows' deeper
-    key/values are then overwritten with their exit-depth key/values, so the result is exactly
-    what a per-row skip would give; once every row has exited the remaining loops only copy.
+    The exit decision is forward(exit_rule=rule, exit_threshold=threshold)'s, taken online after
+    each loop from loops 1..t (`exit_rules.stops_at`); for the gate, p(t) = λ_t S_{t−1} with
+    S_t = S_{t−1}(1 − λ_t) and p(R) = S_{R−1}. While some rows still run, the whole batch is
+    computed (caches are batched) and the exited rows' deeper key/values are then overwritten with
+    their exit-depth key/values, so the result is exactly what a per-row skip would give; once
+    every row has exited the remaining loops only copy.
     """
     cfg, R = model.config, model.config.n_loops
+    check_rule(rule, threshold, min_loops, R)
     B = input_ids.shape[0]
     positions, valid = cache.advance(None, 1)
     pos = cache.length - 1
@@ -113,7 +118,7 @@ def _skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, q: floa
     exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running
     logits = None
     survival = x.new_ones(B)
-    cdf = x.new_zeros(B)
+    probs, seen_logits, seen_hidden = [], [], []  # loops 1..t: what the rule reads
     for r in range(R):
         running = exit_loop < 0
         if not bool(running.any()):
@@ -129,14 +134,24 @@ def _skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, q: floa
             _reuse_exit_kv(cache, r, exit_loop, ~running, pos, kv_keys)
 
         normed = model.final_norm(readout[:, -1])  # (B, d)
-        if r < R - 1:
-            lam = model.exit_gate(normed)
-            p, survival = lam * survival, survival * (1 - lam)
-            new = running & (cdf + p >= q)
-        else:
-            p = survival
+        t = r + 1
+        if t == R:
             new = running
-        cdf = cdf + p
+        else:
+            if rule == "gate":
+                lam = model.exit_gate(normed)
+                probs.append(lam * survival)
+                survival = survival * (1 - lam)
+            elif rule == "hidden_delta":
+                seen_hidden.append(normed)
+            else:
+                seen_logits.append(model.head(normed))
+            if t >= min_loops:
+                new = running & stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
+                                         logits=torch.stack(seen_logits) if seen_logits else None,
+                                         hidden=torch.stack(seen_hidden) if seen_hidden else None)
+            else:
+                new = torch.zeros_like(running)
         if bool(new.any()):
             step_logits = model.head(normed[new] if not bool(new.all()) else normed)
             if logits is None:
@@ -154,16 +169,20 @@ def decode_step(
     *,
     exit_threshold: float | None = None,
     skip_compute: bool = False,
+    exit_rule: str | None = None,
+    exit_min_loops: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One cached decoding step → (logits (B, V), exit_steps (B,) or None)."""
+    """One cached decoding step → (logits (B, V), exit_steps (B,) or None).
+
+    exit_rule (default: the gate) and exit_threshold pick each token's depth as forward() does."""
     if skip_compute:
-        reason = skip_compute_unsupported(model.config)
+        reason = skip_compute_unsupported(model.config, exit_rule)
         if reason:
             raise ValueError(reason)
         if exit_threshold is None:
             raise ValueError("skip_compute=True needs exit_threshold=q (the depth at which a token stops)")
-        return _skip_compute_step(model, input_ids, cache, exit_threshold)
-    out = model(input_ids, cache=cache, exit_threshold=exit_threshold)
+        return _skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops)
+    out = model(input_ids, cache=cache, exit_threshold=exit_threshold, exit_rule=exit_rule, exit_min_loops=exit_min_loops)
     return out.logits[:, -1], (out.exit_steps[:, -1] if out.exit_steps is not None else None)
 
 
@@ -190,6 +209,8 @@ def stream(
     exit_threshold: float | None = None,
     skip_compute: bool = False,
     generator: torch.Generator | None = None,
+    exit_rule: str | None = None,
+    exit_min_loops: int = 1,
 ) -> Iterator[StepOutput]:
     """Yield one StepOutput per generated token; stops early once every row has emitted eos."""
     cfg = model.config
@@ -206,13 +227,17 @@ def stream(
             "shorten the prompt or lower max_new_tokens"
         )
     if skip_compute:
-        reason = skip_compute_unsupported(cfg)
+        reason = skip_compute_unsupported(cfg, exit_rule)
         if reason:
             raise ValueError(reason)
         if exit_threshold is None:
             raise ValueError("skip_compute=True needs exit_threshold=q (the depth at which a token stops)")
-    if exit_threshold is not None and model.exit_gate is None:
-        raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro)")
+    if exit_rule is not None and exit_threshold is None:
+        raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
+    if exit_threshold is not None:
+        if (exit_rule or "gate") == "gate" and model.exit_gate is None:
+            raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot exit_rule")
+        check_rule(exit_rule or "gate", exit_threshold, exit_min_loops, cfg.n_loops)
     if attention_mask is not None:
         _check_left_padded(attention_mask)
     eos = None
@@ -222,7 +247,8 @@ def stream(
 
     cache = model.allocate_cache(B, T + max_new_tokens)
     # prefill is parallel over the prompt, so it runs every loop even under skip_compute
-    out = model(input_ids, attention_mask=attention_mask, cache=cache, exit_threshold=exit_threshold)
+    out = model(input_ids, attention_mask=attention_mask, cache=cache, exit_threshold=exit_threshold,
+                exit_rule=exit_rule, exit_min_loops=exit_min_loops)
     logits = out.logits[:, -1]
     exit_steps = out.exit_steps[:, -1] if out.exit_steps is not None else None
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
@@ -235,7 +261,8 @@ def stream(
         if i == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
             return
         logits, exit_steps = decode_step(
-            model, tokens[:, None], cache, exit_threshold=exit_threshold, skip_compute=skip_compute
+            model, tokens[:, None], cache, exit_threshold=exit_threshold, skip_compute=skip_compute,
+            exit_rule=exit_rule, exit_min_loops=exit_min_loops,
         )
 
 
@@ -253,6 +280,8 @@ def generate(
     skip_compute: bool = False,
     generator: torch.Generator | None = None,
     return_logits: bool = False,
+    exit_rule: str | None = None,
+    exit_min_loops: int = 1,
 ) -> torch.Tensor | GenerationOutput:
     """Cached generation. Returns (B, T + n) sequences, or a GenerationOutput with return_logits.
 
@@ -265,7 +294,7 @@ def generate(
     steps = list(
         stream(
             model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-            attention_mask, exit_threshold, skip_compute, generator,
+            attention_mask, exit_threshold, skip_compute, generator, exit_rule, exit_min_loops,
         )
     )
     B = input_ids.shape[0]
