@@ -20,14 +20,7 @@ MAMBA2 = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_heads=4, 
               state_size=16, conv_kernel=4, chunk_size=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from conftest's second thread, and on a busy machine two OpenMP
-    threads wait on each other (measured: 9 ms per 64-wide linear instead of 0.05 ms)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
 def _randomise(model: torch.nn.Module, seed: int = 0) -> None:

@@ -16,14 +16,7 @@ TINY = dict(vocab_size=64, d_model=32, n_heads=4, n_layers=2, n_loops=2, ffn_hid
             hybrid_pattern="MA", state_dim=32, max_seq_len=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from conftest's second thread, and on a busy machine two OpenMP
-    threads wait on each other (measured: 9 ms per 64-wide linear instead of 0.05 ms)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
 def _model(backbone, state_mode, exit_gate, seed=0):

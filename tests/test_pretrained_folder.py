@@ -18,14 +18,7 @@ from looplab.training.compose import model_config_from_cfg
 CFG = dict(vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, n_loops=2, ffn_hidden=64, max_seq_len=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from conftest's second thread, and on a busy machine two OpenMP
-    threads wait on each other (measured: 9 ms per 64-wide linear instead of 0.05 ms)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
 @pytest.fixture

@@ -24,14 +24,7 @@ from looplab.models import LoopedLM, LoopedLMConfig
 CFG = dict(vocab_size=32, d_model=32, n_heads=4, n_layers=1, n_loops=2, ffn_hidden=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from conftest's second thread, and on a busy machine two OpenMP
-    threads wait on each other (measured: 9 ms per 64-wide linear instead of 0.05 ms)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
 class _Payload:
