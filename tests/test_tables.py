@@ -178,9 +178,10 @@ def test_lm_depth_and_reset_tables(tmp_path):
         ppl = 30.0 - R if combo["arm"] == "looped" else 28.0 - R
         write_run(table_root(out, 2, sw) / str(i), fake_result(sw, combo, loops=R, ppl=ppl, state=combo["arm"].replace("looped", "vanilla")))
     t2 = report.build(2, "tiny", out, seeds=[1234])
-    assert len(t2.rows) == 10 and not t2.missing and not t2.failed
+    loops = sw.grid_params()["loop_depth.loops"]
+    assert len(t2.rows) == 2 * len(loops) and not t2.missing and not t2.failed
     gaps = {(r["arm"], r["N⊗R"]): r["Δ vs looped (paired)"] for r in t2.rows}
-    assert gaps[("stateloop", "1⊗5")].mean == pytest.approx(-2.0) and gaps[("looped", "1⊗5")] is None
+    assert gaps[("stateloop", f"1⊗{loops[-1]}")].mean == pytest.approx(-2.0) and gaps[("looped", f"1⊗{loops[-1]}")] is None
     assert report.write(t2, tmp_path / "tables")[-1].stat().st_size > 1000  # the ppl-vs-R PNG
     assert "zero-shot avg: n/a" in t2.markdown()
 
@@ -423,8 +424,9 @@ def test_pairing_by_seed_missing_seed_and_gap_growth(tmp_path):
     t = report.build(2, "tiny", tmp_path)
     assert t.missing == ["stateloop_depth_tiny arm=looped loop_depth.loops=4 seed=3"]
     per_r = [v for v in t.verdicts if v.finding.label == "StateLoop − Vanilla Looped"]
-    assert [v.stratum for v in per_r] == [f"R = {r}" for r in range(3, 8)]
-    r4 = per_r[1]
+    loops = [int(r) for r in sw.grid_params()["loop_depth.loops"]]
+    assert 4 in loops and [v.stratum for v in per_r] == [f"R = {r}" for r in loops]
+    r4 = per_r[loops.index(4)]
     assert r4.reps == ["1", "2"] and r4.missing == ["seed 3"] and "unpaired: seed 3" in r4.line()
     assert r4.diffs == pytest.approx([-0.39, -0.38])
     assert all(v.verdict == "reproduced" for v in per_r)
@@ -433,9 +435,11 @@ def test_pairing_by_seed_missing_seed_and_gap_growth(tmp_path):
     # unpaired, the seeds' spread would swamp the effect
     assert row["perplexity"].half > 5
     growth = next(v for v in t.verdicts if v.finding.minus)
-    # (SL7 − L7) − (SL3 − L3) = −0.7 − (−0.3) = −0.4 on every seed (the 0.01·s terms cancel)
-    assert growth.diffs == pytest.approx([-0.4] * 3) and growth.verdict == "reproduced"
-    assert "stateloop 1⊗7" in growth.arms and "looped 1⊗3" in growth.arms
+    # (SL_max − L_max) − (SL_min − L_min) = −0.1·(R_max − R_min) on every seed (the 0.01·s terms cancel)
+    lo, hi = min(loops), max(loops)
+    paired = 2 if 4 in (lo, hi) else 3  # looped 1⊗4 seed 3 is the missing run
+    assert growth.diffs == pytest.approx([-0.1 * (hi - lo)] * paired) and growth.verdict == "reproduced"
+    assert f"stateloop 1⊗{hi}" in growth.arms and f"looped 1⊗{lo}" in growth.arms
 
 
 def test_accuracy_differences_carry_the_examples_noise(tmp_path):
