@@ -128,13 +128,10 @@ def _deep_block(warmup: int, repeats: int, n_layers: int = 24, ctx: int = 64) ->
 
 def exit_checkpoints(run_dirs) -> list[Path]:
     """The last.ckpt of every finished run (results.json status ok) under the sweep folders run_dirs."""
-    found = []
-    for d in run_dirs:
-        for res in sorted(Path(d).glob("*/results.json"), key=lambda p: (len(str(p)), str(p))):
-            ckpt = res.parent / "checkpoints" / "last.ckpt"
-            if json.loads(res.read_text()).get("status") == "ok" and ckpt.exists():
-                found.append(ckpt)
-    return found
+    from looplab.tables.report import load_runs
+
+    return [r.path / "checkpoints" / "last.ckpt" for d in run_dirs for r in load_runs(d)
+            if r.ok and (r.path / "checkpoints" / "last.ckpt").exists()]
 
 
 def skip_compute_section(run_dirs, threads: int, n_sequences: int = 128) -> dict:

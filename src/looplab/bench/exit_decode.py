@@ -57,6 +57,7 @@ def decode_checkpoint(path: str | Path, n_sequences: int = 256, q: float = 0.5, 
         raise ValueError(f"{path}: {reason}")
     R = model.config.n_loops
     examples = _test_examples(meta, n_sequences)
+    options = {"all_loops": {}, "exact_exit": {"exit_threshold": q}, "skip": {"exit_threshold": q, "skip_compute": True}}
     times: dict[str, list[float]] = {k: [] for k in DECODERS}
     correct = {k: 0 for k in DECODERS}
     answers = tokens = agree = timed = 0
@@ -71,12 +72,7 @@ def decode_checkpoint(path: str | Path, n_sequences: int = 256, q: float = 0.5, 
             logits, steps = {}, {}
             for k in DECODERS:  # round-robin: load on the machine hits all three alike
                 t0 = time.perf_counter()
-                if k == "all_loops":
-                    logits[k], steps[k] = decode_step(model, tok, caches[k])
-                elif k == "exact_exit":
-                    logits[k], steps[k] = decode_step(model, tok, caches[k], exit_threshold=q)
-                else:
-                    logits[k], steps[k] = decode_step(model, tok, caches[k], exit_threshold=q, skip_compute=True)
+                logits[k], steps[k] = decode_step(model, tok, caches[k], **options[k])
                 dt = time.perf_counter() - t0
                 if timed >= warmup:
                     times[k].append(dt)

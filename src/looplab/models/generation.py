@@ -153,7 +153,10 @@ def _skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, thresho
             else:
                 new = torch.zeros_like(running)
         if bool(new.any()):
-            step_logits = model.head(normed[new] if not bool(new.all()) else normed)
+            if seen_logits and t < R:  # the rule already read this loop's logits
+                step_logits = seen_logits[-1][new] if not bool(new.all()) else seen_logits[-1]
+            else:
+                step_logits = model.head(normed[new] if not bool(new.all()) else normed)
             if logits is None:
                 logits = step_logits.new_zeros(B, step_logits.shape[-1])
             logits[new] = step_logits
