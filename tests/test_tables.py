@@ -481,20 +481,42 @@ def test_exit_gate_and_mano_findings(tmp_path):
     assert step.diffs == pytest.approx([-1.4, -1.3, -1.2]) and step.verdict == "reproduced"
     assert sum(v.stratum == "experiment = exit_gate_mamba" for v in t.verdicts) == 2  # listed, not measured
 
-    mano, mamba, hybrid = spec.get(5).sweeps_for("tiny")
-    for sw, accs in ((mano, {"1x1": 0.3, "4x1": 0.5, "1x4": 0.6}), (hybrid, {"2x1": 0.3, "4x1": 0.5, "2x4": 0.2})):
+    mamba, hybrid = spec.get(5).sweeps_for("tiny")
+    for sw, accs in ((mamba, {"1x1": 0.3, "4x1": 0.5, "1x4": 0.6}), (hybrid, {"2x1": 0.3, "4x1": 0.5, "2x2": 0.2})):
         for combo in sw.grid():
             for s in (1, 2):
                 write_run(table_root(tmp_path, 5, sw) / f"{combo['loop_depth']}_{s}",
                           fake_result(sw, {**combo, "seed": str(s)}, acc=accs[combo["loop_depth"]] + 0.02 * s, seed=s, config=TASK_CFG))
     t5 = report.build(5, "tiny", tmp_path, seeds=[1, 2])
     got = {(v.finding.label.rsplit(" (", 1)[1], v.stratum): v for v in t5.verdicts}
-    assert got[("equal parameters)", "experiment = mano")].arms == "1⊗4 − 1⊗1"
-    assert got[("equal FLOPs)", "experiment = mano")].arms == "1⊗4 − 4⊗1"
-    assert got[("equal FLOPs)", "experiment = mano")].diffs == pytest.approx([0.1, 0.1])
-    assert got[("equal parameters)", "experiment = mano_hybrid")].verdict == "contradicted"  # 2⊗4 below 2⊗1
-    no_b = got[("equal FLOPs)", "experiment = mano_hybrid")]
-    assert no_b.verdict == "inconclusive" and "no run of arm B" in no_b.line()  # no 8⊗1 in the sweep
+    assert got[("equal parameters)", "experiment = mano_mamba")].arms == "1⊗4 − 1⊗1"
+    assert got[("equal FLOPs)", "experiment = mano_mamba")].arms == "1⊗4 − 4⊗1"
+    assert got[("equal FLOPs)", "experiment = mano_mamba")].diffs == pytest.approx([0.1, 0.1])
+    assert got[("equal parameters)", "experiment = mano_hybrid")].verdict == "contradicted"  # 2⊗2 below 2⊗1
+    assert got[("equal FLOPs)", "experiment = mano_hybrid")].diffs == pytest.approx([-0.3, -0.3])  # 2⊗2 − 4⊗1
+
+
+def test_table7_tiny_sweep_holds_both_protocols(tmp_path):
+    """One tiny sweep per backbone trains 1⊗1, 4⊗1, 1⊗4 once: iso-parameter pairs 1⊗4 with 1⊗1 (same N),
+    iso-FLOP pairs it with 4⊗1 (same N·R); the paper's separate experiments keep one protocol each."""
+    mamba, hybrid = spec.get(7).sweeps_for("tiny")
+    ppl = {"1x1": 50.0, "4x1": 46.0, "1x4": 47.0, "2x1": 49.0, "2x2": 45.0}
+    for sw in (mamba, hybrid):
+        for combo in sw.grid():
+            for s in (1, 2, 3):
+                write_run(table_root(tmp_path, 7, sw) / f"{combo['loop_depth']}_{s}",
+                          fake_result(sw, {**combo, "seed": str(s)}, ppl=ppl[combo["loop_depth"]] + 0.1 * s, seed=s))
+    t = report.build(7, "tiny", tmp_path)
+    got = {(v.finding.label, v.stratum): v for v in t.verdicts}
+    param = got[("N⊗R − N⊗1 (equal parameters)", "experiment = lm_mamba_loops")]
+    flops = got[("N⊗R − (N·R)⊗1 (equal FLOPs)", "experiment = lm_mamba_loops")]
+    assert param.arms == "1⊗4 − 1⊗1" and param.diffs == pytest.approx([-3.0] * 3) and param.verdict == "reproduced"
+    assert flops.arms == "1⊗4 − 4⊗1" and flops.diffs == pytest.approx([1.0] * 3) and flops.verdict == "reproduced"
+    hflops = got[("N⊗R − (N·R)⊗1 (equal FLOPs)", "experiment = lm_hybrid_loops")]
+    assert hflops.arms == "2⊗2 − 4⊗1" and hflops.diffs == pytest.approx([-1.0] * 3) and hflops.verdict == "contradicted"
+    assert len(t.verdicts) == 4
+    paper = {report._protocol(sw) for sw in spec.get(7).sweeps_for("paper")}
+    assert paper == {"isoparam", "isoflop"}
 
 
 def test_decode_findings_over_context_lengths(tmp_path):

@@ -412,7 +412,7 @@ def _matches(u: Unit, flt: tuple[tuple[str, str], ...], resolved: dict[str, str]
         v = (resolved or {}).get(k, v)
         if _is_extreme(v):
             continue
-        if str(u.facets.get(k)) != v:
+        if not _facet_is(k, u.facets.get(k), v):
             return False
     return True
 
@@ -529,7 +529,7 @@ def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = No
     if scale is not None:
         for sw in spec.sweeps_for(scale):
             exp = _base_experiment(sw.experiment)
-            f = {"experiment": exp, "protocol": "isoparam" if "isoparam" in exp else "isoflop" if "isoflop" in exp else None}
+            f = {"experiment": exp, "protocol": _protocol(sw)}
             if f not in expected:
                 expected.append(f)
     for fd in spec.findings:
@@ -539,11 +539,27 @@ def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = No
             for f in expected:
                 known = {k: v for k, v in fd.a if k in f}
                 stratum = f"experiment = {f['experiment']}"
-                if stratum not in seen and all(str(f[k]) == v for k, v in known.items()):
+                if stratum not in seen and all(_facet_is(k, f[k], v) for k, v in known.items()):
                     vs.append(Verdict(fd, stratum, "", reason="no runs of this experiment"))
             vs = [v for v in vs if v.stratum or v.mean is not None or not any(x.stratum for x in vs)]
         out += vs
     return out
+
+
+def _protocol(sw) -> str | None:
+    """Table 7's comparison protocol(s) of a sweep: 'isoparam', 'isoflop', or 'isoparam+isoflop' for a sweep
+    that holds both (the tiny ones: the shared looped arm is trained once), from the experiment's tags or,
+    failing that, its name."""
+    tags = set(sw.experiment_tags()) | {p for p in ("isoparam", "isoflop") if p in sw.experiment}
+    found = [p for p in ("isoparam", "isoflop") if p in tags]
+    return "+".join(found) or None
+
+
+def _facet_is(key: str, value: Any, want: str) -> bool:
+    """A facet equals a filter value; a sweep holding both protocols matches either."""
+    if key == "protocol" and value is not None:
+        return want in str(value).split("+")
+    return str(value) == want
 
 
 def _base_experiment(name: str) -> str:
@@ -561,7 +577,7 @@ def run_facets(cell: "Cell", run: Run) -> dict[str, Any]:
     exp = _base_experiment(cell.sweep.experiment)
     return {
         "experiment": exp,
-        "protocol": "isoparam" if "isoparam" in exp else "isoflop" if "isoflop" in exp else None,
+        "protocol": _protocol(cell.sweep),
         "arm": cell.combo.get("arm"),
         "size": cell.combo.get("backbone"),
         "backbone": m.get("backbone"),
