@@ -302,7 +302,7 @@ def test_skip_compute_whole_batch_exit_at_depth_one():
 def test_skip_compute_refused_for_ssm(backbone, state_mode):
     model = make_model(backbone, state_mode, "ouro")
     assert "recurrent" in skip_compute_unsupported(model.config)
-    with pytest.raises(ValueError, match="every loop must still run"):
+    with pytest.raises(ValueError, match="Choose skip_compute=ssm_skip"):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
 
 

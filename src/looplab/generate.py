@@ -3,7 +3,8 @@
 Keys: ckpt (required), prompt, max_new_tokens (64), temperature (0 = greedy), top_k, top_p,
 exit_threshold (the gate's q, or the threshold of exit_rule), exit_rule (gate | kl | entropy |
 hidden_delta | argmax_stable; zero-shot rules need no gate), exit_min_loops (1), skip_compute
-(true|false; attention-only models), seed (0), device (cpu).
+(false | kv_copy (= true; attention-only models) | ssm_skip | ssm_propagate; models/exit_compute.py),
+seed (0), device (cpu).
 
 Language-model checkpoints stream decoded text as tokens arrive (the tokenizer named in the
 checkpoint's dataset config). Synthetic-task checkpoints (p-hop, Mano) take the prompt as
@@ -38,7 +39,8 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
         elif key == "exit_rule":
             args[key] = val if val.lower() not in ("none", "null", "") else None
         elif key == "skip_compute":
-            args[key] = val.lower() in ("1", "true", "yes", "on")
+            v = val.lower()
+            args[key] = True if v in ("1", "true", "yes", "on") else False if v in ("0", "false", "no", "off", "none", "") else v
         elif val.lower() in ("none", "null", ""):
             args[key] = None
         else:

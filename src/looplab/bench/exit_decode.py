@@ -6,8 +6,10 @@ the true sequence, with three decoders fed the same tokens:
 
   all_loops   every loop, the prediction of loop R (the fixed-depth model)
   exact_exit  every loop computed, the prediction taken at the gate's exit depth (threshold q)
-  skip        `skip_compute`: loops after a token's exit are not run; the deeper loops' keys and
-              values of that token are copies of its exit depth's (generation.py)
+  skip        `skip_compute`: loops after a token's exit are not run; the deeper loops' caches get
+              what the handling says (models/exit_compute.py): kv_copy (attention-only models,
+              the default there) or ssm_skip / ssm_propagate (the default for Mamba-2 and hybrid
+              models is ssm_skip)
 
 Quality is the task's answer accuracy of each decoder (the position results.json scores), the
 top-1 agreement of skip with exact_exit over every decoded token, and the exit depths skip chose;
@@ -24,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from looplab.models.exit_compute import has_ssm
 from looplab.models.generation import decode_step, skip_compute_unsupported
 
 DECODERS = ("all_loops", "exact_exit", "skip")
@@ -47,17 +50,20 @@ def _test_examples(meta: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]
 
 
 @torch.no_grad()
-def decode_checkpoint(path: str | Path, n_sequences: int = 256, q: float = 0.5, warmup: int = 4) -> dict[str, Any]:
-    """The three decoders on `n_sequences` test sequences of one trained, gated checkpoint."""
+def decode_checkpoint(path: str | Path, n_sequences: int = 256, q: float = 0.5, warmup: int = 4,
+                      handling: str | None = None) -> dict[str, Any]:
+    """The three decoders on `n_sequences` test sequences of one trained, gated checkpoint.
+    handling: skip_compute's state handling (None: kv_copy, or ssm_skip for models with Mamba-2 layers)."""
     from looplab.checkpoint import load_model
 
     model, meta = load_model(path)
-    reason = skip_compute_unsupported(model.config)
+    handling = handling or ("ssm_skip" if has_ssm(model.config) else "kv_copy")
+    reason = skip_compute_unsupported(model.config, skip_compute=handling)
     if reason:
         raise ValueError(f"{path}: {reason}")
     R = model.config.n_loops
     examples = _test_examples(meta, n_sequences)
-    options = {"all_loops": {}, "exact_exit": {"exit_threshold": q}, "skip": {"exit_threshold": q, "skip_compute": True}}
+    options = {"all_loops": {}, "exact_exit": {"exit_threshold": q}, "skip": {"exit_threshold": q, "skip_compute": handling}}
     times: dict[str, list[float]] = {k: [] for k in DECODERS}
     correct = {k: 0 for k in DECODERS}
     answers = tokens = agree = timed = 0
@@ -90,6 +96,7 @@ def decode_checkpoint(path: str | Path, n_sequences: int = 256, q: float = 0.5, 
         "checkpoint": str(path),
         "task": meta["dataset"].get("task") or meta["dataset"].get("name"),
         "state_mode": model.config.state_mode,
+        "handling": handling,
         "n_loops": R,
         "q": q,
         "sequences": len(examples),

@@ -63,6 +63,10 @@ class SSMCache:
     conv_state: torch.Tensor  # (B, conv_dim, d_conv - 1)
     ssm_state: torch.Tensor  # (B, nheads, headdim, d_state)
     length: int = 0
+    # the last token's raw conv input and dt before softplus (B, conv_dim), (B, nheads): an exited
+    # token's deeper loops reuse them instead of projecting again (Mamba2Mixer.step_from)
+    last_xBC: torch.Tensor | None = None
+    last_dt_raw: torch.Tensor | None = None
 
     def nbytes(self, used_only: bool = True) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))

@@ -6,9 +6,9 @@
 `generate` collects what `stream` yields step by step (the CLI prints from
 `stream` as tokens arrive). `decode_step` is the one place where a step is
 computed: an ordinary cached forward, or — with `skip_compute` — the
-early-exit loop below, which stops running loops for a token once the exit
-gate's cumulative probability reaches the threshold and reuses that depth's
-key/values for the deeper loops (Ouro reports this reuse nearly lossless).
+early-exit step of models/exit_compute.py, which stops running loops for a
+token once its exit rule fires and fills the deeper loops' caches by the
+chosen handling (kv_copy, ssm_skip, ssm_propagate).
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from typing import Iterator, Sequence
 
 import torch
 
-from looplab.models.cache import KVCache, LoopCache
-from looplab.models.exit_rules import check_rule, stops_at
+from looplab.models.cache import LoopCache
+from looplab.models.exit_compute import resolve_handling, skip_compute_step, skip_compute_unsupported
+from looplab.models.exit_rules import check_rule
+
+__all__ = ["decode_step", "generate", "sample_next", "skip_compute_unsupported", "stream"]
 
 
 @dataclass
@@ -66,104 +69,6 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-# ------------------------------------------------------------- skip_compute
-def skip_compute_unsupported(config, exit_rule: str | None = None) -> str | None:
-    """Why skip_compute cannot be used with this model (and exit rule), or None when it can."""
-    if "M" in config.layer_types or config.state_mode == "stateloop_mamba2":
-        where = "the state mixer is Mamba-2" if "M" not in config.layer_types else f"backbone={config.backbone!r} has Mamba-2 layers"
-        return (
-            f"exit_gate.skip_compute needs an attention-only model, but {where}: each loop's recurrent "
-            "(SSM) state depends on every earlier token at that loop, so a token that skipped loops would "
-            "leave those states without its contribution and every later token would read a wrong state. "
-            "In SSM/hybrid models every loop must still run and the exit only selects the depth "
-            "(use exit_threshold without skip_compute)."
-        )
-    if config.exit_gate == "none" and (exit_rule or "gate") == "gate":
-        return ("exit_gate.skip_compute needs a model with an exit gate (exit_gate=ouro), "
-                "or a zero-shot exit_rule (kl, entropy, hidden_delta, argmax_stable)")
-    return None
-
-
-def _reuse_exit_kv(cache: LoopCache, r: int, exit_loop: torch.Tensor, rows: torch.Tensor, pos: int, keys) -> None:
-    """Overwrite loop r's key/values at `pos` for `rows` with those of each row's exit loop."""
-    for e in exit_loop[rows].unique().tolist():
-        sel = rows & (exit_loop == e)
-        sel = None if bool(sel.all()) else sel  # whole batch: plain slice copy, no gather
-        for key in keys:
-            dst = cache[r, key]
-            dst.copy_position_from(cache[e, key], pos, sel)
-            dst.length = max(dst.length, pos + 1)
-
-
-def _skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshold: float, rule: str = "gate",
-                       min_loops: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """One T = 1 decoding step that stops running loops for rows that have exited.
-
-    The exit decision is forward(exit_rule=rule, exit_threshold=threshold)'s, taken online after
-    each loop from loops 1..t (`exit_rules.stops_at`); for the gate, p(t) = λ_t S_{t−1} with
-    S_t = S_{t−1}(1 − λ_t) and p(R) = S_{R−1}. While some rows still run, the whole batch is
-    computed (caches are batched) and the exited rows' deeper key/values are then overwritten with
-    their exit-depth key/values, so the result is exactly what a per-row skip would give; once
-    every row has exited the remaining loops only copy.
-    """
-    cfg, R = model.config, model.config.n_loops
-    check_rule(rule, threshold, min_loops, R)
-    B = input_ids.shape[0]
-    positions, valid = cache.advance(None, 1)
-    pos = cache.length - 1
-    kv_keys = [k for (r, k), e in cache.entries.items() if r == 0 and isinstance(e, KVCache)]
-
-    x = model.embed(input_ids)
-    s = model.state.initial_state(x) if model.state is not None else None
-    exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running
-    logits = None
-    survival = x.new_ones(B)
-    probs, seen_logits, seen_hidden = [], [], []  # loops 1..t: what the rule reads
-    for r in range(R):
-        running = exit_loop < 0
-        if not bool(running.any()):
-            _reuse_exit_kv(cache, r, exit_loop, ~running, pos, kv_keys)
-            continue
-        h = model._block_forward(x, positions, valid, cache, r)
-        if model.state is not None:
-            s, x, _ = model.state(h, s, positions, valid, cache.get((r, "state")))
-            readout = x if cfg.state_in_output else h
-        else:
-            x = readout = h
-        if not bool(running.all()):
-            _reuse_exit_kv(cache, r, exit_loop, ~running, pos, kv_keys)
-
-        normed = model.final_norm(readout[:, -1])  # (B, d)
-        t = r + 1
-        if t == R:
-            new = running
-        else:
-            if rule == "gate":
-                lam = model.exit_gate(normed)
-                probs.append(lam * survival)
-                survival = survival * (1 - lam)
-            elif rule == "hidden_delta":
-                seen_hidden.append(normed)
-            else:
-                seen_logits.append(model.head(normed))
-            if t >= min_loops:
-                new = running & stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
-                                         logits=torch.stack(seen_logits) if seen_logits else None,
-                                         hidden=torch.stack(seen_hidden) if seen_hidden else None)
-            else:
-                new = torch.zeros_like(running)
-        if bool(new.any()):
-            if seen_logits and t < R:  # the rule already read this loop's logits
-                step_logits = seen_logits[-1][new] if not bool(new.all()) else seen_logits[-1]
-            else:
-                step_logits = model.head(normed[new] if not bool(new.all()) else normed)
-            if logits is None:
-                logits = step_logits.new_zeros(B, step_logits.shape[-1])
-            logits[new] = step_logits
-            exit_loop[new] = r
-    return logits, exit_loop + 1
-
-
 # --------------------------------------------------------------- decode step
 def decode_step(
     model,
@@ -171,22 +76,29 @@ def decode_step(
     cache: LoopCache,
     *,
     exit_threshold: float | None = None,
-    skip_compute: bool = False,
+    skip_compute: bool | str = False,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One cached decoding step → (logits (B, V), exit_steps (B,) or None).
 
-    exit_rule (default: the gate) and exit_threshold pick each token's depth as forward() does."""
-    if skip_compute:
-        reason = skip_compute_unsupported(model.config, exit_rule)
-        if reason:
-            raise ValueError(reason)
-        if exit_threshold is None:
-            raise ValueError("skip_compute=True needs exit_threshold=q (the depth at which a token stops)")
-        return _skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops)
+    exit_rule (default: the gate) and exit_threshold pick each token's depth as forward() does;
+    skip_compute (true = kv_copy, ssm_skip, ssm_propagate; models/exit_compute.py) stops running
+    loops after it."""
+    handling = resolve_handling(skip_compute)
+    if handling is not None:
+        _check_skip(model.config, handling, exit_rule, exit_threshold)
+        return skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops, handling)
     out = model(input_ids, cache=cache, exit_threshold=exit_threshold, exit_rule=exit_rule, exit_min_loops=exit_min_loops)
     return out.logits[:, -1], (out.exit_steps[:, -1] if out.exit_steps is not None else None)
+
+
+def _check_skip(config, handling: str, exit_rule: str | None, exit_threshold: float | None) -> None:
+    reason = skip_compute_unsupported(config, exit_rule, handling)
+    if reason:
+        raise ValueError(reason)
+    if exit_threshold is None:
+        raise ValueError(f"skip_compute={handling} needs exit_threshold=q (the depth at which a token stops)")
 
 
 def _check_left_padded(attention_mask: torch.Tensor) -> None:
@@ -210,7 +122,7 @@ def stream(
     eos_token_id: int | Sequence[int] | None = None,
     attention_mask: torch.Tensor | None = None,
     exit_threshold: float | None = None,
-    skip_compute: bool = False,
+    skip_compute: bool | str = False,
     generator: torch.Generator | None = None,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
@@ -229,12 +141,8 @@ def stream(
             f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={cfg.max_seq_len}; "
             "shorten the prompt or lower max_new_tokens"
         )
-    if skip_compute:
-        reason = skip_compute_unsupported(cfg, exit_rule)
-        if reason:
-            raise ValueError(reason)
-        if exit_threshold is None:
-            raise ValueError("skip_compute=True needs exit_threshold=q (the depth at which a token stops)")
+    if resolve_handling(skip_compute) is not None:
+        _check_skip(cfg, resolve_handling(skip_compute), exit_rule, exit_threshold)
     if exit_rule is not None and exit_threshold is None:
         raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
     if exit_threshold is not None:
@@ -280,7 +188,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     attention_mask: torch.Tensor | None = None,
     exit_threshold: float | None = None,
-    skip_compute: bool = False,
+    skip_compute: bool | str = False,
     generator: torch.Generator | None = None,
     return_logits: bool = False,
     exit_rule: str | None = None,

@@ -291,11 +291,14 @@ class Mamba2Mixer(nn.Module):
         positions: torch.Tensor | None = None,  # unused: the conv and the scan are position-free
         valid: torch.Tensor | None = None,  # (B, L) bool, the last T columns are these tokens
         cache: SSMCache | None = None,
+        skip: torch.Tensor | None = None,  # (B, T) bool: tokens that neither decay nor write the state
     ) -> torch.Tensor:
         Bsz, T, _ = x.shape
         H, P, G, N, K = self.nheads, self.headdim, self.ngroups, self.d_state, self.d_conv
         ops = self._fused_ops(x)
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, H), dim=-1)
+        if cache is not None:  # an exited token's deeper loops reuse these (models/exit_compute.py)
+            cache.last_xBC, cache.last_dt_raw = xBC[:, -1].detach(), dt[:, -1].detach()
 
         # Left padding must leave real tokens untouched: zero the conv input (else it leaks through
         # the conv window), then x, B and dt after the conv (the conv bias makes them non-zero), so
@@ -311,6 +314,8 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H), fp32 under autocast too
         if keep is not None:
             dt = dt * keep
+        if skip is not None:  # exit handling ssm_skip: the token is absent from this loop's state
+            dt = dt.masked_fill(skip[..., None], 0.0)
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
 
@@ -344,6 +349,37 @@ class Mamba2Mixer(nn.Module):
         window = torch.cat([history, xBC], dim=1)
         cache.conv_state.copy_(window[:, -(self.d_conv - 1) :].transpose(1, 2))
         return out
+
+    # ------------------------------------------------------------------ exited tokens
+    @torch.no_grad()
+    def step_from(self, cache: SSMCache, source: SSMCache, rows: torch.Tensor | None, write: bool) -> None:
+        """Advance this loop's cache by one token that exited at an earlier loop, whose cache is `source`.
+
+        The block is shared across loops, so the exit loop's in-projection of the token's (frozen)
+        input is exactly what this loop would compute: its raw conv input and dt are reused, and no
+        projection runs. write=False (`ssm_skip`): the conv history takes the raw input, the SSM state
+        is left as it is (dt = 0). write=True (`ssm_propagate`): this loop's conv over its own history
+        gives x and B, and the state is decayed and written with the exit loop's dt (output path skipped).
+        rows: (B,) bool, the rows to advance (None: all).
+        """
+        sel = slice(None) if rows is None else rows
+        xBC = source.last_xBC[sel]  # (b, conv_dim)
+        history = cache.conv_state[sel]  # (b, conv_dim, K-1)
+        if write:
+            w = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
+            conv = causal_conv_silu(xBC[:, None].to(history.dtype), w, self.conv1d.bias, history.transpose(1, 2))[:, 0]
+            xs, Bm, Cm = conv.split((self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state), dim=-1)
+            dt = F.softplus(source.last_dt_raw[sel].float() + self.dt_bias.float())
+            _, state = ssd_step(cache.ssm_state[sel], xs.unflatten(-1, (self.nheads, self.headdim)), dt,
+                                -torch.exp(self.A_log.float()), Bm.unflatten(-1, (self.ngroups, self.d_state)),
+                                Cm.unflatten(-1, (self.ngroups, self.d_state)))
+            cache.ssm_state[sel] = state
+        if self.d_conv > 1:
+            cache.conv_state[sel] = torch.cat([history[..., 1:], xBC[..., None].to(history.dtype)], dim=-1)
+        if rows is None or cache.last_xBC is None:
+            cache.last_xBC, cache.last_dt_raw = source.last_xBC.clone(), source.last_dt_raw.clone()
+        else:
+            cache.last_xBC[sel], cache.last_dt_raw[sel] = xBC, source.last_dt_raw[sel]
 
     # ------------------------------------------------------------------ cache / cost
     def allocate_cache(self, batch_size: int, max_len: int, device, dtype) -> SSMCache:
@@ -383,8 +419,8 @@ class Mamba2Layer(nn.Module):
         else:
             self.mlp_norm = self.mlp = None
 
-    def forward(self, x, positions, valid=None, cache=None):
-        x = x + self.mixer(self.norm(x), positions, valid, cache)
+    def forward(self, x, positions, valid=None, cache=None, skip=None):
+        x = x + self.mixer(self.norm(x), positions, valid, cache, skip)
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
         return x

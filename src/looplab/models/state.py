@@ -72,8 +72,12 @@ class StateBranch(nn.Module):
         positions: torch.Tensor,
         valid: torch.Tensor | None = None,
         cache=None,
+        frozen=None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (s_r, x_{r+1} = h_r + W_o s_r, retention a_r)."""
+        """Returns (s_r, x_{r+1} = h_r + W_o s_r, retention a_r).
+
+        frozen: exit handling (models/exit_compute.FrozenInputs): tokens that exited at an earlier
+        loop feed the mixer their exit-loop input, as the backbone layers do."""
         if self.reset_each_loop:
             s_prev = self.initial_state(h)
         u = self.in_proj(h)
@@ -81,7 +85,11 @@ class StateBranch(nn.Module):
         a = torch.exp(-dt * torch.exp(self.A_log))
         s = a * s_prev + (1 - a) * u
         if self.mixer is not None:
-            s = s + self.mixer(self.mixer_norm(s), positions, valid, cache)
+            m_in = self.mixer_norm(s)
+            if frozen is None:
+                s = s + self.mixer(m_in, positions, valid, cache)
+            else:
+                s = s + frozen.call(self.mixer, "state", m_in, positions, valid, cache)
         return s, h + self.state_out(s), a
 
     def allocate_cache(self, batch_size, max_len, device, dtype):

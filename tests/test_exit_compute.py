@@ -1,0 +1,154 @@
+"""Compute-saving exits on every backbone (issue 16): skip_compute's state handlings against their reference.
+
+The reference (`forward_with_exits`) is a full forward pass without caches in which each token stops
+at a given exit step; cached skip_compute decoding must give the same logits when it is handed the
+exit steps it chose itself. Checked for llama, mamba2 and hybrid backbones × every state mode ×
+every handling, with batch 1 (every deeper loop filled from the caches without running a layer)
+and batch 3 with left padding (rows exit at different loops while others still run).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.exit_compute import HANDLINGS, forward_with_exits, resolve_handling, skip_compute_unsupported
+from looplab.models.exit_gate import exit_distribution, logits_at_depth
+from looplab.models.exit_rules import first_exit
+from looplab.models.generation import generate
+
+BACKBONES = ("llama", "mamba2", "hybrid")
+STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
+V, R, Q, ATOL = 61, 4, 0.5, 3e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_model(backbone, state_mode, seed=0, gate_bias=-0.3, mamba_mlp=False) -> LoopedLM:
+    torch.manual_seed(seed)
+    cfg = LoopedLMConfig(
+        vocab_size=V, d_model=32, n_heads=4, n_layers=2, n_loops=R, backbone=backbone, hybrid_pattern="MA",
+        state_mode=state_mode, exit_gate="ouro", max_seq_len=64, d_state=8, headdim=16, chunk_size=4,
+        kernel="torch", mamba_mlp=mamba_mlp,
+    )
+    model = LoopedLM(cfg).eval()
+    with torch.no_grad():
+        if model.state is not None:
+            model.state.state_out.weight.normal_(0, 0.2)
+        model.exit_gate.proj.weight.normal_(0, 1 / 32**0.5)  # logits of std ≈ 1: mixed exit depths at q = 0.5
+        model.exit_gate.proj.bias.fill_(gate_bias)
+    return model
+
+
+def cases():
+    out = []
+    for b, s in itertools.product(BACKBONES, STATE_MODES):
+        ssm = b != "llama" or s == "stateloop_mamba2"
+        for h in HANDLINGS:
+            if h == "kv_copy" and ssm:
+                continue
+            out.append(pytest.param(b, s, h, id=f"{b}-{s}-{h}"))
+    return out
+
+
+def reference_logits(model, out, prompt, mask, handling):
+    """What the reference gives for the tokens `generate` produced, at the exit steps it chose."""
+    B, T = prompt.shape
+    n = out.logits.shape[1]
+    fed = out.sequences[:, : T + n - 1]  # the prompt, then every generated token but the last
+    full = torch.full((B, T), R, dtype=torch.long)
+    compute = torch.cat([full, out.exit_steps[:, 1:]], 1)  # the prefill runs every loop
+    readout = torch.cat([full[:, :-1], out.exit_steps], 1)  # the prompt's last token reads out at its exit
+    m = None if mask is None else torch.cat([mask, torch.ones(B, n - 1, dtype=mask.dtype)], 1)
+    ref = forward_with_exits(model, fed, compute, handling, attention_mask=m)
+    return ref, logits_at_depth(ref.loop_logits, readout)[:, T - 1:]
+
+
+@pytest.mark.parametrize("backbone,state_mode,handling", cases())
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_skip_compute_equals_its_reference(backbone, state_mode, handling, batch):
+    model = make_model(backbone, state_mode, seed=batch)
+    g = torch.Generator().manual_seed(11 + batch)
+    prompt = torch.randint(0, V, (batch, 5), generator=g)
+    mask = None
+    if batch > 1:
+        mask = torch.ones(batch, 5, dtype=torch.long)
+        mask[0, :2] = 0
+    out = generate(model, prompt, 10, attention_mask=mask, exit_threshold=Q, skip_compute=handling, return_logits=True)
+    assert bool((out.exit_steps < R).any()) and len(out.exit_steps.unique()) > 1, "exits were meant to be mixed"
+    ref, want = reference_logits(model, out, prompt, mask, handling)
+    torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=1e-4)
+    # each token's exit is the gate's decision on its own loops, which the reference computes in full
+    probs = exit_distribution(torch.sigmoid(model.exit_gate.logit(ref.loop_hidden).permute(1, 2, 0)))
+    steps = first_exit("gate", Q, R, exit_probs=probs)
+    assert torch.equal(steps[:, prompt.shape[1]:], out.exit_steps[:, 1:])
+
+
+@pytest.mark.parametrize("backbone", ["mamba2", "hybrid"])
+@torch.no_grad()
+def test_ssm_handlings_leave_different_states(backbone):
+    """ssm_skip and ssm_propagate are different rules: with the same exits the later tokens' logits differ,
+    and both differ from running every loop for every token."""
+    model = make_model(backbone, "vanilla", seed=3)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
+    steps = torch.randint(1, R + 1, (2, 12), generator=torch.Generator().manual_seed(4))
+    steps[:, 0] = 1
+    skip = forward_with_exits(model, ids, steps, "ssm_skip").logits
+    prop = forward_with_exits(model, ids, steps, "ssm_propagate").logits
+    full = logits_at_depth(model(ids, return_all_loops=True).loop_logits, steps)
+    assert not torch.allclose(skip[:, 1:], prop[:, 1:], atol=1e-4)
+    assert not torch.allclose(prop[:, 1:], full[:, 1:], atol=1e-4)
+    # a token's own logits up to its exit never depend on the handling
+    torch.testing.assert_close(skip[:, 0], prop[:, 0])
+    # every token exiting at R is the ordinary forward, whatever the handling
+    for h in HANDLINGS[1:]:
+        torch.testing.assert_close(forward_with_exits(model, ids, torch.full_like(steps, R), h).logits,
+                                   model(ids).logits, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backbone,state_mode", [("mamba2", "vanilla"), ("hybrid", "stateloop_mamba2"),
+                                                 ("llama", "stateloop_mamba2")])
+@pytest.mark.parametrize("handling", ["ssm_skip", "ssm_propagate"])
+@torch.no_grad()
+def test_never_exiting_skip_equals_plain_decoding(backbone, state_mode, handling):
+    model = make_model(backbone, state_mode, gate_bias=-20.0, mamba_mlp=True)
+    model.exit_gate.proj.weight.zero_()
+    prompt = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(6))
+    plain = generate(model, prompt, 8, return_logits=True)
+    skip = generate(model, prompt, 8, exit_threshold=0.9, skip_compute=handling, return_logits=True)
+    assert torch.equal(skip.sequences, plain.sequences) and bool((skip.exit_steps == R).all())
+    torch.testing.assert_close(skip.logits, plain.logits, atol=ATOL, rtol=1e-4)
+
+
+def test_handling_names_and_refusals():
+    assert resolve_handling(True) == "kv_copy" and resolve_handling(False) is None and resolve_handling("none") is None
+    assert resolve_handling("ssm_propagate") == "ssm_propagate"
+    with pytest.raises(ValueError, match="'ssm_teleport'"):
+        resolve_handling("ssm_teleport")
+    ssm = make_model("hybrid", "vanilla")
+    assert "ssm_skip" in skip_compute_unsupported(ssm.config, skip_compute=True)
+    assert skip_compute_unsupported(ssm.config, skip_compute="ssm_skip") is None
+    attn = make_model("llama", "stateloop")
+    assert skip_compute_unsupported(attn.config, skip_compute="ssm_propagate") is None
+    with pytest.raises(ValueError, match="ssm_skip"):
+        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
+    with pytest.raises(ValueError, match="needs exit_threshold"):
+        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, skip_compute="ssm_skip")
+
+
+def test_generate_cli_takes_a_handling():
+    from looplab.generate import parse_args
+
+    assert parse_args(["ckpt=x", "skip_compute=ssm_propagate"])["skip_compute"] == "ssm_propagate"
+    assert parse_args(["ckpt=x", "skip_compute=true"])["skip_compute"] is True
+    assert parse_args(["ckpt=x", "skip_compute=false"])["skip_compute"] is False
