@@ -152,3 +152,46 @@ def test_generate_cli_takes_a_handling():
     assert parse_args(["ckpt=x", "skip_compute=ssm_propagate"])["skip_compute"] == "ssm_propagate"
     assert parse_args(["ckpt=x", "skip_compute=true"])["skip_compute"] is True
     assert parse_args(["ckpt=x", "skip_compute=false"])["skip_compute"] is False
+
+
+# ------------------------------------------------------------------ exit-aware fine-tuning
+def test_exit_aware_loss_is_the_reference_at_sampled_exits():
+    """The fine-tuning loss is the next-token loss of forward_with_exits at the sampled exit steps,
+    and it trains every loop the exited tokens are seen through."""
+    from looplab.training.module import LoopedLMModule, per_token_loss
+
+    model = make_model("hybrid", "stateloop_mamba2")
+    objective = {"exit_stage": None, "skip_train_prob": 0.5, "skip_handling": "ssm_propagate", "eval_thresholds": []}
+    module = LoopedLMModule(model.config.to_dict(), {"lr": 1e-3}, objective)
+    module.model.load_state_dict(model.state_dict())
+    ids = torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(5))
+    targets = ids.roll(-1, 1)
+    torch.manual_seed(9)
+    loss = module.exit_aware_loss(ids, targets)
+    torch.manual_seed(9)
+    steps = module.sample_exit_steps(ids)
+    assert bool((steps < R).any()) and bool((steps == R).any()) and int(steps.min()) >= 1
+    want = per_token_loss(forward_with_exits(module.model, ids, steps, "ssm_propagate").logits, targets).mean()
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    assert all(p.grad is not None for n, p in module.model.named_parameters() if not n.startswith("exit_gate."))
+
+
+def test_exit_aware_fine_tuning_trains_and_refuses_bad_configs(tiny_overrides, tmp_path):
+    from test_train import run_train
+
+    from looplab.models import ConfigError
+
+    res = run_train(tiny_overrides + ["dataset=phop", "backbone=mamba2_tiny", "++backbone.headdim=16", "loop_depth=1x3",
+                                      "exit_gate.skip_compute=ssm_skip", "exit_gate.skip_train_prob=0.5"], tmp_path / "ft")
+    assert res["status"] == "ok" and res["global_step"] == 6
+    with pytest.raises(ConfigError, match="set exit_gate.skip_compute"):
+        run_train(tiny_overrides + ["exit_gate.skip_train_prob=0.5"], tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"skip_train_prob=1\.5"):
+        run_train(tiny_overrides + ["exit_gate.skip_train_prob=1.5"], tmp_path / "b")
+    with pytest.raises(ConfigError, match="stage 2"):
+        run_train(tiny_overrides + ["exit_gate=ouro", "exit_gate.skip_compute=kv_copy", "exit_gate.skip_train_prob=0.5"],
+                  tmp_path / "c")
+    with pytest.raises(ValueError, match="ssm_skip"):
+        run_train(tiny_overrides + ["backbone=mamba2_tiny", "++backbone.headdim=16", "exit_gate.skip_compute=kv_copy",
+                                    "exit_gate.skip_train_prob=0.5"], tmp_path / "d")

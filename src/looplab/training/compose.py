@@ -71,8 +71,27 @@ def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:
     for key in ("beta", "final_loop_weight", "k", "gamma"):
         if key in gate and not isinstance(gate[key], (int, float)):
             raise ConfigError(f"exit_gate.{key}={gate[key]!r} must be a number")
+    skip_prob = gate.get("skip_train_prob", 0.0)
+    if not isinstance(skip_prob, (int, float)) or not 0 <= skip_prob < 1:
+        raise ConfigError(f"exit_gate.skip_train_prob={skip_prob!r} must be a number in [0, 1)")
+    handling = None
+    if skip_prob > 0:
+        from looplab.models.exit_compute import resolve_handling
+
+        try:
+            handling = resolve_handling(gate.get("skip_compute", False))
+        except ValueError as e:
+            raise ConfigError(f"exit_gate.{e}") from None
+        if handling is None:
+            raise ConfigError(f"exit_gate.skip_train_prob={skip_prob} trains for a skip_compute handling: set "
+                              "exit_gate.skip_compute to kv_copy, ssm_skip or ssm_propagate")
+        if stage is not None:
+            raise ConfigError(f"exit_gate.skip_train_prob={skip_prob} with exit_gate.stage={stage}: exit-aware "
+                              "fine-tuning trains the backbone with exit_gate=none; train the gate afterwards (stage 2)")
     return {
         "exit_stage": stage,
+        "skip_train_prob": float(skip_prob),
+        "skip_handling": handling,
         "beta": float(gate.get("beta", 0.1)),
         "final_loop_weight": float(gate.get("final_loop_weight", 0.0)),
         "k": float(gate.get("k", 50.0)),

@@ -61,6 +61,12 @@ class LoopedLMModule(L.LightningModule):
         self.diagnostics: dict[str, list[float]] = {}
         if objective.get("exit_stage") == "stage2":
             self.freeze_all_but_gate()
+        if objective.get("skip_train_prob", 0.0) > 0:
+            from looplab.models.exit_compute import skip_compute_unsupported
+
+            reason = skip_compute_unsupported(self.model.config, "kl", objective["skip_handling"])
+            if reason:
+                raise ValueError(f"exit_gate.skip_train_prob: {reason}")
 
     # ---------------------------------------------------------------- set-up
     def freeze_all_but_gate(self) -> None:
@@ -111,7 +117,9 @@ class LoopedLMModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids, targets = batch["input_ids"], batch["targets"]
         stage = self.objective.get("exit_stage")
-        if stage is None:
+        if self.objective.get("skip_train_prob", 0.0) > 0:
+            loss = self.exit_aware_loss(ids, targets)
+        elif stage is None:
             out = self.model(ids)
             loss = per_token_loss(out.logits, targets).mean()
         else:
@@ -127,6 +135,24 @@ class LoopedLMModule(L.LightningModule):
         # the mean over ranks (a no-op on one process): the loss of the global batch, as one process logs it
         self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=True)
         return loss
+
+    def sample_exit_steps(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) exit steps for exit-aware fine-tuning: with probability skip_train_prob a token exits at a
+        loop drawn uniformly from 1..R−1, else it runs all R loops."""
+        early = torch.rand(ids.shape, device=ids.device) < self.objective["skip_train_prob"]
+        depth = torch.randint(1, max(self.R, 2), ids.shape, device=ids.device)
+        return torch.where(early & (self.R > 1), depth, torch.full_like(depth, self.R))
+
+    def exit_aware_loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token loss of the reference exit forward (models/exit_compute.py) at sampled exits: the deeper
+        loops learn to read what exited tokens leave under the handling decoding will use, and each token is
+        scored at its exit, as skip_compute decoding reads it."""
+        from looplab.models.exit_compute import forward_with_exits
+
+        steps = self.sample_exit_steps(ids)
+        out = forward_with_exits(self.model, ids, steps, self.objective["skip_handling"])
+        self.log("train/exit_early_frac", (steps < self.R).float().mean())
+        return per_token_loss(out.logits, targets).mean()
 
     # ------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor], split: str) -> None:
