@@ -195,3 +195,25 @@ def test_exit_aware_fine_tuning_trains_and_refuses_bad_configs(tiny_overrides, t
     with pytest.raises(ValueError, match="ssm_skip"):
         run_train(tiny_overrides + ["backbone=mamba2_tiny", "++backbone.headdim=16", "exit_gate.skip_compute=kv_copy",
                                     "exit_gate.skip_train_prob=0.5"], tmp_path / "d")
+
+
+@pytest.mark.parametrize("backbone,state_mode,handling", [("llama", "stateloop", "kv_copy"), ("mamba2", "vanilla", "ssm_skip"),
+                                                          ("hybrid", "stateloop_attn", "ssm_propagate"),
+                                                          ("mamba2", "stateloop_mamba2", "ssm_propagate")])
+@pytest.mark.parametrize("rule,threshold", [("gate", Q), ("entropy", 3.9), ("hidden_delta", 0.3)])
+@torch.no_grad()
+def test_online_reference_decides_exits_as_skip_decoding(backbone, state_mode, handling, rule, threshold):
+    """forward_with_exits(rule=...) over a whole sequence = skip_compute decoding fed the same tokens one by one
+    (teacher forcing): same exit steps, same logits. Table 10 measures quality with it, batched."""
+    from looplab.models.generation import decode_step
+
+    model = make_model(backbone, state_mode, seed=2)
+    ids = torch.randint(0, V, (3, 14), generator=torch.Generator().manual_seed(8))
+    ref = forward_with_exits(model, ids, None, handling, rule=rule, threshold=threshold)
+    assert bool((ref.exit_steps < R).any()) and bool((ref.exit_steps == R).any()), "exits were meant to be mixed"
+    cache = model.allocate_cache(3, 14)
+    for t in range(14):
+        logits, steps = decode_step(model, ids[:, t:t + 1], cache, exit_threshold=threshold, exit_rule=rule,
+                                    skip_compute=handling)
+        assert torch.equal(steps, ref.exit_steps[:, t]), t
+        torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)

@@ -112,28 +112,58 @@ def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, fro
     return h, s, h
 
 
-def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor, handling: str,
-                       attention_mask: torch.Tensor | None = None):
+def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor | None, handling: str,
+                       attention_mask: torch.Tensor | None = None, *, rule: str | None = None,
+                       threshold: float | None = None, min_loops: int = 1):
     """The reference: a full forward pass (no cache) in which each token stops at its exit step.
 
-    exit_steps: (B, T) 1-based loop after which each token exits. Returns a LoopedLMOutput with
-    loop_logits (R, B, T, V) — a token's loops up to its exit are ordinary, the deeper ones meaningless —
-    and logits (B, T, V) read at each token's exit step.
+    exit_steps: (B, T) 1-based loop after which each token exits; or None with `rule`/`threshold`
+    (and `min_loops`): each token's exit is decided online after each loop by the rule, from its own
+    loops 1..t, as skip_compute decoding decides it (later loops of a token read the frozen inputs of
+    tokens that left earlier, so these exits can differ from forward(exit_rule=...)'s). Returns a
+    LoopedLMOutput with loop_logits (R, B, T, V) and loop_hidden — a token's loops up to its exit are
+    ordinary, the deeper ones meaningless — logits (B, T, V) read at each token's exit step, and exit_steps.
     """
     from looplab.models.looped import LoopedLMOutput
 
     if handling not in HANDLINGS:
         raise ValueError(f"handling={handling!r} is unknown; choose one of {HANDLINGS}")
     R = model.config.n_loops
+    online = exit_steps is None
+    if online:
+        if rule is None or threshold is None:
+            raise ValueError("forward_with_exits needs exit_steps, or an exit rule and its threshold")
+        check_rule(rule, threshold, min_loops, R)
+        if rule == "gate" and model.exit_gate is None:
+            raise ValueError("exit rule 'gate' needs a model with an exit gate (exit_gate=ouro)")
+        exit_steps = torch.full(input_ids.shape, R, dtype=torch.long, device=input_ids.device)
+        decided = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     positions, valid = model._positions(input_ids, attention_mask, None)
     x = model.embed(input_ids)
     s = model.state.initial_state(x) if model.state is not None else None
     frozen = FrozenInputs(handling)
-    readouts = []
+    readouts, hidden, probs = [], [], []
+    survival = None
     for r in range(R):
-        frozen.set_loop(exit_steps <= r)  # exited after loops 1..r, so absent from loop r + 1
+        gone = exit_steps <= r  # exited after loops 1..r, so absent from loop r + 1
+        frozen.set_loop(gone & decided if online else gone)
         x, s, readout = run_loop(model, x, s, r, positions, valid, None, frozen)
         readouts.append(readout)
+        t = r + 1
+        if online and t < R:
+            hidden.append(model.final_norm(readout))
+            if rule == "gate":
+                lam = model.exit_gate(hidden[-1])
+                survival = torch.ones_like(lam) if survival is None else survival
+                probs.append(lam * survival)
+                survival = survival * (1 - lam)
+            if t >= min_loops:
+                h = torch.stack(hidden)
+                stop = stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
+                                logits=model.head(h) if rule in ("kl", "entropy", "argmax_stable") else None, hidden=h)
+                new = stop & ~decided
+                exit_steps = torch.where(new, torch.full_like(exit_steps, t), exit_steps)
+                decided |= new
     loop_hidden = model.final_norm(torch.stack(readouts))  # (R, B, T, d)
     loop_logits = model.head(loop_hidden)
     return LoopedLMOutput(logits=logits_at_depth(loop_logits, exit_steps), loop_logits=loop_logits,
