@@ -217,3 +217,30 @@ def test_online_reference_decides_exits_as_skip_decoding(backbone, state_mode, h
                                     skip_compute=handling)
         assert torch.equal(steps, ref.exit_steps[:, t]), t
         torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
+
+
+def test_exit_grid_on_a_trained_checkpoint(tiny_overrides, tmp_path):
+    """bench/exit_grid.py (table 10's measurements) on a trained gated Mamba-2 p-hop run: every rule × threshold ×
+    handling row; a rule that never exits keeps every decoder's accuracy equal; the summary has intervals."""
+    from test_train import run_train
+
+    from looplab.bench import exit_grid
+
+    run_train(tiny_overrides + ["dataset=phop", "backbone=mamba2_tiny", "++backbone.headdim=16", "loop_depth=1x3",
+                                "exit_gate=ouro"], tmp_path / "run")
+    ckpts = exit_grid.checkpoints_in([tmp_path])
+    assert len(ckpts) == 1
+    grid = [("gate", 0.5), ("hidden_delta", 0.0), ("entropy", 1e9)]
+    res = exit_grid.run_checkpoint(ckpts[0], n_quality=32, n_time=1, grid=grid)
+    assert res["seed"] is not None and res["backbone"] == "mamba2"
+    assert [(r["rule"], r["handling"]) for r in res["rows"]] == [(rule, h) for rule, _ in grid for h in ("ssm_skip", "ssm_propagate")]
+    for r in res["rows"]:
+        assert r["answers"] > 0 and set(r["per_token_ms"]) == {"all_loops", "exact_exit", "skip"}
+        if r["rule"] == "hidden_delta":  # a relative change below 0 never happens: every token runs every loop
+            assert r["accuracy"]["skip"] == r["accuracy"]["exact_exit"] == r["accuracy"]["all_loops"]
+            assert r["mean_exit_step"]["skip"] == 3
+        if r["rule"] == "entropy":  # every token stops after loop 1
+            assert r["mean_exit_step"]["skip"] == 1 and r["exit_histogram_skip"][0] == r["answers"]
+    summary = exit_grid.summarize([res, {**res, "seed": 2}])
+    assert len(summary) == 6 and all(s["accuracy_skip"]["n"] == 2 for s in summary)
+    assert all(isinstance(s["meets_target"], bool) for s in summary)
