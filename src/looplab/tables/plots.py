@@ -107,6 +107,24 @@ def plot_task(table: "Table", ax) -> None:
     ax.legend(fontsize=8)
 
 
+def plot_exitgrid(table: "Table", ax) -> None:
+    """Table 10: accuracy of skip decoding against its measured speed-up over all loops, one series per backbone."""
+    series: dict[str, list[tuple[float, float, float, float]]] = {}
+    for row in table.rows:
+        x, xs = _mean_std(table, row, "speed-up vs all loops")
+        y, ys = _mean_std(table, row, "accuracy, skip")
+        if x is not None and y is not None:
+            series.setdefault(f"{row['backbone']} {row['state']} ({row['handling']})", []).append((x, y, xs, ys))
+    for name, pts in sorted(series.items()):
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], xerr=[p[2] for p in pts], yerr=[p[3] for p in pts],
+                    fmt="o", capsize=2, label=name, alpha=0.8)
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.axvline(1.5, color="tab:red", lw=0.8, ls="--", label="target 1.5×")
+    ax.set_xlabel("decoding speed-up of skip vs all loops (per-token latency)")
+    ax.set_ylabel("answer accuracy, skip decoding")
+    ax.legend(fontsize=7)
+
+
 def plot_table(table: "Table", path: Path) -> Path | None:
     """Draw the table's figure into `path` (PNG); None when the table kind has no plot (decode)."""
     kind = table.spec.kind
@@ -117,6 +135,8 @@ def plot_table(table: "Table", path: Path) -> Path | None:
         plot_depth(table, ax)
     elif kind == "exit":
         plot_exit(table, ax)
+    elif kind == "exitgrid":
+        plot_exitgrid(table, ax)
     elif kind == "task":
         plot_task(table, ax)
     else:

@@ -22,6 +22,7 @@ from looplab.tables.spec import ZEROSHOT_TASKS, Sweep, TableSpec, default_seeds,
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
+DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10: bench/exit_grid.py
 
 
 @dataclass
@@ -145,6 +146,17 @@ def decode_command(scale: str, decode_json: Path, extra: list[str], out_root: Pa
     return Command(argv + list(extra), note="decoding benchmark")
 
 
+def exit_grid_dirs(scale: str, out_root: Path) -> list[Path]:
+    """Table 10's checkpoints: the stage-2 (trained gate) sweeps of table 8 and of table 10 itself."""
+    return [sweep_dir(out_root, n, scale, sw) for n in (8, 10) for sw in get(n).sweeps_for(scale) if sw.init_from is not None]
+
+
+def exit_grid_command(scale: str, out_root: Path, exits_json: Path = DEFAULT_EXITS_JSON) -> Command:
+    argv = [sys.executable, "-m", "looplab.bench.exit_grid", *map(str, exit_grid_dirs(scale, out_root)), "--out", str(exits_json),
+            "--threads", "1"]
+    return Command(argv, note="exit rules x thresholds x handlings on the trained gates (bench/exit_grid.py)")
+
+
 def zeroshot_command(spec: TableSpec, scale: str, out_root: Path) -> Command:
     tasks = ZEROSHOT_TASKS.get(scale)
     argv = [sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale, "--out-root", str(out_root)]
@@ -169,6 +181,8 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
     extra = list(extra or [])
     if spec.kind == "decode":
         return [decode_command(scale, decode_json, extra, out_root)]
+    if spec.kind == "exitgrid" and scale != "tiny":
+        raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
     cmds: list[Command] = []
     for sw in spec.sweeps_for(scale):
         if sw.init_from is None:
@@ -179,6 +193,8 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
                 path = resolve_init_from(spec, scale, sw, out_root, seed, seeds, dry_run=True)
                 cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds,
                                           hardware=hardware, init_from=path, seed=seed))
+    if spec.kind == "exitgrid":
+        cmds.append(exit_grid_command(scale, out_root))
     if zeroshot if zeroshot is not None else number == 1:
         cmds.append(zeroshot_command(spec, scale, out_root))
     return cmds

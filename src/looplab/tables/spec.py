@@ -225,6 +225,17 @@ TABLES: dict[int, TableSpec] = {
                   "paper": _exit_sweeps(["exit_gate_mamba", "exit_gate_llama", "exit_gate_stateloop"])}, "accuracy",
                  notes={"tiny": "1⊗4 on p-hop (n 32, p 3); stage 2 warm-starts from the fixed-loop run",
                         "paper": "4⊗4 on the Pile (accuracy = next-token accuracy)"}),
+    10: TableSpec(10, "Exit rules × state handlings: answer accuracy against measured decoding speed", "exitgrid",
+                  {"tiny": (sweep("exit_gate_hybrid_tiny", params={"exit_gate": ["none"]}),
+                            sweep("exit_gate_hybrid_tiny", fixed=["exit_gate.stage=stage2"], name="exit_gate_hybrid_tiny_stage2",
+                                  init_from=("exit_gate_hybrid_tiny", {"exit_gate": "none"}))),
+                   "paper": ()}, "accuracy",
+                  notes={"tiny": "p-hop (n 32, p 3) 1⊗4 llama / StateLoop / Mamba-2 from table 8's stage-2 runs and 2⊗4 "
+                                 "hybrid trained here (fixed loops, then stage 2), 3 seeds; every exit rule × threshold "
+                                 "(bench/exit_grid.py GRID) × state handling; accuracy and exit step over 512 test "
+                                 "sequences, ms/token of cached decoding over 4, one thread",
+                         "paper": "not defined: the grid scores task answers (table 8's paper runs are LM runs); run "
+                                  "`python -m looplab.bench.exit_grid` on task checkpoints"}),
 }
 
 
