@@ -174,19 +174,30 @@ def decode_step(
     skip_compute: bool = False,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
+    n_loops: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One cached decoding step → (logits (B, V), exit_steps (B,) or None).
 
-    exit_rule (default: the gate) and exit_threshold pick each token's depth as forward() does."""
+    exit_rule (default: the gate) and exit_threshold pick each token's depth as forward() does;
+    n_loops runs R′ loops (the cache must have been allocated for R′)."""
     if skip_compute:
+        _check_skip_depth(model, n_loops)
         reason = skip_compute_unsupported(model.config, exit_rule)
         if reason:
             raise ValueError(reason)
         if exit_threshold is None:
             raise ValueError("skip_compute=True needs exit_threshold=q (the depth at which a token stops)")
         return _skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops)
-    out = model(input_ids, cache=cache, exit_threshold=exit_threshold, exit_rule=exit_rule, exit_min_loops=exit_min_loops)
+    out = model(input_ids, cache=cache, exit_threshold=exit_threshold, exit_rule=exit_rule, exit_min_loops=exit_min_loops,
+                n_loops=n_loops)
     return out.logits[:, -1], (out.exit_steps[:, -1] if out.exit_steps is not None else None)
+
+
+def _check_skip_depth(model, n_loops: int | None) -> None:
+    # the skip_compute step runs the configured R loops; a test-time depth is not wired into it yet
+    if n_loops is not None and n_loops != model.config.n_loops:
+        raise ValueError(f"skip_compute with n_loops={n_loops} (!= the configured R={model.config.n_loops}) is not "
+                         "supported; decode at R′ without skip_compute")
 
 
 def _check_left_padded(attention_mask: torch.Tensor) -> None:
@@ -214,9 +225,11 @@ def stream(
     generator: torch.Generator | None = None,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
+    n_loops: int | None = None,
 ) -> Iterator[StepOutput]:
     """Yield one StepOutput per generated token; stops early once every row has emitted eos."""
     cfg = model.config
+    R = model.loops(n_loops)  # test-time depth R′ (default: the configured R)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     B, T = input_ids.shape
@@ -235,12 +248,13 @@ def stream(
             raise ValueError(reason)
         if exit_threshold is None:
             raise ValueError("skip_compute=True needs exit_threshold=q (the depth at which a token stops)")
+        _check_skip_depth(model, n_loops)
     if exit_rule is not None and exit_threshold is None:
         raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
     if exit_threshold is not None:
         if (exit_rule or "gate") == "gate" and model.exit_gate is None:
             raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot exit_rule")
-        check_rule(exit_rule or "gate", exit_threshold, exit_min_loops, cfg.n_loops)
+        check_rule(exit_rule or "gate", exit_threshold, exit_min_loops, R)
     if attention_mask is not None:
         _check_left_padded(attention_mask)
     eos = None
@@ -248,10 +262,10 @@ def stream(
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         eos = torch.tensor(eos_ids, device=input_ids.device)
 
-    cache = model.allocate_cache(B, T + max_new_tokens)
+    cache = model.allocate_cache(B, T + max_new_tokens, n_loops=R)
     # prefill is parallel over the prompt, so it runs every loop even under skip_compute
     out = model(input_ids, attention_mask=attention_mask, cache=cache, exit_threshold=exit_threshold,
-                exit_rule=exit_rule, exit_min_loops=exit_min_loops)
+                exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R)
     logits = out.logits[:, -1]
     exit_steps = out.exit_steps[:, -1] if out.exit_steps is not None else None
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
@@ -265,7 +279,7 @@ def stream(
             return
         logits, exit_steps = decode_step(
             model, tokens[:, None], cache, exit_threshold=exit_threshold, skip_compute=skip_compute,
-            exit_rule=exit_rule, exit_min_loops=exit_min_loops,
+            exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R,
         )
 
 
@@ -285,19 +299,21 @@ def generate(
     return_logits: bool = False,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
+    n_loops: int | None = None,
 ) -> torch.Tensor | GenerationOutput:
     """Cached generation. Returns (B, T + n) sequences, or a GenerationOutput with return_logits.
 
     Batched prompts are left-padded with attention_mask (1 = token, 0 = padding); each row
     then gets the tokens it would get alone. Rows that emit eos keep emitting eos; generation
-    stops early (n < max_new_tokens) once every row has finished.
+    stops early (n < max_new_tokens) once every row has finished. n_loops=R′ decodes at a test-time
+    depth (any R′ ≥ 1, caches sized for R′; not with skip_compute yet).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     steps = list(
         stream(
             model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-            attention_mask, exit_threshold, skip_compute, generator, exit_rule, exit_min_loops,
+            attention_mask, exit_threshold, skip_compute, generator, exit_rule, exit_min_loops, n_loops=n_loops,
         )
     )
     B = input_ids.shape[0]
