@@ -1,0 +1,244 @@
+"""Depth as a knob (issue 15): test-time depth n_loops=R′, randomized training depth with
+truncated backprop, eval_loops, and FLOPs at the expected depth."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+
+import pytest
+import torch
+
+from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.config import ConfigError
+from looplab.training.depth import DepthSampler
+
+V = 64
+ATOL = 2e-5
+BACKBONES = ("llama", "mamba2", "hybrid")
+STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_config(backbone="llama", state_mode="vanilla", exit_gate="none", n_loops=3, **kw) -> LoopedLMConfig:
+    return LoopedLMConfig(vocab_size=V, d_model=32, n_heads=4, n_layers=2 if backbone == "hybrid" else 1,
+                          n_loops=n_loops, backbone=backbone, hybrid_pattern="MA", state_mode=state_mode,
+                          exit_gate=exit_gate, max_seq_len=32, d_state=8, headdim=16, chunk_size=4, kernel="torch", **kw)
+
+
+def make_model(backbone="llama", state_mode="vanilla", exit_gate="none", n_loops=3, seed=0, **kw) -> LoopedLM:
+    torch.manual_seed(seed)
+    model = LoopedLM(make_config(backbone, state_mode, exit_gate, n_loops, **kw)).eval()
+    with torch.no_grad():  # W_o is zero at init: StateLoop would test nothing beyond vanilla
+        if model.state is not None:
+            model.state.state_out.weight.normal_(0, 0.2)
+        if model.exit_gate is not None:
+            model.exit_gate.proj.weight.normal_(0, 1 / 32**0.5)
+    return model
+
+
+def ids(B=2, T=8, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------ defaults unchanged
+def test_defaults_are_todays_model():
+    """n_loops=None and backprop_loops=None are today's forward: same logits, same state-dict keys."""
+    model = make_model("llama", "stateloop", "ouro")
+    x = ids()
+    ref = model(x, return_all_loops=True)
+    new = model(x, return_all_loops=True, n_loops=None, backprop_loops=None)
+    assert torch.equal(ref.logits, new.logits) and torch.equal(ref.exit_probs, new.exit_probs)
+    same_r = model(x, return_all_loops=True, n_loops=3)
+    assert torch.equal(ref.loop_logits, same_r.loop_logits)
+    twin = make_model("llama", "stateloop", "ouro")
+    assert list(twin.state_dict()) == list(model.state_dict())
+    assert not any("inject" in k for k in model.state_dict())
+    assert model.flops_per_token(16) == model.flops_per_token(16, loops=3)
+    assert model.flops_per_token(16, training=True) == 3 * model.flops_per_token(16)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_n_loops_is_refused(bad):
+    model = make_model()
+    with pytest.raises(ValueError, match=f"n_loops={bad!r}"):
+        model(ids(), n_loops=bad)
+    with pytest.raises(ValueError, match=f"n_loops={bad!r}"):
+        model.allocate_cache(1, 8, n_loops=bad)
+
+
+# ------------------------------------------------------------------ test-time depth
+@pytest.mark.parametrize("backbone,state_mode", [("llama", "stateloop"), ("mamba2", "stateloop_attn"), ("hybrid", "vanilla")])
+@pytest.mark.parametrize("r_prime", [1, 2, 5])
+def test_n_loops_equals_a_model_configured_with_that_depth(backbone, state_mode, r_prime):
+    model = make_model(backbone, state_mode, "ouro", n_loops=3)
+    other = LoopedLM(make_config(backbone, state_mode, "ouro", n_loops=r_prime)).eval()
+    other.load_state_dict(model.state_dict())
+    x = ids()
+    a = model(x, n_loops=r_prime, return_all_loops=True)
+    b = other(x, return_all_loops=True)
+    assert a.loop_logits.shape[0] == r_prime
+    torch.testing.assert_close(a.loop_logits, b.loop_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.exit_probs, b.exit_probs, atol=ATOL, rtol=0)  # gate over the R′ loops run
+    torch.testing.assert_close(a.exit_probs.sum(-1), torch.ones(2, 8), atol=1e-5, rtol=0)
+    # the first min(R, R′) loops are the same computation
+    k = min(3, r_prime)
+    torch.testing.assert_close(model(x, return_all_loops=True).loop_logits[:k], a.loop_logits[:k], atol=ATOL, rtol=0)
+
+
+def test_exit_options_range_over_r_prime():
+    model = make_model("llama", "vanilla", "ouro", n_loops=3)
+    x = ids()
+    out = model(x, n_loops=6, exit_at_step=5)
+    assert bool((out.exit_steps == 5).all())
+    with pytest.raises(ValueError, match="exit_at_step=4 must lie in 1..2"):
+        model(x, n_loops=2, exit_at_step=4)
+    out = model(x, n_loops=6, exit_threshold=1.01)  # never reached: every token takes the last step R′
+    assert bool((out.exit_steps == 6).all())
+    out = model(x, n_loops=6, exit_rule="entropy", exit_threshold=0.0, exit_min_loops=5)
+    assert bool((out.exit_steps == 6).all())
+    with pytest.raises(ValueError, match="exit_min_loops=5"):
+        model(x, n_loops=4, exit_rule="entropy", exit_threshold=1.0, exit_min_loops=5)
+
+
+@pytest.mark.parametrize("backbone,state_mode", [
+    *[("llama", s) for s in STATE_MODES],
+    ("mamba2", "vanilla"), ("mamba2", "stateloop_mamba2"), ("hybrid", "stateloop"), ("hybrid", "stateloop_reset"),
+])
+@pytest.mark.parametrize("r_prime", [2, 5])
+def test_cached_decoding_at_r_prime_equals_recomputation(backbone, state_mode, r_prime):
+    model = make_model(backbone, state_mode, n_loops=3)
+    prompt = ids(B=1, T=5)
+    out = model.generate(prompt, 4, return_logits=True, n_loops=r_prime)
+    seq = out.sequences
+    for i in range(4):  # recompute: full forward at R′ over each prefix
+        full = model(seq[:, : 5 + i], n_loops=r_prime).logits[:, -1]
+        torch.testing.assert_close(out.logits[:, i], full, atol=ATOL, rtol=0)
+    if r_prime != 3:  # and it really is another depth
+        assert not torch.allclose(model(prompt).logits[:, -1], out.logits[:, 0], atol=1e-4)
+
+
+def test_cache_serves_only_its_depth():
+    model = make_model()
+    cache = model.allocate_cache(1, 16, n_loops=5)
+    assert sorted({r for r, _ in cache.entries}) == list(range(5))
+    with pytest.raises(ValueError, match="allocated for 5 loops"):
+        model(ids(B=1), cache=cache)
+    from looplab.models.generation import decode_step
+
+    model(ids(B=1, T=3), cache=cache, n_loops=5)
+    logits, _ = decode_step(model, ids(B=1, T=1), cache, n_loops=5)
+    torch.testing.assert_close(logits, model(torch.cat([ids(B=1, T=3), ids(B=1, T=1)], 1), n_loops=5).logits[:, -1],
+                               atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- truncated backprop
+def _grads(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("state_mode", ["vanilla", "stateloop"])
+def test_truncated_backprop_equals_hand_construction(state_mode):
+    R, k = 4, 2
+    model = make_model("llama", state_mode, n_loops=R).train()
+    x, y = ids(), ids(seed=2)
+
+    def loss_of(logits):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    got = _grads(model, loss_of(model(x, backprop_loops=k).logits))
+
+    # hand construction: loops 1..R−k under no_grad, their output detached, then the last k loops with a graph
+    pos = torch.arange(x.shape[1])[None]
+    with torch.no_grad():
+        h = model.embed(x)
+        s = model.state.initial_state(h) if model.state is not None else None
+        for r in range(R - k):
+            h = model._block_forward(h, pos, None, None, r)
+            if s is not None:
+                s, h, _ = model.state(h, s, pos)
+    h, s = h.detach(), (s.detach() if s is not None else None)
+    for r in range(R - k, R):
+        out = model._block_forward(h, pos, None, None, r)
+        if s is not None:
+            s, h, _ = model.state(out, s, pos)
+        else:
+            h = out
+    want = _grads(model, loss_of(model.head(model.final_norm(h))))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-5, msg=n)
+    assert not got["embed.weight"].any()  # nothing before the last k loops gets a gradient
+
+    full = _grads(model, loss_of(model(x).logits))
+    assert full["embed.weight"].any()
+    assert any(not torch.allclose(full[n], got[n]) for n in full if n.startswith("block."))
+    # k >= R is full backprop
+    same = _grads(model, loss_of(model(x, backprop_loops=R).logits))
+    for n in full:
+        torch.testing.assert_close(same[n], full[n], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="backprop_loops=0"):
+        model(x, backprop_loops=0)
+
+
+# ---------------------------------------------------------------------- depth draws
+def test_depth_draws_are_a_function_of_seed_and_step():
+    for sampler in ("uniform", "poisson_lognormal"):
+        a = DepthSampler(loops=4, sampler=sampler, seed=7)
+        b = DepthSampler(loops=4, sampler=sampler, seed=7)  # another rank / a resumed run
+        draws = [a.draw(s) for s in range(200)]
+        assert draws == [b.draw(s) for s in range(200)]
+        assert len(set(draws)) > 3 and all(1 <= d <= 8 for d in draws)
+        assert draws != [DepthSampler(loops=4, sampler=sampler, seed=8).draw(s) for s in range(200)]
+    assert {DepthSampler(loops=4, seed=7).draw(s) for s in range(50)} == {4}  # fixed
+
+
+def test_poisson_lognormal_mean_is_about_r():
+    for R in (4, 8):
+        s = DepthSampler(loops=R, sampler="poisson_lognormal", sigma=0.5, seed=3)
+        draws = [s.draw(i) for i in range(4000)]
+        mean = sum(draws) / len(draws)
+        assert abs(mean - R) < 0.1 * R
+        assert abs(mean - s.expected_loops()) < 0.05 * R  # the analytic expectation FLOPs use
+    u = DepthSampler(loops=4, sampler="uniform", min_loops=2, max_loops=6, seed=0)
+    assert u.expected_loops() == pytest.approx(4.0)
+    assert u.expected_backprop_loops() == pytest.approx(4.0)
+    assert DepthSampler(loops=4, sampler="uniform", min_loops=2, max_loops=6, backprop_loops=3).expected_backprop_loops() \
+        == pytest.approx((2 + 3 + 3 + 3 + 3) / 5)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("sampler", "gaussian", "loop_depth.sampler='gaussian'"),
+    ("min_loops", 5, "loop_depth.min_loops=5 > loop_depth.max_loops=3"),
+    ("backprop_loops", 0, "loop_depth.backprop_loops=0"),
+    ("sigma", 0.0, "loop_depth.sigma=0.0"),
+    ("max_loops", -2, "loop_depth.max_loops=-2"),
+])
+def test_bad_depth_options_are_refused(key, value, match):
+    cfg = {"loops": 2, "sampler": "uniform", "max_loops": 3, key: value}
+    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace(".", r"\.")):
+        DepthSampler.from_config(cfg, seed=0)
+
+
+# ---------------------------------------------------------------------------- FLOPs
+def test_flops_at_the_expected_depth():
+    model = make_model("hybrid", "stateloop", n_loops=4)
+    f = {r: model.flops_per_token(16, loops=r) for r in (1, 2, 3, 4)}
+    per_loop = f[2] - f[1]
+    assert f[4] == model.flops_per_token(16) and f[3] - f[2] == per_loop
+    s = DepthSampler(loops=4, sampler="poisson_lognormal", seed=0)
+    e = s.expected_loops()
+    assert model.flops_per_token(16, loops=e) == pytest.approx(f[1] + (e - 1) * per_loop, abs=1)
+    # truncated backprop: backward over E[min(k, depth)] loops only
+    k = DepthSampler(loops=4, sampler="uniform", min_loops=1, max_loops=4, backprop_loops=2)
+    train = model.flops_per_token(16, training=True, loops=k.expected_loops(), backprop_loops=k.expected_backprop_loops())
+    assert train == pytest.approx(f[1] + 1.5 * per_loop + 2 * (f[1] + (1.75 - 1) * per_loop), abs=2)
