@@ -242,3 +242,118 @@ def test_flops_at_the_expected_depth():
     k = DepthSampler(loops=4, sampler="uniform", min_loops=1, max_loops=4, backprop_loops=2)
     train = model.flops_per_token(16, training=True, loops=k.expected_loops(), backprop_loops=k.expected_backprop_loops())
     assert train == pytest.approx(f[1] + 1.5 * per_loop + 2 * (f[1] + (1.75 - 1) * per_loop), abs=2)
+
+
+# ------------------------------------------------------------------ training module
+def _module(sampler="uniform", exit_stage=None, backprop_loops=None, seed=5):
+    from looplab.training.module import LoopedLMModule
+
+    cfg = make_config("llama", "stateloop", "ouro" if exit_stage else "none", n_loops=3).to_dict()
+    objective = {"exit_stage": exit_stage, "beta": 0.1, "final_loop_weight": 0.0, "k": 50.0, "gamma": 0.005,
+                 "eval_thresholds": [], "eval_per_depth": True}
+    depth = {"sampler": sampler, "min_loops": 1, "max_loops": 6, "sigma": 0.5, "backprop_loops": backprop_loops, "seed": seed}
+    return LoopedLMModule(cfg, {"lr": 1e-3}, objective, depth=depth)
+
+
+class _Steps:
+    """A stand-in trainer that only knows the optimizer step (what the depth draw reads)."""
+
+    def __init__(self, step):
+        self.global_step = step
+
+
+def _drawn_depths(module, steps, monkeypatch):
+    seen = []
+    forward = module.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("n_loops"), kwargs.get("backprop_loops")))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(module.model, "forward", spy)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    batch = {"input_ids": ids(), "targets": ids(seed=3)}
+    for step in steps:
+        monkeypatch.setattr(type(module), "global_step", property(lambda self, s=step: s), raising=True)
+        loss = module.training_step(batch, 0)
+        assert torch.isfinite(loss)
+    return seen
+
+
+@pytest.mark.parametrize("exit_stage", [None, "stage1"])
+def test_training_steps_draw_the_same_depths_on_every_rank_and_after_resume(exit_stage, monkeypatch):
+    rank0 = _drawn_depths(_module(exit_stage=exit_stage, backprop_loops=2), range(10), monkeypatch)
+    rank1 = _drawn_depths(_module(exit_stage=exit_stage, backprop_loops=2), range(10), monkeypatch)
+    resumed = _drawn_depths(_module(exit_stage=exit_stage, backprop_loops=2), range(5, 10), monkeypatch)
+    assert rank0 == rank1 and resumed == rank0[5:]
+    depths = [d for d, _ in rank0]
+    assert len(set(depths)) > 1 and all(1 <= d <= 6 for d in depths)
+    assert {k for _, k in rank0} == {2}
+    assert depths == [DepthSampler(loops=3, sampler="uniform", max_loops=6, seed=5).draw(s) for s in range(10)]
+
+
+def test_fixed_sampler_trains_at_r_with_every_loop(monkeypatch):
+    assert _drawn_depths(_module(sampler="fixed"), range(3), monkeypatch) == [(3, None)] * 3
+
+
+def test_old_module_hyperparameters_still_build():
+    """A checkpoint written before the depth knobs has no `depth` hyper-parameter: fixed depth R."""
+    from looplab.training.module import LoopedLMModule
+
+    m = LoopedLMModule(make_config(n_loops=3).to_dict(), {"lr": 1e-3}, {"exit_stage": None})
+    assert m.depth.sampler == "fixed" and m.depth.draw(17) == 3 and m.depth.backprop_loops is None
+
+
+# ------------------------------------------------------------------ end to end
+def run_train(overrides, run_dir):
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from conftest import compose
+    from looplab.train import train
+
+    cfg = compose(overrides + [f"hydra.run.dir={run_dir}"])
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    return train(cfg)
+
+
+def test_randomized_depth_run_writes_eval_loops_and_depth_plot(tiny_overrides, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_train(tiny_overrides + ["loop_depth=1x2", "state_mode=stateloop", "loop_depth.sampler=poisson_lognormal",
+                                      "loop_depth.backprop_loops=1", "loop_depth.eval_loops=[1,2,4]"], run_dir)
+    on_disk = json.loads((run_dir / "results.json").read_text())
+    sweep = on_disk["per_depth"]["eval_loops"]
+    assert set(sweep) == {"1", "2", "4"}
+    for d in ("1", "2", "4"):
+        assert 0 <= sweep[d]["accuracy"] <= 1 and sweep[d]["loss"] > 0 and sweep[d]["perplexity"] > 1
+    # R′ = the trained R is the test split itself; the per-loop arrays are untouched
+    assert sweep["2"]["accuracy"] == pytest.approx(on_disk["accuracy"]) and sweep["2"]["loss"] == pytest.approx(on_disk["loss"])
+    assert len(on_disk["per_depth"]["acc"]) == 2 and len(on_disk["per_depth"]["loss"]) == 2
+    png = run_dir / "depth.png"
+    assert png.exists() and png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    # FLOPs at the expected depth, backward over E[min(k, depth)] loops
+    from looplab.checkpoint import load_model
+
+    model, _ = load_model(run_dir / "checkpoints" / "last.ckpt")
+    s = DepthSampler(loops=2, sampler="poisson_lognormal", backprop_loops=1)
+    seq = on_disk["flops_per_token"]["seq_len"]
+    assert on_disk["flops_per_token"]["loops"] == pytest.approx(s.expected_loops())
+    assert on_disk["flops_per_token"]["forward"] == model.flops_per_token(seq, loops=s.expected_loops())
+    assert on_disk["flops_per_token"]["training"] == model.flops_per_token(
+        seq, training=True, loops=s.expected_loops(), backprop_loops=s.expected_backprop_loops())
+    assert on_disk["depth"]["sampler"] == "poisson_lognormal" and on_disk["depth"]["eval_loops"] == [1, 2, 4]
+    assert res["model"]["loops"] == 2
+
+
+@pytest.mark.parametrize("override,match", [
+    ("loop_depth.sampler=gaussian", "loop_depth.sampler='gaussian'"),
+    ("loop_depth.eval_loops=[0,2]", "loop_depth.eval_loops=[0, 2]"),
+    ("loop_depth.backprop_loops=0", "loop_depth.backprop_loops=0"),
+])
+def test_bad_depth_config_fails_before_training(override, match, tiny_overrides, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        run_train(tiny_overrides + [override], tmp_path / "bad")
+    assert match in str(err.value)
+    assert not (tmp_path / "bad" / "checkpoints").exists()

@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from looplab.models import ConfigError, LoopedLMConfig
+from looplab.training.depth import DepthSampler
 
 # backbone.<key> → LoopedLMConfig field (same name unless listed)
 _BACKBONE_RENAMES = {"name": "backbone"}
@@ -80,3 +81,21 @@ def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:
         "eval_thresholds": list(gate.get("eval_thresholds", [])),
         "eval_per_depth": bool(cfg.get("eval_per_depth", True)),
     }
+
+
+def depth_from_cfg(cfg: DictConfig) -> DepthSampler:
+    """loop_depth.{sampler, min_loops, max_loops, sigma, backprop_loops} → the training-depth sampler,
+    seeded by the run's seed (so every rank and a resumed run draw the same depths)."""
+    return DepthSampler.from_config(_plain(cfg.loop_depth), seed=int(cfg.get("seed") or 0))
+
+
+def eval_loops_from_cfg(cfg: DictConfig) -> list[int]:
+    """loop_depth.eval_loops: the test-time depths evaluated after the test split ([] = none)."""
+    value = _plain(cfg.loop_depth).get("eval_loops")
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in value):
+        raise ConfigError(f"loop_depth.eval_loops={value!r} must be a list of integers >= 1 (e.g. [1,2,4,8]) or null")
+    return sorted(set(value))
