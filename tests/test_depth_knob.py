@@ -322,11 +322,12 @@ def run_train(overrides, run_dir):
 def test_randomized_depth_run_writes_eval_loops_and_depth_plot(tiny_overrides, tmp_path):
     run_dir = tmp_path / "run"
     res = run_train(tiny_overrides + ["loop_depth=1x2", "state_mode=stateloop", "loop_depth.sampler=poisson_lognormal",
-                                      "loop_depth.backprop_loops=1", "loop_depth.eval_loops=[1,2,4]"], run_dir)
+                                      "loop_depth.backprop_loops=1", "loop_depth.injection=add",
+                                      "loop_depth.eval_loops=[1,2,4,8]"], run_dir)
     on_disk = json.loads((run_dir / "results.json").read_text())
     sweep = on_disk["per_depth"]["eval_loops"]
-    assert set(sweep) == {"1", "2", "4"}
-    for d in ("1", "2", "4"):
+    assert set(sweep) == {"1", "2", "4", "8"}
+    for d in sweep:
         assert 0 <= sweep[d]["accuracy"] <= 1 and sweep[d]["loss"] > 0 and sweep[d]["perplexity"] > 1
     # R′ = the trained R is the test split itself; the per-loop arrays are untouched
     assert sweep["2"]["accuracy"] == pytest.approx(on_disk["accuracy"]) and sweep["2"]["loss"] == pytest.approx(on_disk["loss"])
@@ -343,8 +344,8 @@ def test_randomized_depth_run_writes_eval_loops_and_depth_plot(tiny_overrides, t
     assert on_disk["flops_per_token"]["forward"] == model.flops_per_token(seq, loops=s.expected_loops())
     assert on_disk["flops_per_token"]["training"] == model.flops_per_token(
         seq, training=True, loops=s.expected_loops(), backprop_loops=s.expected_backprop_loops())
-    assert on_disk["depth"]["sampler"] == "poisson_lognormal" and on_disk["depth"]["eval_loops"] == [1, 2, 4]
-    assert res["model"]["loops"] == 2
+    assert on_disk["depth"]["sampler"] == "poisson_lognormal" and on_disk["depth"]["eval_loops"] == [1, 2, 4, 8]
+    assert res["model"]["loops"] == 2 and model.config.injection == "add" and on_disk["params"]["injection"] == 32 * 32
 
 
 @pytest.mark.parametrize("override,match", [
@@ -357,3 +358,94 @@ def test_bad_depth_config_fails_before_training(override, match, tiny_overrides,
         run_train(tiny_overrides + [override], tmp_path / "bad")
     assert match in str(err.value)
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------ injection
+INJECTIONS = ("add", "concat", "diag")
+
+
+def _perturb_injection(model):
+    with torch.no_grad():
+        for p in model.inject.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+
+
+@pytest.mark.parametrize("injection", INJECTIONS)
+@pytest.mark.parametrize("state_mode", ["vanilla", "stateloop"])
+def test_untrained_injection_equals_the_uninjected_model(injection, state_mode):
+    plain = make_model("llama", state_mode, "ouro", n_loops=3, seed=4)
+    injected = make_model("llama", state_mode, "ouro", n_loops=3, seed=4, injection=injection)
+    own = plain.state_dict()
+    assert set(injected.state_dict()) - set(own) == {k for k in injected.state_dict() if k.startswith("inject.")} != set()
+    for k, v in own.items():  # registered last: the seeded init of everything else is the same
+        assert torch.equal(injected.state_dict()[k], v), k
+    x = ids()
+    a, b = plain(x, return_all_loops=True), injected(x, return_all_loops=True)
+    torch.testing.assert_close(a.loop_logits, b.loop_logits, atol=1e-6, rtol=0)
+    # a vanilla checkpoint warm-starts it: the missing keys are exactly the injection
+    fresh = LoopedLM(make_config("llama", state_mode, "ouro", injection=injection))
+    missing, unexpected = fresh.load_state_dict(own, strict=False)
+    assert missing and all(k.startswith("inject.") for k in missing) and not unexpected
+
+
+def test_injection_order_of_operations():
+    """x_{r+1} = Inject(h_r + W_o s_r, e) for r < R; readouts before the injection; none after the last loop."""
+    model = make_model("llama", "stateloop", n_loops=3, injection="add")
+    _perturb_injection(model)
+    x = ids()
+    pos = torch.arange(x.shape[1])[None]
+    with torch.no_grad():
+        e = model.embed(x)
+        z, s, readouts = e, model.state.initial_state(e), []
+        for r in range(3):
+            h = model._block_forward(z, pos, None, None, r)
+            s, z, _ = model.state(h, s, pos)
+            readouts.append(z)
+            if r < 2:
+                z = z + e @ model.inject.weight.T
+        want = model.head(model.final_norm(torch.stack(readouts)))
+        got = model(x, return_all_loops=True).loop_logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert not torch.allclose(got, make_model("llama", "stateloop", n_loops=3)(x, return_all_loops=True).loop_logits)
+
+
+@pytest.mark.parametrize("injection", INJECTIONS)
+@pytest.mark.parametrize("backbone,state_mode", [("llama", "stateloop_attn"), ("mamba2", "stateloop"), ("hybrid", "vanilla")])
+def test_cached_decoding_with_injection_equals_recomputation(injection, backbone, state_mode):
+    model = make_model(backbone, state_mode, n_loops=2, injection=injection)
+    _perturb_injection(model)
+    prompt = ids(B=1, T=4)
+    for r_prime in (None, 3):
+        out = model.generate(prompt, 3, return_logits=True, n_loops=r_prime)
+        for i in range(3):
+            full = model(out.sequences[:, : 4 + i], n_loops=r_prime).logits[:, -1]
+            torch.testing.assert_close(out.logits[:, i], full, atol=ATOL, rtol=0)
+
+
+def test_injection_flops_and_errors():
+    plain = make_model("llama", n_loops=3)
+    for injection, per in (("add", 2 * 32 * 32 + 32), ("concat", 2 * 64 * 32), ("diag", 2 * 32)):
+        m = make_model("llama", n_loops=3, injection=injection)
+        assert m.flops_per_token(16) == plain.flops_per_token(16) + 2 * per  # before loops 2 and 3
+        assert m.num_parameters()["injection"] == sum(p.numel() for p in m.inject.parameters())
+    with pytest.raises(ConfigError, match="injection.*'gated'"):
+        make_config(injection="gated")
+    from conftest import compose
+    from looplab.training.compose import model_config_from_cfg
+
+    assert model_config_from_cfg(compose(["loop_depth.injection=diag"]), vocab_size=64).injection == "diag"
+    assert model_config_from_cfg(compose([]), vocab_size=64).injection == "none"
+    with pytest.raises(ConfigError, match="'sideways'"):
+        model_config_from_cfg(compose(["loop_depth.injection=sideways"]), vocab_size=64)
+
+
+@pytest.mark.parametrize("injection", INJECTIONS)
+def test_injection_under_truncated_backprop_gets_gradients(injection):
+    """The injection runs at the start of the next loop, inside its gradient context: with k = 1 the
+    last loop's injection still trains the injection and the embedding."""
+    model = make_model("llama", "vanilla", n_loops=3, injection=injection).train()
+    _perturb_injection(model)
+    x, y = ids(), ids(seed=2)
+    loss = torch.nn.functional.cross_entropy(model(x, backprop_loops=1).logits.flatten(0, 1), y.flatten())
+    grads = _grads(model, loss)
+    assert grads["embed.weight"].any() and all(grads[n].any() for n in grads if n.startswith("inject."))

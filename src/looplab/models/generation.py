@@ -194,10 +194,14 @@ def decode_step(
 
 
 def _check_skip_depth(model, n_loops: int | None) -> None:
-    # the skip_compute step runs the configured R loops; a test-time depth is not wired into it yet
+    # the skip_compute step runs the configured R loops without input injection; neither depth
+    # knob is wired into it yet
     if n_loops is not None and n_loops != model.config.n_loops:
         raise ValueError(f"skip_compute with n_loops={n_loops} (!= the configured R={model.config.n_loops}) is not "
                          "supported; decode at R′ without skip_compute")
+    if getattr(model.config, "injection", "none") != "none":
+        raise ValueError(f"skip_compute with injection={model.config.injection!r} is not supported; "
+                         "decode without skip_compute")
 
 
 def _check_left_padded(attention_mask: torch.Tensor) -> None:

@@ -3,7 +3,15 @@
     h_0 = Embed(tokens);  for r = 1..R:  h_r = Block(x_r),  x_1 = h_0
         vanilla:    x_{r+1} = h_r
         StateLoop:  s_r = update(s_{r−1}, h_r),  x_{r+1} = h_r + W_o s_r
+        injection:  x_{r+1} ← Inject(x_{r+1}, h_0)     (r < R; none | add | concat | diag)
     logits = Head(FinalNorm(readout_R)),  readout_r = h_r (+ W_o s_r)
+
+Order of operations in one loop r: the block, then the state branch (x_{r+1} = h_r + W_o s_r),
+then the readout is taken (readout_r, what per-depth logits, exit gates and exit rules read), and
+only then is the embedding injected into the next loop's input (models/injection.py). So readouts
+never contain the injection, and nothing is injected after the last loop. The injection is run at
+the start of loop r+1, inside that loop's gradient context: under truncated backprop the first
+loop with a graph still sends gradients into the injection and the embedding.
 
 The final norm and head are shared by every depth, so any loop's readout can
 be decoded (per-depth metrics, exit gates). Plain PyTorch: no Lightning, Hydra
@@ -34,6 +42,7 @@ from looplab.models.config import LoopedLMConfig
 from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth
 from looplab.models.exit_rules import EXIT_RULES, first_exit
 from looplab.models.hub import LoopedHubMixin
+from looplab.models.injection import build_injection
 from looplab.models.llama import AttentionLayer, RMSNorm
 from looplab.models.state import StateBranch
 
@@ -73,6 +82,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        # draws no random numbers (and is registered last): a seeded init of every other parameter is the un-injected model's
+        self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
         self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
         self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
@@ -85,7 +96,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         # residual writers are applied N·R times per forward, so scale by the effective depth
         out_std = std / math.sqrt(2 * cfg.n_layers * cfg.n_loops)
         for name, p in self.named_parameters():
-            if p.dim() == 2 and not name.startswith("state.state_out"):
+            if p.dim() == 2 and not name.startswith(("state.state_out", "inject.")):
                 s = out_std if name.endswith(("out_proj.weight", "down_proj.weight")) else std
                 nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
             elif name.endswith("bias"):
@@ -106,6 +117,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             "block": count(self.block),
             "state_branch": count(self.state),
             "exit_gate": count(self.exit_gate),
+            "injection": count(self.inject),
             "non_embedding": total - self.embed.weight.numel(),
         }
 
@@ -125,11 +137,12 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         if self.state is not None:
             per_loop += self.state.flops_per_token(seq_len)
         head = 2 * cfg.d_model * cfg.vocab_size
-        fwd = loops * per_loop + head
+        inj = self.inject.flops_per_token() if self.inject is not None else 0  # before loops 2..R
+        fwd = loops * per_loop + max(loops - 1, 0) * inj + head
         if not training:
             return round(fwd)
         back = loops if backprop_loops is None else min(backprop_loops, loops)
-        return round(fwd + 2 * (back * per_loop + head))
+        return round(fwd + 2 * (back * per_loop + min(back, max(loops - 1, 0)) * inj + head))
 
     # ----------------------------------------------------------------- cache
     def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None) -> LoopCache:
@@ -177,12 +190,14 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         no_grad_loops = self._no_grad_loops(R, backprop_loops)
         positions, valid = self._positions(input_ids, attention_mask, cache)
 
-        x = self.embed(input_ids)
+        x = e = self.embed(input_ids)
         s = self.state.initial_state(x) if self.state is not None else None
         readouts, diag = [], {"retention": [], "state_norm": [], "state_to_stream": []}
         for r in range(R):
             # truncated backprop: the loops before the last k run without a graph (their output is a constant)
             with torch.no_grad() if r < no_grad_loops else contextlib.nullcontext():
+                if self.inject is not None and r > 0:
+                    x = self.inject(x, e)
                 h = self._run_block(x, r, positions, valid, cache)
                 if self.state is not None:
                     s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
