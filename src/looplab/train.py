@@ -273,6 +273,11 @@ def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None
         row.append("-" if loss is None else f"{loss:.3f}")
         table.add_row(*row)
     console.print(table)
+    sweep = results["per_depth"].get("eval_loops")
+    if sweep:  # loop_depth.eval_loops: the final model at test-time depths R′
+        cells = [f"R′={d}: " + " ".join(f"{k} {v:.3f}" for k, v in vals.items() if k != "perplexity" or "accuracy" not in vals)
+                 for d, vals in sorted(sweep.items(), key=lambda kv: int(kv[0]))]
+        console.print(f"test-time depth (trained R={m['loops']}): " + " · ".join(cells) + "  (plot: depth.png)")
     tps = results["throughput"]["tokens_per_s"]
     overhead = f" (state branch +{100 * results['state_branch_overhead']:.2f}%)" if results["params"]["state_branch"] else ""
     console.print(f"steps {results['global_step']} · {tps or 0:,.0f} training tokens/s · wall {results['wall_time_s']:.0f} s"
