@@ -3,7 +3,6 @@ truncated backprop, eval_loops, and FLOPs at the expected depth."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 
@@ -109,10 +108,7 @@ def test_exit_options_range_over_r_prime():
         model(x, n_loops=4, exit_rule="entropy", exit_threshold=1.0, exit_min_loops=5)
 
 
-@pytest.mark.parametrize("backbone,state_mode", [
-    *[("llama", s) for s in STATE_MODES],
-    ("mamba2", "vanilla"), ("mamba2", "stateloop_mamba2"), ("hybrid", "stateloop"), ("hybrid", "stateloop_reset"),
-])
+@pytest.mark.parametrize("backbone,state_mode", list(itertools.product(BACKBONES, STATE_MODES)))
 @pytest.mark.parametrize("r_prime", [2, 5])
 def test_cached_decoding_at_r_prime_equals_recomputation(backbone, state_mode, r_prime):
     model = make_model(backbone, state_mode, n_loops=3)
