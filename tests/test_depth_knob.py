@@ -445,3 +445,18 @@ def test_injection_under_truncated_backprop_gets_gradients(injection):
     loss = torch.nn.functional.cross_entropy(model(x, backprop_loops=1).logits.flatten(0, 1), y.flatten())
     grads = _grads(model, loss)
     assert grads["embed.weight"].any() and all(grads[n].any() for n in grads if n.startswith("inject."))
+
+
+@pytest.mark.parametrize("injection,r_prime", [("none", 5), ("add", None), ("concat", 2), ("diag", 6)])
+def test_flops_match_flop_counter_at_r_prime_and_with_injection(injection, r_prime):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = make_model("llama", "stateloop", n_loops=3, injection=injection)
+    T = 16
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        model(ids(T=T), n_loops=r_prime)
+    measured = counter.get_total_flops() / (2 * T)
+    # FlopCounterMode counts matmuls only: the elementwise terms (state gate, diag gain) are below 1%
+    assert measured == pytest.approx(model.flops_per_token(T, loops=r_prime), rel=0.01)

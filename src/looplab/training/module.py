@@ -134,7 +134,7 @@ class LoopedLMModule(L.LightningModule):
         else:
             out = self.model(ids, return_all_loops=True, **depth)
             mask = targets != IGNORE
-            loop_losses = torch.stack([per_token_loss(lg, targets) for lg in out.loop_logits])  # (R, N)
+            loop_losses = torch.stack([per_token_loss(lg, targets) for lg in out.loop_logits])  # (R′ drawn, N)
             if stage == "stage1":
                 loss = stage1_loss(loop_losses, out.exit_probs[mask], self.objective["beta"],
                                    self.objective.get("final_loop_weight", 0.0))
