@@ -283,9 +283,14 @@ def test_training_steps_draw_the_same_depths_on_every_rank_and_after_resume(exit
     resumed = _drawn_depths(_module(exit_stage=exit_stage, backprop_loops=2), range(5, 10), monkeypatch)
     assert rank0 == rank1 and resumed == rank0[5:]
     depths = [d for d, _ in rank0]
-    assert len(set(depths)) > 1 and all(1 <= d <= 6 for d in depths)
+    assert 1 in depths and max(depths) > 3 and all(1 <= d <= 6 for d in depths)  # depth 1 and beyond R train too
     assert {k for _, k in rank0} == {2}
     assert depths == [DepthSampler(loops=3, sampler="uniform", max_loops=6, seed=5).draw(s) for s in range(10)]
+
+
+def test_stage2_refuses_a_depth_sampler():
+    with pytest.raises(ConfigError, match="loop_depth.sampler='uniform' with exit_gate.stage=stage2"):
+        _module(exit_stage="stage2")
 
 
 def test_fixed_sampler_trains_at_r_with_every_loop(monkeypatch):

@@ -8,8 +8,9 @@ StateLoop diagnostics (retention, state norm, ‖W_o s_r‖/‖h_r‖ per loop).
 
 Training depth (issue 15): each optimizer step runs `depth.draw(global_step)` loops
 (training/depth.py; R when the sampler is fixed), with gradients through the last
-`backprop_loops` of them. The exit-gate objectives work at any drawn depth: the
-gate's distribution and the per-depth losses are taken over the loops that step ran.
+`backprop_loops` of them. Stage 1 of the exit gate works at any drawn depth: the
+gate's distribution and the per-depth losses are taken over the loops that step ran
+(stage 2, which fits the gate of a frozen model, refuses a sampler).
 Validation and test run the configured R; `eval_depth = R′` (set by train.py for
 loop_depth.eval_loops) makes the test split run R′ loops and report under `test_loops{R′}/`.
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from looplab.checkpoint import looplab_meta
-from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.exit_gate import logits_at_depth, stage1_loss, stage2_loss, threshold_exit_steps
 from looplab.training.depth import DepthSampler
 
@@ -68,6 +69,11 @@ class LoopedLMModule(L.LightningModule):
         # training depth per optimizer step (default: fixed at R, every loop backpropagated)
         self.depth = DepthSampler(**{**(depth or {}), "loops": self.R})
         self.depth.validate()
+        if self.depth.active and objective.get("exit_stage") == "stage2":
+            # stage 2 fits the gate of a frozen model at its depth; a drawn depth of 1 leaves no
+            # stop-or-continue decision to train (an empty loss)
+            raise ConfigError(f"loop_depth.sampler={self.depth.sampler!r} with exit_gate.stage=stage2: stage 2 trains the "
+                              "gate of a frozen model at its trained depth; use loop_depth.sampler=fixed")
         self.eval_depth: int | None = None  # test at R′ instead of R (loop_depth.eval_loops)
         self.thresholds = [float(q) for q in objective.get("eval_thresholds", [])] if self.model.exit_gate else []
         self._metrics_by_split: dict[str, dict[str, MeanMetric]] = {}
