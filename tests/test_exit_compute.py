@@ -244,3 +244,35 @@ def test_exit_grid_on_a_trained_checkpoint(tiny_overrides, tmp_path):
     summary = exit_grid.summarize([res, {**res, "seed": 2}])
     assert len(summary) == 6 and all(s["accuracy_skip"]["n"] == 2 for s in summary)
     assert all(isinstance(s["meets_target"], bool) for s in summary)
+
+
+@pytest.mark.parametrize("backbone,state_mode,handling,injection", [
+    ("llama", "stateloop", "kv_copy", "add"), ("mamba2", "vanilla", "ssm_skip", "concat"),
+    ("hybrid", "stateloop_mamba2", "ssm_propagate", "diag")])
+@pytest.mark.parametrize("n_loops", [3, 6])
+@torch.no_grad()
+def test_skip_compute_with_test_time_depth_and_injection(backbone, state_mode, handling, injection, n_loops):
+    """skip_compute composes with the depth knobs (issue 15): at R′ ≠ R and with input injection, cached skip
+    decoding equals the online reference at R′."""
+    from looplab.models.generation import decode_step
+
+    torch.manual_seed(0)
+    cfg = make_model(backbone, state_mode).config.to_dict() | {"injection": injection}
+    model = LoopedLM(LoopedLMConfig.from_dict(cfg)).eval()
+    for p in model.inject.parameters():
+        p.normal_(0, 0.1)
+    model.exit_gate.proj.weight.normal_(0, 1 / 32**0.5)
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(1))
+    lp = torch.log_softmax(model(ids, n_loops=n_loops, return_all_loops=True).loop_logits[1], -1)
+    tau = float((-(lp.exp() * lp).sum(-1)).median())  # about half the tokens stop by loop 2
+    ref = forward_with_exits(model, ids, None, handling, rule="entropy", threshold=tau, n_loops=n_loops)
+    assert ref.loop_logits.shape[0] == n_loops and bool((ref.exit_steps < n_loops).any())
+    cache = model.allocate_cache(2, 10, n_loops=n_loops)
+    for t in range(10):
+        logits, steps = decode_step(model, ids[:, t:t + 1], cache, exit_threshold=tau, exit_rule="entropy",
+                                    skip_compute=handling, n_loops=n_loops)
+        assert torch.equal(steps, ref.exit_steps[:, t])
+        torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
+    # never exiting, the reference is the model's own forward at R′
+    full = forward_with_exits(model, ids, torch.full((2, 10), n_loops), handling, n_loops=n_loops)
+    torch.testing.assert_close(full.logits, model(ids, n_loops=n_loops).logits, atol=ATOL, rtol=1e-4)

@@ -1,7 +1,7 @@
 """python -m looplab.train [+experiment=NAME] [group=option ...] [-m]
 
 The one place where config, data, model and trainer are composed:
-instantiate → check → fit → test → results.json.
+instantiate → check → fit → test (→ test at each loop_depth.eval_loops depth) → results.json.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def load_warm_start(model, path: str) -> list[str]:
     own = model.state_dict()
     state = {k: v for k, v in state.items() if k in own}  # a branch the new model lacks is dropped
     missing, _ = model.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.startswith(("state.", "exit_gate."))]
+    bad = [k for k in missing if not k.startswith(("state.", "exit_gate.", "inject."))]
     if bad:
         raise ValueError(f"checkpoint {path!r} lacks backbone weights {bad[:5]}...")
     return missing
@@ -54,7 +55,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from looplab.checkpoint import check_compatible, read_checkpoint_meta
     from looplab.training.callbacks import AtomicCheckpointIO, PlainProgress, ThroughputRecord
-    from looplab.training.compose import model_config_from_cfg, objective_from_cfg
+    from looplab.training.compose import depth_from_cfg, eval_loops_from_cfg, model_config_from_cfg, objective_from_cfg
     from looplab.training.distributed import recover_checkpoint, trainer_overrides
     from looplab.training.module import LoopedLMModule
 
@@ -71,6 +72,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     dm = build_datamodule(cfg)
     model_cfg = model_config_from_cfg(cfg, vocab_size=getattr(dm, "vocab_size", None))
     objective = objective_from_cfg(cfg)
+    depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop (issue 15)
+    eval_loops = eval_loops_from_cfg(cfg)
     use_compile, compile_why = resolve_compile(cfg.get("compile", False), model_cfg.d_model, str(cfg.trainer.accelerator))
     dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
     for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
@@ -98,6 +101,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         dataset=dataset_meta,
         checkpoint_loops=bool(cfg.hardware.get("activation_checkpointing", False)),
         compile_block=use_compile,  # applied in configure_model, after any sharding
+        depth=asdict(depth),
     )
     warm = cfg.get("init_from") or (cfg.exit_gate.get("init_from") if objective["exit_stage"] else None)
     if warm and not ckpt_path:
@@ -109,7 +113,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     params = module.model.num_parameters()
     seq_len = int(getattr(dm, "seq_len", model_cfg.max_seq_len))
-    flops_fwd = module.model.flops_per_token(seq_len)
+    # at the expected training depth when a sampler is active (R otherwise); the backward of
+    # E[min(k, depth)] loops under truncated backprop
+    expected_loops = depth.expected_loops()
+    flops_fwd = module.model.flops_per_token(seq_len, loops=expected_loops)
+    flops_train = module.model.flops_per_token(seq_len, training=True, loops=expected_loops,
+                                               backprop_loops=depth.expected_backprop_loops())
 
     run_name = f"{cfg.task_name}-{out_dir.name}" if not ctx["multirun"] else f"{cfg.task_name}-{out_dir.parent.name}-{out_dir.name}"
     loggers = build_loggers(cfg, out_dir, run_name)
@@ -138,7 +147,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         default_root_dir=str(out_dir), _convert_="partial", **overrides,
     )
     # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted)
-    module.flops_per_batch = 3 * flops_fwd * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
+    module.flops_per_batch = flops_train * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
     log.info("model: %s | params %s | state-branch overhead %.3f%% | forward FLOPs/token %.3g",
              f"{model_cfg.backbone} {model_cfg.n_layers}x{model_cfg.n_loops} {model_cfg.state_mode} gate={model_cfg.exit_gate}",
              f"{params['total']:,}", 100 * params["state_branch"] / max(1, params["total"] - params["state_branch"]), flops_fwd)
@@ -152,20 +161,43 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("test_after_fit", True) and not cfg.trainer.get("fast_dev_run"):
         trainer.test(module, datamodule=dm, verbose=False)
         test_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    depth_metrics = evaluate_depths(trainer, module, dm, eval_loops) if eval_loops and not cfg.trainer.get("fast_dev_run") else {}
 
-    results = collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val_metrics, test_metrics, throughput, start, trainer)
+    results = collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val_metrics, test_metrics, throughput, start, trainer,
+                              flops_train=flops_train, depth_metrics=depth_metrics)
     if trainer.is_global_zero:
         write_json_atomic(out_dir / "results.json", results)
+        if depth_metrics:
+            from looplab.tables.plots import plot_eval_loops
+
+            plot_eval_loops(results, out_dir / "depth.png")
         close_wandb()  # its own run summary first, so ours is the last thing printed
         print_summary(results, out_dir, loggers)
     return results
+
+
+def evaluate_depths(trainer, module, dm, depths: list[int]) -> dict[str, dict[str, float]]:
+    """The final model on the test split at each test-time depth R′ → {"R′": {loss, perplexity[, accuracy]}}."""
+    names = {"loss": "loss", "ppl": "perplexity", "acc": "accuracy"}
+    out = {}
+    try:
+        for d in depths:
+            module.eval_depth = d
+            trainer.test(module, datamodule=dm, verbose=False)
+            split = module.test_split
+            out[str(d)] = {new: float(trainer.callback_metrics[f"{split}/{old}"]) for old, new in names.items()
+                           if f"{split}/{old}" in trainer.callback_metrics}
+    finally:
+        module.eval_depth = None
+    return out
 
 
 def _series(metrics: dict[str, float], prefix: str, R: int) -> list[float | None]:
     return [metrics.get(f"{prefix}{r}") for r in range(1, R + 1)]
 
 
-def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, throughput, start, trainer) -> dict[str, Any]:
+def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, throughput, start, trainer,
+                    flops_train: int | None = None, depth_metrics: dict | None = None) -> dict[str, Any]:
     R = module.R
     final = test or val
     split = "test" if test else "val"
@@ -173,6 +205,8 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "acc": _series(final, f"{split}/acc_loop", R),
         "loss": _series(final, f"{split}/loss_loop", R),
     }
+    if depth_metrics:  # test-time depths R′ (loop_depth.eval_loops), keyed by R′
+        per_depth["eval_loops"] = depth_metrics
     exit_stats = {}
     for q in module.thresholds:
         exit_stats[str(q)] = {k: final.get(f"{split}/exit_q{q}_{k}") for k in ("acc", "loss", "mean_step", "answer_step")}
@@ -203,7 +237,10 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "state_diagnostics": state_diag,
         "params": params,
         "state_branch_overhead": params["state_branch"] / max(1, base),
-        "flops_per_token": {"forward": flops_fwd, "training": 3 * flops_fwd, "seq_len": seq_len},
+        "flops_per_token": {"forward": flops_fwd, "training": 3 * flops_fwd if flops_train is None else flops_train,
+                            "seq_len": seq_len, "loops": module.depth.expected_loops()},
+        "depth": {**{k: v for k, v in asdict(module.depth).items() if k != "seed"},
+                  "expected_loops": module.depth.expected_loops(), "eval_loops": [int(d) for d in (depth_metrics or {})]},
         "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens,
                        "compiled": module.model.is_compiled},
         "global_step": trainer.global_step,
@@ -236,6 +273,11 @@ def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None
         row.append("-" if loss is None else f"{loss:.3f}")
         table.add_row(*row)
     console.print(table)
+    sweep = results["per_depth"].get("eval_loops")
+    if sweep:  # loop_depth.eval_loops: the final model at test-time depths R′
+        cells = [f"R′={d}: " + " ".join(f"{k} {v:.3f}" for k, v in vals.items() if k != "perplexity" or "accuracy" not in vals)
+                 for d, vals in sorted(sweep.items(), key=lambda kv: int(kv[0]))]
+        console.print(f"test-time depth (trained R={m['loops']}): " + " · ".join(cells) + "  (plot: depth.png)")
     tps = results["throughput"]["tokens_per_s"]
     overhead = f" (state branch +{100 * results['state_branch_overhead']:.2f}%)" if results["params"]["state_branch"] else ""
     console.print(f"steps {results['global_step']} · {tps or 0:,.0f} training tokens/s · wall {results['wall_time_s']:.0f} s"

@@ -13,6 +13,7 @@ from typing import Any
 BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
 EXIT_GATES = ("none", "ouro")
+INJECTIONS = ("none", "add", "concat", "diag")  # models/injection.py
 KERNELS = ("auto", "torch", "mamba_ssm")
 # causal-conv1d's CUDA conv (csrc/causal_conv1d.cpp) has kernels for these widths only. kernel=auto
 # keeps the torch conv for other widths (fused scan still used); kernel=mamba_ssm asks for the fused
@@ -71,6 +72,9 @@ class LoopedLMConfig:
     # --- exit gate (SPEC §4) -------------------------------------------------
     exit_gate: str = "none"  # none | ouro
 
+    # --- input injection (issue 15) --------------------------------------------
+    injection: str = "none"  # none | add | concat | diag: the embedding re-enters before loops 2..R
+
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, never read by the model
 
     def __post_init__(self) -> None:
@@ -100,6 +104,8 @@ class LoopedLMConfig:
         need(self.backbone in BACKBONES, f"backbone={self.backbone!r} is unknown; choose one of {BACKBONES}")
         need(self.state_mode in STATE_MODES, f"state_mode={self.state_mode!r} is unknown; choose one of {STATE_MODES}")
         need(self.exit_gate in EXIT_GATES, f"exit_gate={self.exit_gate!r} is unknown; choose one of {EXIT_GATES}")
+        need(self.injection in INJECTIONS,
+             f"injection (loop_depth.injection)={self.injection!r} is unknown; choose one of {INJECTIONS}")
         need(self.kernel in KERNELS, f"kernel={self.kernel!r} is unknown; choose one of {KERNELS}")
         need(self.state_init in ("zeros", "learned"), f"state_init={self.state_init!r} must be 'zeros' or 'learned'")
         if "A" in self.layer_types:

@@ -101,8 +101,11 @@ def _is_ssm(module) -> bool:
     return isinstance(module, (Mamba2Layer, Mamba2Mixer))
 
 
-def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, frozen: FrozenInputs):
-    """One application of the block (loop r, 0-based) and the state branch with frozen inputs → (x, s, readout)."""
+def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, frozen: FrozenInputs, e=None):
+    """One application of the block (loop r, 0-based) and the state branch with frozen inputs → (x, s, readout).
+    e: the embedding output, re-injected before every loop after the first when the model has input injection."""
+    if model.inject is not None and r > 0:
+        x = model.inject(x, e)
     for l, layer in enumerate(model.block):
         x = frozen.call(layer, l, x, positions, valid, cache[r, l] if cache is not None else None)
     h = x
@@ -114,7 +117,7 @@ def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, fro
 
 def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor | None, handling: str,
                        attention_mask: torch.Tensor | None = None, *, rule: str | None = None,
-                       threshold: float | None = None, min_loops: int = 1):
+                       threshold: float | None = None, min_loops: int = 1, n_loops: int | None = None):
     """The reference: a full forward pass (no cache) in which each token stops at its exit step.
 
     exit_steps: (B, T) 1-based loop after which each token exits; or None with `rule`/`threshold`
@@ -123,12 +126,13 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
     tokens that left earlier, so these exits can differ from forward(exit_rule=...)'s). Returns a
     LoopedLMOutput with loop_logits (R, B, T, V) and loop_hidden — a token's loops up to its exit are
     ordinary, the deeper ones meaningless — logits (B, T, V) read at each token's exit step, and exit_steps.
+    n_loops: the depth R′ to run (test-time depth; default the configured R).
     """
     from looplab.models.looped import LoopedLMOutput
 
     if handling not in HANDLINGS:
         raise ValueError(f"handling={handling!r} is unknown; choose one of {HANDLINGS}")
-    R = model.config.n_loops
+    R = model.loops(n_loops)
     online = exit_steps is None
     if online:
         if rule is None or threshold is None:
@@ -139,7 +143,7 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
         exit_steps = torch.full(input_ids.shape, R, dtype=torch.long, device=input_ids.device)
         decided = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     positions, valid = model._positions(input_ids, attention_mask, None)
-    x = model.embed(input_ids)
+    x = e = model.embed(input_ids)
     s = model.state.initial_state(x) if model.state is not None else None
     frozen = FrozenInputs(handling)
     readouts, hidden, probs = [], [], []
@@ -147,7 +151,7 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
     for r in range(R):
         gone = exit_steps <= r  # exited after loops 1..r, so absent from loop r + 1
         frozen.set_loop(gone & decided if online else gone)
-        x, s, readout = run_loop(model, x, s, r, positions, valid, None, frozen)
+        x, s, readout = run_loop(model, x, s, r, positions, valid, None, frozen, e)
         readouts.append(readout)
         t = r + 1
         if online and t < R:
@@ -188,7 +192,8 @@ def _advance_exited(model, cache: LoopCache, r: int, exit_loop: torch.Tensor, po
 
 
 def skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshold: float, rule: str = "gate",
-                      min_loops: int = 1, handling: str = "kv_copy") -> tuple[torch.Tensor, torch.Tensor]:
+                      min_loops: int = 1, handling: str = "kv_copy", n_loops: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One T = 1 decoding step that stops running loops for rows that have exited → (logits (B, V), exit steps (B,)).
 
     The exit decision is forward(exit_rule=rule, exit_threshold=threshold)'s, taken online after
@@ -197,13 +202,14 @@ def skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshol
     computed (caches are batched) with the exited rows' inputs frozen, which is exactly what a
     per-row skip leaves in the caches; once every row has exited the remaining loops only fill caches.
     """
-    R = model.config.n_loops
+    R = model.loops(n_loops)
+    model._check_cache_depth(cache, R)
     check_rule(rule, threshold, min_loops, R)
     B = input_ids.shape[0]
     positions, valid = cache.advance(None, 1)
     pos = cache.length - 1
 
-    x = model.embed(input_ids)
+    x = e = model.embed(input_ids)
     s = model.state.initial_state(x) if model.state is not None else None
     frozen = FrozenInputs(handling)
     exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running
@@ -216,7 +222,7 @@ def skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshol
             _advance_exited(model, cache, r, exit_loop, pos, handling)
             continue
         frozen.set_loop(~running[:, None])
-        x, s, readout = run_loop(model, x, s, r, positions, valid, cache, frozen)
+        x, s, readout = run_loop(model, x, s, r, positions, valid, cache, frozen, e)
 
         normed = model.final_norm(readout[:, -1])  # (B, d)
         t = r + 1

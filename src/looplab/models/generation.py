@@ -79,17 +79,20 @@ def decode_step(
     skip_compute: bool | str = False,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
+    n_loops: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One cached decoding step → (logits (B, V), exit_steps (B,) or None).
 
     exit_rule (default: the gate) and exit_threshold pick each token's depth as forward() does;
     skip_compute (true = kv_copy, ssm_skip, ssm_propagate; models/exit_compute.py) stops running
-    loops after it."""
+    loops after it; n_loops runs R′ loops (the cache must have been allocated for R′)."""
     handling = resolve_handling(skip_compute)
     if handling is not None:
         _check_skip(model.config, handling, exit_rule, exit_threshold)
-        return skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops, handling)
-    out = model(input_ids, cache=cache, exit_threshold=exit_threshold, exit_rule=exit_rule, exit_min_loops=exit_min_loops)
+        return skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops, handling,
+                                 n_loops=n_loops)
+    out = model(input_ids, cache=cache, exit_threshold=exit_threshold, exit_rule=exit_rule, exit_min_loops=exit_min_loops,
+                n_loops=n_loops)
     return out.logits[:, -1], (out.exit_steps[:, -1] if out.exit_steps is not None else None)
 
 
@@ -126,9 +129,11 @@ def stream(
     generator: torch.Generator | None = None,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
+    n_loops: int | None = None,
 ) -> Iterator[StepOutput]:
     """Yield one StepOutput per generated token; stops early once every row has emitted eos."""
     cfg = model.config
+    R = model.loops(n_loops)  # test-time depth R′ (default: the configured R)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     B, T = input_ids.shape
@@ -148,7 +153,7 @@ def stream(
     if exit_threshold is not None:
         if (exit_rule or "gate") == "gate" and model.exit_gate is None:
             raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot exit_rule")
-        check_rule(exit_rule or "gate", exit_threshold, exit_min_loops, cfg.n_loops)
+        check_rule(exit_rule or "gate", exit_threshold, exit_min_loops, R)
     if attention_mask is not None:
         _check_left_padded(attention_mask)
     eos = None
@@ -156,10 +161,10 @@ def stream(
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         eos = torch.tensor(eos_ids, device=input_ids.device)
 
-    cache = model.allocate_cache(B, T + max_new_tokens)
+    cache = model.allocate_cache(B, T + max_new_tokens, n_loops=R)
     # prefill is parallel over the prompt, so it runs every loop even under skip_compute
     out = model(input_ids, attention_mask=attention_mask, cache=cache, exit_threshold=exit_threshold,
-                exit_rule=exit_rule, exit_min_loops=exit_min_loops)
+                exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R)
     logits = out.logits[:, -1]
     exit_steps = out.exit_steps[:, -1] if out.exit_steps is not None else None
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
@@ -173,7 +178,7 @@ def stream(
             return
         logits, exit_steps = decode_step(
             model, tokens[:, None], cache, exit_threshold=exit_threshold, skip_compute=skip_compute,
-            exit_rule=exit_rule, exit_min_loops=exit_min_loops,
+            exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R,
         )
 
 
@@ -193,19 +198,21 @@ def generate(
     return_logits: bool = False,
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
+    n_loops: int | None = None,
 ) -> torch.Tensor | GenerationOutput:
     """Cached generation. Returns (B, T + n) sequences, or a GenerationOutput with return_logits.
 
     Batched prompts are left-padded with attention_mask (1 = token, 0 = padding); each row
     then gets the tokens it would get alone. Rows that emit eos keep emitting eos; generation
-    stops early (n < max_new_tokens) once every row has finished.
+    stops early (n < max_new_tokens) once every row has finished. n_loops=R′ decodes at a test-time
+    depth (any R′ ≥ 1, caches sized for R′; not with skip_compute yet).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     steps = list(
         stream(
             model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-            attention_mask, exit_threshold, skip_compute, generator, exit_rule, exit_min_loops,
+            attention_mask, exit_threshold, skip_compute, generator, exit_rule, exit_min_loops, n_loops=n_loops,
         )
     )
     B = input_ids.shape[0]

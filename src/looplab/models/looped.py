@@ -3,15 +3,34 @@
     h_0 = Embed(tokens);  for r = 1..R:  h_r = Block(x_r),  x_1 = h_0
         vanilla:    x_{r+1} = h_r
         StateLoop:  s_r = update(s_{r−1}, h_r),  x_{r+1} = h_r + W_o s_r
+        injection:  x_{r+1} ← Inject(x_{r+1}, h_0)     (r < R; none | add | concat | diag)
     logits = Head(FinalNorm(readout_R)),  readout_r = h_r (+ W_o s_r)
+
+Order of operations in one loop r: the block, then the state branch (x_{r+1} = h_r + W_o s_r),
+then the readout is taken (readout_r, what per-depth logits, exit gates and exit rules read), and
+only then is the embedding injected into the next loop's input (models/injection.py). So readouts
+never contain the injection, and nothing is injected after the last loop. The injection is run at
+the start of loop r+1, inside that loop's gradient context: under truncated backprop the first
+loop with a graph still sends gradients into the injection and the embedding.
 
 The final norm and head are shared by every depth, so any loop's readout can
 be decoded (per-depth metrics, exit gates). Plain PyTorch: no Lightning, Hydra
 or data code is imported here.
+
+Depth is a call-time knob (issue 15): `model(ids, n_loops=R′)` runs the shared block R′ times for
+any R′ ≥ 1, also beyond the configured R (`None` = R); `allocate_cache(..., n_loops=R′)` sizes the
+decoding caches for R′ and a cache only serves forwards at the depth it was allocated for. Beyond R
+nothing changes in the equations: StateLoop keeps updating its per-token state, and the exit gate's
+distribution is taken over the R′ loops actually run — p(t) = λ_t S_{t−1} for t < R′ and the last
+step R′ takes the remaining mass S_{R′−1} — so `exit_threshold`, exit rules, `exit_min_loops` and
+`exit_at_step` range over 1..R′. `backprop_loops=k` (randomized-depth training, Huginn's truncated
+backprop) runs loops 1..R′−k under no_grad, so only the last k loops, the final norm, the head and
+the gate get gradients; the earlier iterate enters loop R′−k+1 as a constant.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -23,6 +42,7 @@ from looplab.models.config import LoopedLMConfig
 from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth
 from looplab.models.exit_rules import EXIT_RULES, first_exit
 from looplab.models.hub import LoopedHubMixin
+from looplab.models.injection import build_injection
 from looplab.models.llama import AttentionLayer, RMSNorm
 from looplab.models.state import StateBranch
 
@@ -62,6 +82,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        # draws no random numbers (and is registered last): a seeded init of every other parameter is the un-injected model's
+        self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
         self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
         self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
@@ -74,7 +96,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         # residual writers are applied N·R times per forward, so scale by the effective depth
         out_std = std / math.sqrt(2 * cfg.n_layers * cfg.n_loops)
         for name, p in self.named_parameters():
-            if p.dim() == 2 and not name.startswith("state.state_out"):
+            if p.dim() == 2 and not name.startswith(("state.state_out", "inject.")):
                 s = out_std if name.endswith(("out_proj.weight", "down_proj.weight")) else std
                 nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
             elif name.endswith("bias"):
@@ -95,33 +117,54 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             "block": count(self.block),
             "state_branch": count(self.state),
             "exit_gate": count(self.exit_gate),
+            "injection": count(self.inject),
             "non_embedding": total - self.embed.weight.numel(),
         }
 
-    def flops_per_token(self, seq_len: int, training: bool = False) -> int:
+    def flops_per_token(self, seq_len: int, training: bool = False, loops: float | None = None,
+                        backprop_loops: float | None = None) -> int:
         """Analytic FLOPs per token counting every loop (unique parameters undercount a looped model).
 
         Forward: R·(Σ_layers + state branch) + LM head; training counts backward as 2× forward.
         Attention scores are counted over all seq_len keys (the convention of FlopCounterMode).
+        `loops` replaces R (a test-time depth, or a depth sampler's expected depth, hence a float);
+        `backprop_loops` is the (expected) number of loops whose backward runs under truncated
+        backprop (default: all of them).
         """
         cfg = self.config
+        loops = cfg.n_loops if loops is None else loops
         per_loop = sum(layer.flops_per_token(seq_len) for layer in self.block)
         if self.state is not None:
             per_loop += self.state.flops_per_token(seq_len)
-        fwd = cfg.n_loops * per_loop + 2 * cfg.d_model * cfg.vocab_size
-        return 3 * fwd if training else fwd
+        head = 2 * cfg.d_model * cfg.vocab_size
+        inj = self.inject.flops_per_token() if self.inject is not None else 0  # before loops 2..R
+        fwd = loops * per_loop + max(loops - 1, 0) * inj + head
+        if not training:
+            return round(fwd)
+        back = loops if backprop_loops is None else min(backprop_loops, loops)
+        return round(fwd + 2 * (back * per_loop + min(back, max(loops - 1, 0)) * inj + head))
 
     # ----------------------------------------------------------------- cache
-    def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> LoopCache:
+    def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None) -> LoopCache:
+        """Caches for decoding at depth n_loops (default R): one entry per (loop, layer)."""
         p = self.head.weight
         device, dtype = device or p.device, dtype or p.dtype
         entries = {}
-        for r in range(self.config.n_loops):
+        for r in range(self.loops(n_loops)):
             for l, layer in enumerate(self.block):
                 entries[(r, l)] = layer.allocate_cache(batch_size, max_len, device, dtype)
             if self.state is not None and self.state.mixer is not None:
                 entries[(r, "state")] = self.state.allocate_cache(batch_size, max_len, device, dtype)
         return LoopCache(entries, batch_size, max_len, device)
+
+    def loops(self, n_loops: int | None = None) -> int:
+        """The depth a call runs: n_loops (any R′ ≥ 1, also beyond the trained R) or the config's R."""
+        if n_loops is None:
+            return self.config.n_loops
+        if isinstance(n_loops, bool) or not isinstance(n_loops, int) or n_loops < 1:
+            raise ValueError(f"n_loops={n_loops!r} must be an integer >= 1 (the number of loops to run; None = "
+                             f"the configured R={self.config.n_loops})")
+        return n_loops
 
     # --------------------------------------------------------------- forward
     def forward(
@@ -137,27 +180,36 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         exit_at_step: int | None = None,
         expected_exit: bool = False,
         return_diagnostics: bool = False,
+        n_loops: int | None = None,
+        backprop_loops: int | None = None,
     ) -> LoopedLMOutput:
         cfg = self.config
         B, T = input_ids.shape
+        R = self.loops(n_loops)
+        self._check_cache_depth(cache, R)
+        no_grad_loops = self._no_grad_loops(R, backprop_loops)
         positions, valid = self._positions(input_ids, attention_mask, cache)
 
-        x = self.embed(input_ids)
+        x = e = self.embed(input_ids)
         s = self.state.initial_state(x) if self.state is not None else None
         readouts, diag = [], {"retention": [], "state_norm": [], "state_to_stream": []}
-        for r in range(cfg.n_loops):
-            h = self._run_block(x, r, positions, valid, cache)
-            if self.state is not None:
-                s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
-                readouts.append(x if cfg.state_in_output else h)
-                if return_diagnostics:
-                    with torch.no_grad():
-                        diag["retention"].append(a.mean().item())
-                        diag["state_norm"].append(s.norm(dim=-1).mean().item())
-                        diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
-            else:
-                x = h
-                readouts.append(h)
+        for r in range(R):
+            # truncated backprop: the loops before the last k run without a graph (their output is a constant)
+            with torch.no_grad() if r < no_grad_loops else contextlib.nullcontext():
+                if self.inject is not None and r > 0:
+                    x = self.inject(x, e)
+                h = self._run_block(x, r, positions, valid, cache)
+                if self.state is not None:
+                    s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
+                    readouts.append(x if cfg.state_in_output else h)
+                    if return_diagnostics:
+                        with torch.no_grad():
+                            diag["retention"].append(a.mean().item())
+                            diag["state_norm"].append(s.norm(dim=-1).mean().item())
+                            diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
+                else:
+                    x = h
+                    readouts.append(h)
 
         diagnostics = {k: v for k, v in diag.items() if v}
         if exit_rule is not None and exit_threshold is None:
@@ -166,15 +218,15 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         if not want_loops:
             return LoopedLMOutput(logits=self.head(self.final_norm(readouts[-1])), diagnostics=diagnostics)
 
-        loop_hidden = self.final_norm(torch.stack(readouts))  # (R, B, T, d)
+        loop_hidden = self.final_norm(torch.stack(readouts))  # (R′, B, T, d)
         loop_logits = self.head(loop_hidden)  # (R, B, T, V)
         out = LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden, diagnostics=diagnostics)
         if self.exit_gate is not None:
             out.exit_gate_logits = self.exit_gate.logit(loop_hidden).permute(1, 2, 0)  # (B, T, R)
             out.exit_probs = exit_distribution(torch.sigmoid(out.exit_gate_logits))
         if exit_at_step is not None:
-            if not 1 <= exit_at_step <= cfg.n_loops:
-                raise ValueError(f"exit_at_step={exit_at_step} must lie in 1..{cfg.n_loops}")
+            if not 1 <= exit_at_step <= R:
+                raise ValueError(f"exit_at_step={exit_at_step} must lie in 1..{R} (the loops this call runs)")
             out.exit_steps = torch.full((B, T), exit_at_step, dtype=torch.long, device=input_ids.device)
         elif exit_threshold is not None or expected_exit:
             rule = exit_rule or "gate"
@@ -183,14 +235,32 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                                  f"or a zero-shot exit_rule ({', '.join(EXIT_RULES[1:])})")
             if expected_exit:
                 out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs, loop_logits)
-                steps = torch.arange(1, cfg.n_loops + 1, device=input_ids.device, dtype=out.exit_probs.dtype)
+                steps = torch.arange(1, R + 1, device=input_ids.device, dtype=out.exit_probs.dtype)
                 out.diagnostics["expected_exit_step"] = [float((out.exit_probs * steps).sum(-1).mean())]
             else:
-                out.exit_steps = first_exit(rule, exit_threshold, cfg.n_loops, min_loops=exit_min_loops,
+                out.exit_steps = first_exit(rule, exit_threshold, R, min_loops=exit_min_loops,
                                             logits=loop_logits, hidden=loop_hidden, exit_probs=out.exit_probs)
         if out.exit_steps is not None:
             out.logits = logits_at_depth(loop_logits, out.exit_steps)
         return out
+
+    @staticmethod
+    def _no_grad_loops(R: int, backprop_loops: int | None) -> int:
+        """How many leading loops run under no_grad when only the last `backprop_loops` get gradients."""
+        if backprop_loops is None:
+            return 0
+        if isinstance(backprop_loops, bool) or not isinstance(backprop_loops, int) or backprop_loops < 1:
+            raise ValueError(f"backprop_loops={backprop_loops!r} must be an integer >= 1 (or None = every loop)")
+        return max(0, R - backprop_loops)
+
+    @staticmethod
+    def _check_cache_depth(cache: LoopCache | None, R: int) -> None:
+        if cache is None:
+            return
+        cached = 1 + max(r for r, _ in cache.entries)
+        if cached != R:
+            raise ValueError(f"this call runs n_loops={R} but the cache was allocated for {cached} loops; "
+                             f"allocate_cache(..., n_loops={R}) and decode every step at that depth")
 
     def _run_block(self, x, r, positions, valid, cache):
         """One application of the shared block (loop r); per-loop activation checkpointing trades

@@ -3,7 +3,8 @@
 - loop depth (table 2): perplexity vs R, one line per arm;
 - exit gate (table 8): accuracy vs mean exit depth, fixed loops / stage 1 / stage 2 per backbone;
 - task tables (5, 6): accuracy vs R per experiment (bars when N varies);
-- LM tables (1, 3, 7): perplexity per configuration (bars).
+- LM tables (1, 3, 7): perplexity per configuration (bars);
+- one run's test-time depth sweep (loop_depth.eval_loops): its metric against R′, the trained R marked.
 
 Error bars are the rows' 95% t-intervals over seeds (none with one seed).
 """
@@ -143,6 +144,37 @@ def plot_table(table: "Table", path: Path) -> Path | None:
         plot_bars(table, ax, "perplexity")
     ax.set_title(f"Table {table.spec.number}: {table.spec.title} ({table.scale})", fontsize=9)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_eval_loops(results: dict, path: Path) -> Path:
+    """depth.png of one run: the test metric at each test-time depth R′ (results.json's
+    per_depth.eval_loops) on a log2 axis, the trained R marked by a vertical line. Accuracy for
+    tasks, perplexity for language modelling."""
+    sweep = results["per_depth"]["eval_loops"]
+    depths = sorted(int(d) for d in sweep)
+    metric = "accuracy" if all(sweep[str(d)].get("accuracy") is not None for d in depths) else "perplexity"
+    values = [sweep[str(d)].get(metric) for d in depths]
+    R = results["model"]["loops"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(depths, values, marker="o")
+    ax.axvline(R, color="grey", linestyle="--", label=f"trained R = {R}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("test-time loops R′")
+    ax.set_ylabel(f"{metric} (held-out test)")
+    if metric == "accuracy":
+        ax.set_ylim(0, 1.02)
+    sampler = (results.get("depth") or {}).get("sampler", "fixed")
+    m = results["model"]
+    ax.set_title(f"{results.get('dataset')} · {m['backbone']} {m['layers']}⊗{R} · {m['state_mode']} · sampler {sampler}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from looplab.models import ConfigError, LoopedLMConfig
+from looplab.training.depth import DepthSampler
 
 # backbone.<key> → LoopedLMConfig field (same name unless listed)
 _BACKBONE_RENAMES = {"name": "backbone"}
@@ -31,7 +32,7 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
     for key in ("layers", "loops"):
         if key not in loop:
             raise ConfigError(f"loop_depth.{key} is missing (loop_depth needs layers=N and loops=R)")
-    fields: dict[str, Any] = {"n_layers": loop["layers"], "n_loops": loop["loops"]}
+    fields: dict[str, Any] = {"n_layers": loop["layers"], "n_loops": loop["loops"], "injection": loop.get("injection") or "none"}
     if not isinstance(loop["loops"], int) or loop["loops"] < 1:
         raise ConfigError(f"loop_depth.loops={loop['loops']!r} must be an integer >= 1 (R, the number of loops)")
     if not isinstance(loop["layers"], int) or loop["layers"] < 1:
@@ -99,3 +100,21 @@ def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:
         "eval_thresholds": list(gate.get("eval_thresholds", [])),
         "eval_per_depth": bool(cfg.get("eval_per_depth", True)),
     }
+
+
+def depth_from_cfg(cfg: DictConfig) -> DepthSampler:
+    """loop_depth.{sampler, min_loops, max_loops, sigma, backprop_loops} → the training-depth sampler,
+    seeded by the run's seed (so every rank and a resumed run draw the same depths)."""
+    return DepthSampler.from_config(_plain(cfg.loop_depth), seed=int(cfg.get("seed") or 0))
+
+
+def eval_loops_from_cfg(cfg: DictConfig) -> list[int]:
+    """loop_depth.eval_loops: the test-time depths evaluated after the test split ([] = none)."""
+    value = _plain(cfg.loop_depth).get("eval_loops")
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in value):
+        raise ConfigError(f"loop_depth.eval_loops={value!r} must be a list of integers >= 1 (e.g. [1,2,4,8]) or null")
+    return sorted(set(value))

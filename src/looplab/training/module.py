@@ -5,6 +5,14 @@ exit-gate stage 1 (Σ_t p(t)L^(t) − β·H(p)); stage 2 (gate-only BCE, everyth
 else frozen). Validation reports loss/accuracy from every loop depth through
 the shared final norm and head, exit statistics at each threshold q, and the
 StateLoop diagnostics (retention, state norm, ‖W_o s_r‖/‖h_r‖ per loop).
+
+Training depth (issue 15): each optimizer step runs `depth.draw(global_step)` loops
+(training/depth.py; R when the sampler is fixed), with gradients through the last
+`backprop_loops` of them. Stage 1 of the exit gate works at any drawn depth: the
+gate's distribution and the per-depth losses are taken over the loops that step ran
+(stage 2, which fits the gate of a frozen model, refuses a sampler).
+Validation and test run the configured R; `eval_depth = R′` (set by train.py for
+loop_depth.eval_loops) makes the test split run R′ loops and report under `test_loops{R′}/`.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from looplab.checkpoint import looplab_meta
-from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.exit_gate import logits_at_depth, stage1_loss, stage2_loss, threshold_exit_steps
+from looplab.training.depth import DepthSampler
 
 IGNORE = -100
 
@@ -44,6 +53,7 @@ class LoopedLMModule(L.LightningModule):
         dataset: dict[str, Any] | None = None,
         checkpoint_loops: bool = False,
         compile_block: bool = False,
+        depth: dict[str, Any] | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -56,6 +66,15 @@ class LoopedLMModule(L.LightningModule):
         self.optim_cfg, self.objective = optim, objective
         self.dataset_cfg = dataset or {}
         self.R = self.model.config.n_loops
+        # training depth per optimizer step (default: fixed at R, every loop backpropagated)
+        self.depth = DepthSampler(**{**(depth or {}), "loops": self.R})
+        self.depth.validate()
+        if self.depth.active and objective.get("exit_stage") == "stage2":
+            # stage 2 fits the gate of a frozen model at its depth; a drawn depth of 1 leaves no
+            # stop-or-continue decision to train (an empty loss)
+            raise ConfigError(f"loop_depth.sampler={self.depth.sampler!r} with exit_gate.stage=stage2: stage 2 trains the "
+                              "gate of a frozen model at its trained depth; use loop_depth.sampler=fixed")
+        self.eval_depth: int | None = None  # test at R′ instead of R (loop_depth.eval_loops)
         self.thresholds = [float(q) for q in objective.get("eval_thresholds", [])] if self.model.exit_gate else []
         self._metrics_by_split: dict[str, dict[str, MeanMetric]] = {}
         self.diagnostics: dict[str, list[float]] = {}
@@ -63,6 +82,11 @@ class LoopedLMModule(L.LightningModule):
             self.freeze_all_but_gate()
         if objective.get("skip_train_prob", 0.0) > 0:
             from looplab.models.exit_compute import skip_compute_unsupported
+
+            if self.depth.active or self.depth.backprop_loops is not None:
+                raise ConfigError(f"exit_gate.skip_train_prob with loop_depth.sampler={self.depth.sampler!r}, "
+                                  f"backprop_loops={self.depth.backprop_loops!r}: exit-aware fine-tuning runs the configured "
+                                  "depth with every loop's gradient; use loop_depth.sampler=fixed, backprop_loops=null")
 
             reason = skip_compute_unsupported(self.model.config, "kl", objective["skip_handling"])
             if reason:
@@ -117,15 +141,19 @@ class LoopedLMModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids, targets = batch["input_ids"], batch["targets"]
         stage = self.objective.get("exit_stage")
+        # the same draw on every rank and after a resume: a function of (seed, optimizer step) only
+        depth = dict(n_loops=self.depth.draw(self.global_step), backprop_loops=self.depth.backprop_loops)
+        if self.depth.active:
+            self.log("train/loops", float(depth["n_loops"]))
         if self.objective.get("skip_train_prob", 0.0) > 0:
             loss = self.exit_aware_loss(ids, targets)
         elif stage is None:
-            out = self.model(ids)
+            out = self.model(ids, **depth)
             loss = per_token_loss(out.logits, targets).mean()
         else:
-            out = self.model(ids, return_all_loops=True)
+            out = self.model(ids, return_all_loops=True, **depth)
             mask = targets != IGNORE
-            loop_losses = torch.stack([per_token_loss(lg, targets) for lg in out.loop_logits])  # (R, N)
+            loop_losses = torch.stack([per_token_loss(lg, targets) for lg in out.loop_logits])  # (R′ drawn, N)
             if stage == "stage1":
                 loss = stage1_loss(loop_losses, out.exit_probs[mask], self.objective["beta"],
                                    self.objective.get("final_loop_weight", 0.0))
@@ -155,16 +183,22 @@ class LoopedLMModule(L.LightningModule):
         return per_token_loss(out.logits, targets).mean()
 
     # ------------------------------------------------------------ evaluation
+    @property
+    def eval_R(self) -> int:
+        return self.eval_depth or self.R
+
     def _eval_step(self, batch: dict[str, torch.Tensor], split: str) -> None:
         ids, targets = batch["input_ids"], batch["targets"]
         answer_mask = batch.get("answer_mask")
-        per_depth = self.objective.get("eval_per_depth", True) or self.model.exit_gate is not None
-        first = not self.diagnostics and self.model.state is not None
-        out = self.model(ids, return_all_loops=per_depth, return_diagnostics=first)
+        at_r_prime = self.eval_depth is not None  # an eval_loops pass: the final metrics at R′ only
+        R = self.eval_R
+        per_depth = not at_r_prime and (self.objective.get("eval_per_depth", True) or self.model.exit_gate is not None)
+        first = not at_r_prime and not self.diagnostics and self.model.state is not None
+        out = self.model(ids, return_all_loops=per_depth, return_diagnostics=first, n_loops=R)
         if first:
             self.diagnostics = out.diagnostics
         loop_logits = out.loop_logits if per_depth else out.logits[None]
-        depths = range(1, self.R + 1) if per_depth else [self.R]
+        depths = range(1, R + 1) if per_depth else [R]
         mask = targets != IGNORE
         n_tok = int(mask.sum())
         for d, logits in zip(depths, loop_logits):
@@ -173,7 +207,7 @@ class LoopedLMModule(L.LightningModule):
             if answer_mask is not None:
                 acc = (logits.argmax(-1) == targets)[answer_mask].float()
                 self.metric(split, f"acc_loop{d}").update(acc.mean(), weight=acc.numel())
-        if self.model.exit_gate is not None:
+        if self.model.exit_gate is not None and not at_r_prime:
             steps = torch.arange(1, self.R + 1, device=ids.device, dtype=out.exit_probs.dtype)
             probs = out.exit_probs[mask]
             self.metric(split, "exit_expected_step").update((probs * steps).sum(-1).mean(), weight=n_tok)
@@ -193,12 +227,12 @@ class LoopedLMModule(L.LightningModule):
         values = {name: float(m.compute()) for name, m in metrics.items() if m.update_count > 0}
         for name, m in metrics.items():
             m.reset()
-        final = f"loss_loop{self.R}"
+        final = f"loss_loop{self.eval_R}"
         if final in values:
             values["loss"] = values[final]
             values["ppl"] = math.exp(min(values[final], 50.0))
-        if f"acc_loop{self.R}" in values:
-            values["acc"] = values[f"acc_loop{self.R}"]
+        if f"acc_loop{self.eval_R}" in values:
+            values["acc"] = values[f"acc_loop{self.eval_R}"]
         for key, series in self.diagnostics.items():
             for r, v in enumerate(series, start=1):
                 values[f"state_{key}_loop{r}"] = v
@@ -215,11 +249,15 @@ class LoopedLMModule(L.LightningModule):
     def on_validation_epoch_end(self):
         self._eval_epoch_end("val")
 
+    @property
+    def test_split(self) -> str:
+        return "test" if self.eval_depth is None else f"test_loops{self.eval_depth}"
+
     def test_step(self, batch, batch_idx):
-        self._eval_step(batch, "test")
+        self._eval_step(batch, self.test_split)
 
     def on_test_epoch_end(self):
-        self._eval_epoch_end("test")
+        self._eval_epoch_end(self.test_split)
 
     # ------------------------------------------------------------- optimiser
     def configure_optimizers(self):

@@ -1,0 +1,85 @@
+"""Input injection (issue 15): the embedding output e = h_0 re-enters the stream before every loop after the first.
+
+    none     x_{r+1} = x_{r+1}                                  (today)
+    add      x_{r+1} = x_{r+1} + W_in e                         W_in = 0 at init
+    concat   x_{r+1} = W_c [x_{r+1}; e]                         W_c = [I, 0] at init (Huginn's adapter)
+    diag     x_{r+1} = x_{r+1} + tanh(g) ⊙ e                    g = 0 at init; each channel's gain in (−1, 1) (Parcae)
+
+Every mode computes exactly the un-injected model at init, so an untrained injected model equals
+Vanilla Looped (or StateLoop) and a checkpoint without injection warm-starts one. Shared across
+loops like the block. Parameters are created without drawing random numbers (LoopedLM's generic
+init skips them too), so a seeded model's other parameters equal the un-injected model's. Where it sits in the loop (after the state branch, after the readout) is
+documented in models/looped.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+INJECTIONS = ("none", "add", "concat", "diag")
+
+
+class AddInjection(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d, d))  # W_in
+
+    @torch.no_grad()
+    def reset_special_parameters(self) -> None:
+        self.weight.zero_()
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return x + F.linear(e, self.weight)
+
+    def flops_per_token(self) -> int:
+        d = self.weight.shape[0]
+        return 2 * d * d + d
+
+
+class ConcatInjection(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d, 2 * d))  # W_c over [x; e]
+        self.reset_special_parameters()
+
+    @torch.no_grad()
+    def reset_special_parameters(self) -> None:
+        d = self.weight.shape[0]
+        self.weight.zero_()
+        self.weight[:, :d].copy_(torch.eye(d))
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.cat([x, e], dim=-1), self.weight)
+
+    def flops_per_token(self) -> int:
+        return 2 * self.weight.numel()
+
+
+class DiagInjection(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(d))  # g; the gain tanh(g) is bounded in (−1, 1)
+
+    @torch.no_grad()
+    def reset_special_parameters(self) -> None:
+        self.gate.zero_()
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.gate).to(x.dtype) * e
+
+    def flops_per_token(self) -> int:
+        return 2 * self.gate.numel()
+
+
+def build_injection(mode: str, d_model: int) -> nn.Module | None:
+    if mode == "none":
+        return None
+    if mode == "add":
+        return AddInjection(d_model)
+    if mode == "concat":
+        return ConcatInjection(d_model)
+    if mode == "diag":
+        return DiagInjection(d_model)
+    raise ValueError(f"injection={mode!r} is unknown; choose one of {INJECTIONS}")
