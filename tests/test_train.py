@@ -191,3 +191,14 @@ def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
     assert out.count("Trainable params") == 1  # the model summary, once
     assert "\x1b[" not in proc.stdout  # no terminal control sequences in a log file
     assert len(re.findall(r"step \d+/6 · loss", (tmp_path / "run" / "train.log").read_text())) == 3
+
+
+def test_rerun_of_a_finished_run_keeps_its_training_record(tiny_overrides, tmp_path):
+    """Re-running a finished job (a table run again) re-tests its checkpoint: results.json keeps the throughput of the
+    invocation that trained it and adds up the wall time of both, instead of reporting the re-test as the run."""
+    first = run_train(tiny_overrides, tmp_path / "r")
+    again = run_train(tiny_overrides, tmp_path / "r")
+    assert again["global_step"] == first["global_step"] == 6
+    assert first["throughput"]["tokens"] > 0 and again["throughput"] == first["throughput"]
+    assert first["wall_time_total_s"] == first["wall_time_s"]
+    assert again["wall_time_total_s"] == pytest.approx(first["wall_time_s"] + again["wall_time_s"])

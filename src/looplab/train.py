@@ -6,6 +6,7 @@ instantiate → check → fit → test (→ test at each loop_depth.eval_loops d
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -165,6 +166,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     results = collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val_metrics, test_metrics, throughput, start, trainer,
                               flops_train=flops_train, depth_metrics=depth_metrics)
+    if ckpt_path:
+        carry_over_timing(results, out_dir / "results.json")
     if trainer.is_global_zero:
         write_json_atomic(out_dir / "results.json", results)
         if depth_metrics:
@@ -174,6 +177,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         close_wandb()  # its own run summary first, so ours is the last thing printed
         print_summary(results, out_dir, loggers)
     return results
+
+
+def carry_over_timing(results: dict[str, Any], previous: Path) -> None:
+    """A resumed run: `wall_time_total_s` adds this invocation's wall time to every earlier one's (a crashed
+    attempt's too), and a run that trained no step now (a finished run re-tested) keeps the throughput
+    of the invocation that trained it, instead of reporting a re-test as its training speed."""
+    try:
+        prev = json.loads(previous.read_text())
+    except (OSError, ValueError):
+        return
+    before = prev.get("wall_time_total_s", prev.get("wall_time_s")) or 0.0
+    results["wall_time_total_s"] = float(before) + results["wall_time_s"]
+    if not results["throughput"].get("tokens") and (prev.get("throughput") or {}).get("tokens"):
+        results["throughput"] = prev["throughput"]
 
 
 def evaluate_depths(trainer, module, dm, depths: list[int]) -> dict[str, dict[str, float]]:
@@ -198,6 +215,7 @@ def _series(metrics: dict[str, float], prefix: str, R: int) -> list[float | None
 
 def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, throughput, start, trainer,
                     flops_train: int | None = None, depth_metrics: dict | None = None) -> dict[str, Any]:
+    wall = time.time() - start
     R = module.R
     final = test or val
     split = "test" if test else "val"
@@ -244,7 +262,8 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens,
                        "compiled": module.model.is_compiled},
         "global_step": trainer.global_step,
-        "wall_time_s": time.time() - start,
+        "wall_time_s": wall,
+        "wall_time_total_s": wall,  # a resumed run adds its earlier invocations' (carry_over_timing)
         "git_commit": git_commit(),
         "overrides": ctx["overrides"],
         "output_dir": str(ctx["output_dir"]),
