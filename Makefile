@@ -8,7 +8,7 @@ SCALE ?= tiny
 export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 
 .DEFAULT_GOAL := help
-TABLES := 1 2 3 4 5 6 7 8 10
+TABLES := 1 2 3 4 5 6 7 8 9 10
 .PHONY: help install demo test test-fast bench gpu-check sync-wandb clean tables \
         $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
 

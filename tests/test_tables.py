@@ -535,7 +535,8 @@ def test_every_table_has_findings_and_the_summary_gathers_them(tmp_path):
     for n, t in spec.TABLES.items():
         assert t.findings or t.kind == "exitgrid", n  # table 10 asks looplab's own question (issue 16's target)
         for f in t.findings:
-            assert f.sign in (-1, 1) and f.claim and f.metric in ("perplexity", "accuracy", "zero-shot", "exit step", "latency")
+            assert f.sign in (-1, 1) and f.claim and f.metric in ("perplexity", "accuracy", "accuracy at 2R", "zero-shot",
+                                                                  "exit step", "latency")
     _table3_runs(tmp_path / "out", [0.4, 0.5, 0.6])
     for n in spec.TABLES:
         kwargs = {"decode_json": tmp_path / "none.json"} if n == 4 else {}
@@ -669,3 +670,28 @@ def test_table10_plans_the_hybrid_gates_then_the_grid_and_reports_the_target(tmp
         runner.plan(10, "paper", tmp_path)
     t2 = report.build_exitgrid(spec.get(10), "tiny", tmp_path, exits_json=tmp_path / "none.json")
     assert any("make table10" in m for m in t2.missing) and not t2.rows
+
+
+def test_table9_rows_per_recipe_and_depth_and_its_findings(tmp_path):
+    (sw,) = spec.get(9).sweeps_for("tiny")
+    assert len(sw.grid([1, 2, 3])) == 18
+    at_8 = {("depth_fixed", "none"): 0.30, ("depth_fixed", "add"): 0.35, ("depth_random", "none"): 0.80,
+            ("depth_random", "add"): 0.90, ("depth_random_truncated", "none"): 0.60, ("depth_random_truncated", "add"): 0.62}
+    for combo in sw.grid([1, 2, 3]):
+        s = int(combo["seed"])
+        key = (combo["arm"], combo["loop_depth.injection"])
+        data = fake_result(sw, combo, loops=4, acc=1.0, seed=s, config=TASK_CFG)
+        data["per_depth"]["eval_loops"] = {str(k): {"loss": 1.0, "accuracy": 1.0 if k == 4 else at_8[key] + 0.01 * s}
+                                           for k in range(1, 9)}
+        write_run(table_root(tmp_path, 9, sw) / f"{key[0]}_{key[1]}_{s}", data)
+    t = report.build(9, "tiny", tmp_path)
+    assert len(t.rows) == 6 and not t.missing and t.columns[5:13] == [f"R′ = {k}" for k in range(1, 9)]
+    row = next(r for r in t.rows if r["arm"] == "depth_random" and r["injection"] == "add")
+    assert row["R′ = 8"].mean == pytest.approx(0.92) and row["R′ = 4"].mean == 1.0 and row["trained R"] == 4
+    got = {(v.finding.label, v.stratum): v for v in t.verdicts}
+    rand = got[("randomized depth − fixed depth", "injection = none")]
+    assert rand.diffs == pytest.approx([0.5] * 3) and rand.verdict == "reproduced"
+    inj = got[("add injection − no injection", "arm = depth_random_truncated")]
+    assert inj.diffs == pytest.approx([0.02] * 3) and inj.verdict == "inconclusive"  # within the examples' noise
+    paths = report.write(t, tmp_path / "tables")
+    assert (tmp_path / "tables" / "table9.png").exists()

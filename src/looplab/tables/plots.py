@@ -126,6 +126,25 @@ def plot_exitgrid(table: "Table", ax) -> None:
     ax.legend(fontsize=7)
 
 
+def plot_extrapolation(table: "Table", ax) -> None:
+    """Table 9: the metric against test-time depth R′, one line per recipe × injection, the trained R marked."""
+    cols = [c for c in table.columns if c.startswith("R′ = ")]
+    trained = set()
+    for row in table.rows:
+        pts = [(int(c.split("= ")[1]), *_mean_std(table, row, c)) for c in cols]
+        pts = [p for p in pts if p[1] is not None]
+        if pts:
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=2,
+                        label=f"{row.get('arm')} · {row.get('injection')}")
+        if row.get("trained R"):
+            trained.add(row["trained R"])
+    for r in trained:
+        ax.axvline(r, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("test-time depth R′ (dashed: trained R)")
+    ax.set_ylabel("accuracy (held-out)")
+    ax.legend(fontsize=7)
+
+
 def plot_table(table: "Table", path: Path) -> Path | None:
     """Draw the table's figure into `path` (PNG); None when the table kind has no plot (decode)."""
     kind = table.spec.kind
@@ -138,6 +157,8 @@ def plot_table(table: "Table", path: Path) -> Path | None:
         plot_exit(table, ax)
     elif kind == "exitgrid":
         plot_exitgrid(table, ax)
+    elif kind == "extrapolation":
+        plot_extrapolation(table, ax)
     elif kind == "task":
         plot_task(table, ax)
     else:

@@ -304,10 +304,12 @@ class Unit:
             return _value(lambda z: z["average_acc"], self.zeroshot) if self.zeroshot else None
         if metric == "latency":
             return _value(lambda d: d["latency"], d)
+        if metric == "accuracy at 2R":  # table 9: the final model tested at twice its trained depth
+            return _value(lambda d: d["per_depth"]["eval_loops"][str(2 * d["model"]["loops"])]["accuracy"], d)
         raise ValueError(f"unknown finding metric {metric!r}")
 
     def n_examples(self, metric: str) -> int | None:
-        if metric == "accuracy":
+        if metric in ("accuracy", "accuracy at 2R"):
             return self.examples
         if metric == "zero-shot" and self.zeroshot:
             return _zeroshot_items(self.zeroshot)
@@ -326,7 +328,7 @@ class Unit:
         return " ".join(parts) or "?"
 
 
-PROPORTIONS = ("accuracy", "zero-shot")  # metrics whose paired intervals also carry the examples' sampling noise
+PROPORTIONS = ("accuracy", "accuracy at 2R", "zero-shot")  # metrics whose paired intervals also carry the examples' sampling noise
 
 
 @dataclass
@@ -579,6 +581,7 @@ def run_facets(cell: "Cell", run: Run) -> dict[str, Any]:
         "experiment": exp,
         "protocol": _protocol(cell.sweep),
         "arm": cell.combo.get("arm"),
+        "injection": cell.combo.get("loop_depth.injection"),
         "size": cell.combo.get("backbone"),
         "backbone": m.get("backbone"),
         "state": m.get("state_mode"),
@@ -908,6 +911,30 @@ def build_task(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | N
     return table
 
 
+def build_extrapolation(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None) -> Table:
+    """Table 9: per training recipe × injection, the metric of the final model at each test-time depth R′."""
+    table, cells = _build_runs(spec, scale, out_root, seeds)
+    depths: list[int] = sorted({int(k) for c in cells for r in c.ok
+                                for k in ((r.data.get("per_depth") or {}).get("eval_loops") or {})})
+    metric = "accuracy" if any(_first(c, "accuracy") is not None for c in cells if c.ok) else "perplexity"
+    for c in cells:
+        if not c.ok:
+            continue
+        row = _base_row(c)
+        row["injection"] = c.combo.get("loop_depth.injection") or _first(c, "config", "loop_depth", "injection", default="none")
+        row["trained R"] = _first(c, "model", "loops")
+        for k in depths:
+            get = (lambda d, k=k: d["per_depth"]["eval_loops"][str(k)][metric])
+            row[f"R′ = {k}"] = stat(c.ok, get, _examples if metric == "accuracy" else None)
+        table.rows.append(row)
+    table.rows.sort(key=lambda r: (r.get("arm") or "", r["injection"]))
+    table.columns = ["arm", "injection", "N⊗R", "trained R", "seeds"] + [f"R′ = {k}" for k in depths] + ["steps"]
+    table.notes.append(f"R′ = k: test {metric} of the final model run with k loops (`model(ids, n_loops=k)`), mean ± 95% t "
+                       "over seeds; the model was trained at R (fixed) or at a depth drawn per step around R (randomized)")
+    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    return table
+
+
 def _paired_column(table: Table, cells: list[Cell], name: str, ref_arm, note: str) -> None:
     """Δ column: this row's perplexity minus the reference arm's at the same N⊗R, paired by seed."""
     by_key = {(_nxr(c), c.sweep.folder, c.combo.get("backbone"), c.combo.get("arm")): c for c in cells if c.ok and c.expected}
@@ -1119,7 +1146,7 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
     return table
 
 
-BUILDERS = {"exitgrid": build_exitgrid, "lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,
+BUILDERS = {"exitgrid": build_exitgrid, "extrapolation": build_extrapolation, "lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,
             "decode": build_decode}
 
 

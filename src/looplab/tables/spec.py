@@ -127,7 +127,7 @@ class Finding:
 
     label: str  # what is compared, e.g. "StateLoop − Vanilla Looped"
     claim: str  # what the paper reports, with its numbers
-    metric: str  # perplexity | accuracy | zero-shot | exit step | latency
+    metric: str  # perplexity | accuracy | accuracy at 2R | zero-shot | exit step | latency
     a: Filter
     b: Filter
     sign: int
@@ -225,6 +225,12 @@ TABLES: dict[int, TableSpec] = {
                   "paper": _exit_sweeps(["exit_gate_mamba", "exit_gate_llama", "exit_gate_stateloop"])}, "accuracy",
                  notes={"tiny": "1⊗4 on p-hop (n 32, p 3); stage 2 warm-starts from the fixed-loop run",
                         "paper": "4⊗4 on the Pile (accuracy = next-token accuracy)"}),
+    9: TableSpec(9, "Depth extrapolation: accuracy at test-time depth R′ = 1..2R per training recipe", "extrapolation",
+                 {"tiny": (sweep("depth_extrapolation_tiny"),), "paper": (sweep("depth_extrapolation"),)}, "accuracy",
+                 notes={"tiny": "p-hop (n 32, p 3) llama 1⊗4 d 64, 800 steps; fixed depth, randomized depth "
+                                "(poisson_lognormal, mean ≈ R, clamped to 1..2R) and randomized depth with backprop through "
+                                "the last 2 loops, each without and with `add` injection; the final model tested at R′ = 1..8",
+                        "paper": "llama 4⊗4 at 410M on the Pile, the same recipes, perplexity at R′ = 1..8"}),
     10: TableSpec(10, "Exit rules × state handlings: answer accuracy against measured decoding speed", "exitgrid",
                   {"tiny": (sweep("exit_gate_hybrid_tiny", params={"exit_gate": ["none"]}),
                             sweep("exit_gate_hybrid_tiny", fixed=["exit_gate.stage=stage2"], name="exit_gate_hybrid_tiny_stage2",
@@ -286,6 +292,17 @@ FINDINGS: dict[int, tuple[Finding, ...]] = {
         finding("N⊗R − (N·R)⊗1 (equal FLOPs)", "at equal FLOPs the deeper non-looped model (24⊗1) keeps the lower "
                 "validation perplexity", "perplexity", {"protocol": "isoflop", "R": "max"}, {"protocol": "isoflop", "R": "1"},
                 +1, per=("experiment",), match=("NR",)),
+    ),
+    9: (
+        finding("randomized depth − fixed depth", "Huginn: recurrent-depth models trained at a randomly sampled depth keep "
+                "improving when run deeper at test time; a fixed-depth looped model degrades beyond its trained depth "
+                "(users' report: perplexity 57.9 at the trained 8 loops, 170.7 at 16)", "accuracy at 2R",
+                {"arm": "depth_random"}, {"arm": "depth_fixed"}, +1, per=("injection",)),
+        finding("randomized depth, truncated backprop − fixed depth", "Huginn trains with randomized depth and "
+                "backpropagates through the last k loops only, and still extrapolates in depth", "accuracy at 2R",
+                {"arm": "depth_random_truncated"}, {"arm": "depth_fixed"}, +1, per=("injection",)),
+        finding("add injection − no injection", "Huginn and Parcae re-inject the input at every loop (Parcae: for stable "
+                "depth scaling)", "accuracy at 2R", {"injection": "add"}, {"injection": "none"}, +1, per=("arm",)),
     ),
     8: (
         finding("stage 2 at q = 0.5 − fixed loops at R", "140M Mamba-2: the stage-2 gate averages 38.87 vs 37.79 for the "
