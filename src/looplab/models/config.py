@@ -40,9 +40,11 @@ class LoopedLMConfig:
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
     n_layers: int = 1  # N: distinct layers in the looped block
     n_loops: int = 4  # R: how often the block is applied
+    prelude_layers: int = 0  # non-shared layers applied once before the looped block (issue 15)
+    coda_layers: int = 0  # non-shared layers applied to a loop's readout before the final norm and head
     ffn_hidden: int | None = None  # SwiGLU hidden width; None = 8/3·d rounded up to 64
     backbone: str = "llama"  # llama | mamba2 | hybrid
-    hybrid_pattern: str = "MMMA"  # hybrid: 'M' Mamba-2, 'A' attention; tiled over n_layers
+    hybrid_pattern: str = "MMMA"  # hybrid: 'M' Mamba-2, 'A' attention; tiled over n_layers (and the prelude, the coda)
     max_seq_len: int = 2048
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
@@ -97,6 +99,11 @@ class LoopedLMConfig:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len", "ffn_hidden", "state_dim"):
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 1, f"{name}={v!r} must be a positive integer")
+        for name, key in (("prelude_layers", "prelude"), ("coda_layers", "coda")):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                 f"{name} (loop_depth.{key})={v!r} must be an integer >= 0 (the number of non-shared layers "
+                 f"{'before' if key == 'prelude' else 'after'} the looped block; 0 = none)")
         need(
             isinstance(self.n_loops, int) and self.n_loops >= 1,
             f"n_loops (loop_depth.loops, R)={self.n_loops!r} must be >= 1: a looped model applies its block at least once",
@@ -108,7 +115,8 @@ class LoopedLMConfig:
              f"injection (loop_depth.injection)={self.injection!r} is unknown; choose one of {INJECTIONS}")
         need(self.kernel in KERNELS, f"kernel={self.kernel!r} is unknown; choose one of {KERNELS}")
         need(self.state_init in ("zeros", "learned"), f"state_init={self.state_init!r} must be 'zeros' or 'learned'")
-        if "A" in self.layer_types:
+        kinds = self.all_layer_types
+        if "A" in kinds:
             need(
                 self.d_model % self.n_heads == 0,
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -119,7 +127,7 @@ class LoopedLMConfig:
                 self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}",
             )
-        if "M" in self.layer_types or self.state_mode == "stateloop_mamba2":
+        if "M" in kinds or self.state_mode == "stateloop_mamba2":
             for name in ("d_state", "headdim", "expand", "ngroups", "d_conv", "chunk_size"):
                 v = getattr(self, name)
                 need(isinstance(v, int) and v >= 1, f"{name}={v!r} must be a positive integer")
@@ -148,12 +156,31 @@ class LoopedLMConfig:
     @property
     def layer_types(self) -> str:
         """One letter per layer of the looped block: 'A' attention(+MLP), 'M' Mamba-2."""
+        return self._kinds(self.n_layers)
+
+    @property
+    def prelude_layer_types(self) -> str:
+        """The prelude's layer kinds: the block's (hybrid: hybrid_pattern tiled from its start)."""
+        return self._kinds(self.prelude_layers)
+
+    @property
+    def coda_layer_types(self) -> str:
+        return self._kinds(self.coda_layers)
+
+    @property
+    def all_layer_types(self) -> str:
+        """Every layer kind the model holds: prelude, block, coda."""
+        return self.prelude_layer_types + self.layer_types + self.coda_layer_types
+
+    def _kinds(self, n: int) -> str:
+        if not isinstance(n, int) or n < 0:
+            return ""  # validate() names the bad count
         if self.backbone == "llama":
-            return "A" * self.n_layers
+            return "A" * n
         if self.backbone == "mamba2":
-            return "M" * self.n_layers
-        pat = self.hybrid_pattern
-        return "".join(pat[i % len(pat)] for i in range(self.n_layers))
+            return "M" * n
+        pat = self.hybrid_pattern or "M"
+        return "".join(pat[i % len(pat)] for i in range(n))
 
     @property
     def head_dim(self) -> int:

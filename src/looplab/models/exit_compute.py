@@ -20,8 +20,13 @@ kept"). `exit_gate.skip_compute` chooses how those entries are filled:
                    and nothing is projected again.
 
 One definition serves the reference and the decoder. In loop r, every layer (and the StateLoop
-state mixer) gets, for a token whose exit depth e is below r, the input it had at loop e
-("frozen"); under ssm_skip its Mamba-2 layers also get dt = 0 for that token. With frozen inputs
+state mixer, and each coda layer at depth r) gets, for a token whose exit depth e is below r, the
+input it had at loop e ("frozen"); under ssm_skip its Mamba-2 layers also get dt = 0 for that token.
+Prelude and coda (issue 15): the prelude runs once per token before the loops, with no exits and
+nothing to freeze. Each loop's readout goes through the coda, with that depth's coda caches, before
+the rule reads it, so the coda entries of a depth r beyond a token's exit are filled by the same
+rule: the coda layer at depth r gets the token's exit-depth coda input (attention and kv_copy:
+the exit depth's key/values; Mamba-2: that input under ssm_skip / ssm_propagate). With frozen inputs
 attention recomputes exactly the exit loop's key/values, so kv_copy is the same rule.
 `forward_with_exits` applies it to a whole sequence without caches (the reference the cached
 decoder is tested against); `skip_compute_step` applies it one token at a time from the caches,
@@ -52,14 +57,14 @@ def resolve_handling(skip_compute: bool | str | None) -> str | None:
 
 
 def has_ssm(config) -> bool:
-    return "M" in config.layer_types or config.state_mode == "stateloop_mamba2"
+    return "M" in config.all_layer_types or config.state_mode == "stateloop_mamba2"
 
 
 def skip_compute_unsupported(config, exit_rule: str | None = None, skip_compute: bool | str = True) -> str | None:
     """Why skip_compute (with this handling and exit rule) cannot be used with this model, or None."""
     handling = resolve_handling(skip_compute)
     if handling == "kv_copy" and has_ssm(config):
-        where = "the state mixer is Mamba-2" if "M" not in config.layer_types else f"backbone={config.backbone!r} has Mamba-2 layers"
+        where = "the state mixer is Mamba-2" if "M" not in config.all_layer_types else f"backbone={config.backbone!r} has Mamba-2 layers"
         return (
             f"skip_compute=kv_copy (or true) needs an attention-only model, but {where}: a Mamba-2 layer's "
             "recurrent state at each loop depends on every earlier token at that loop, so copying key/values "
@@ -102,8 +107,9 @@ def _is_ssm(module) -> bool:
 
 
 def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, frozen: FrozenInputs, e=None):
-    """One application of the block (loop r, 0-based) and the state branch with frozen inputs → (x, s, readout).
-    e: the embedding output, re-injected before every loop after the first when the model has input injection."""
+    """One application of the block (loop r, 0-based), the state branch and the coda with frozen inputs
+    → (x, s, readout), the readout after the coda (what the final norm reads).
+    e: the prelude output, re-injected before every loop after the first when the model has input injection."""
     if model.inject is not None and r > 0:
         x = model.inject(x, e)
     for l, layer in enumerate(model.block):
@@ -111,8 +117,13 @@ def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, fro
     h = x
     if model.state is not None:
         s, x, _ = model.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None, frozen=frozen)
-        return x, s, (x if model.config.state_in_output else h)
-    return h, s, h
+        readout = x if model.config.state_in_output else h
+    else:
+        readout = h
+    for l, layer in enumerate(model.coda):
+        key = ("coda", l)
+        readout = frozen.call(layer, key, readout, positions, valid, cache[r, key] if cache is not None else None)
+    return x, s, readout
 
 
 def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor | None, handling: str,
@@ -143,7 +154,7 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
         exit_steps = torch.full(input_ids.shape, R, dtype=torch.long, device=input_ids.device)
         decided = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     positions, valid = model._positions(input_ids, attention_mask, None)
-    x = e = model.embed(input_ids)
+    x = e = model.run_prelude(model.embed(input_ids), positions, valid, None)
     s = model.state.initial_state(x) if model.state is not None else None
     frozen = FrozenInputs(handling)
     readouts, hidden, probs = [], [], []
@@ -186,7 +197,10 @@ def _advance_exited(model, cache: LoopCache, r: int, exit_loop: torch.Tensor, po
                 dst.copy_position_from(src, pos, sel)
                 dst.length = max(dst.length, pos + 1)
             elif isinstance(dst, SSMCache):
-                mixer = model.state.mixer if key == "state" else model.block[key].mixer
+                if key == "state":
+                    mixer = model.state.mixer
+                else:
+                    mixer = (model.coda[key[1]] if isinstance(key, tuple) else model.block[key]).mixer
                 mixer.step_from(dst, src, sel, write=handling == "ssm_propagate")
                 dst.length = max(dst.length, src.length)
 
@@ -209,7 +223,7 @@ def skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshol
     positions, valid = cache.advance(None, 1)
     pos = cache.length - 1
 
-    x = e = model.embed(input_ids)
+    x = e = model.run_prelude(model.embed(input_ids), positions, valid, cache)
     s = model.state.initial_state(x) if model.state is not None else None
     frozen = FrozenInputs(handling)
     exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running

@@ -1,10 +1,26 @@
-"""LoopedLM: a block of N layers applied R times (N⊗R), SPEC §2–4.
+"""LoopedLM: a prelude, a block of N layers applied R times (N⊗R), and a coda, SPEC §2–4.
 
-    h_0 = Embed(tokens);  for r = 1..R:  h_r = Block(x_r),  x_1 = h_0
+    e = Prelude(Embed(tokens));  for r = 1..R:  h_r = Block(x_r),  x_1 = e
         vanilla:    x_{r+1} = h_r
         StateLoop:  s_r = update(s_{r−1}, h_r),  x_{r+1} = h_r + W_o s_r
-        injection:  x_{r+1} ← Inject(x_{r+1}, h_0)     (r < R; none | add | concat | diag)
-    logits = Head(FinalNorm(readout_R)),  readout_r = h_r (+ W_o s_r)
+        injection:  x_{r+1} ← Inject(x_{r+1}, e)     (r < R; none | add | concat | diag)
+    logits = Head(FinalNorm(Coda(readout_R))),  readout_r = h_r (+ W_o s_r)
+
+Prelude and coda (issue 15, Huginn's prelude/core/coda): `prelude_layers` and `coda_layers`
+non-shared layers of the block's kinds (hybrid: `hybrid_pattern` tiled over each), 0 by default,
+when the model is exactly the plain N⊗R one (no parameters, no state-dict keys). The prelude runs
+once per token; its output e is the first loop's input and what injection re-injects. The coda is
+part of the readout, not of the recurrence: it never feeds back into the loop. Design choice: every
+depth's readout passes through the same coda before the shared final norm and head, so per-depth
+logits (`return_all_loops`), exit gates (λ_t reads FinalNorm(Coda(readout_t))), exit rules and the
+StateLoop readout h_t + W_o s_t all see what the final prediction sees; a depth-t prediction is then
+the model's own prediction at depth t (Huginn decodes intermediate depths this way too), and a gate
+trained at depth t reads what the head reads. The cost: the coda runs at each depth whose output is
+read (per-depth outputs, exit thresholds and rules, expected exit, gate training), and only on the
+last readout otherwise. The coda at depth t sees its own inputs, so decoding keeps one coda cache
+entry per (loop, coda layer) — `(r, ("coda", l))` — and one per prelude layer, `("prelude", l)`; the
+coda entries of depth r < R are filled only by calls that read per-depth outputs, so one cache must
+be used with or without them throughout (mixing is refused).
 
 Order of operations in one loop r: the block, then the state branch (x_{r+1} = h_r + W_o s_r),
 then the readout is taken (readout_r, what per-depth logits, exit gates and exit rules read), and
@@ -75,7 +91,10 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         super().__init__()
         self.config = cfg = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # empty lists when 0: no parameters, no state-dict keys (a plain N⊗R checkpoint loads strictly)
+        self.prelude = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.prelude_layer_types)
         self.block = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.layer_types)
+        self.coda = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.coda_layer_types)
         self.state = StateBranch(cfg) if cfg.uses_state else None
         self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate != "none" else None
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -93,8 +112,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     def reset_parameters(self) -> None:
         cfg = self.config
         std = cfg.init_std or math.sqrt(2 / (5 * cfg.d_model))
-        # residual writers are applied N·R times per forward, so scale by the effective depth
-        out_std = std / math.sqrt(2 * cfg.n_layers * cfg.n_loops)
+        # residual writers are applied P + N·R + C times per forward, so scale by the effective depth
+        out_std = std / math.sqrt(2 * (cfg.prelude_layers + cfg.n_layers * cfg.n_loops + cfg.coda_layers))
         for name, p in self.named_parameters():
             if p.dim() == 2 and not name.startswith(("state.state_out", "inject.")):
                 s = out_std if name.endswith(("out_proj.weight", "down_proj.weight")) else std
@@ -114,7 +133,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         return {
             "total": total,
             "embedding": self.embed.weight.numel(),
+            "prelude": count(self.prelude),
             "block": count(self.block),
+            "coda": count(self.coda),
             "state_branch": count(self.state),
             "exit_gate": count(self.exit_gate),
             "injection": count(self.inject),
@@ -122,39 +143,47 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         }
 
     def flops_per_token(self, seq_len: int, training: bool = False, loops: float | None = None,
-                        backprop_loops: float | None = None) -> int:
+                        backprop_loops: float | None = None, all_readouts: bool = False) -> int:
         """Analytic FLOPs per token counting every loop (unique parameters undercount a looped model).
 
-        Forward: R·(Σ_layers + state branch) + LM head; training counts backward as 2× forward.
-        Attention scores are counted over all seq_len keys (the convention of FlopCounterMode).
-        `loops` replaces R (a test-time depth, or a depth sampler's expected depth, hence a float);
-        `backprop_loops` is the (expected) number of loops whose backward runs under truncated
-        backprop (default: all of them).
+        Forward: prelude + R·(Σ_layers + state branch) + readout, readout = coda + LM head: once (the
+        last loop's, as a plain forward reads it) or, with `all_readouts`, at each of the R loops (a
+        forward with per-depth outputs). Training counts backward as 2× forward; the prelude's and
+        the readout's backward are counted in full. Attention scores are counted over all seq_len
+        keys (the convention of FlopCounterMode). `loops` replaces R (a test-time depth, or a depth
+        sampler's expected depth, hence a float); `backprop_loops` is the (expected) number of loops
+        whose backward runs under truncated backprop (default: all of them).
         """
         cfg = self.config
         loops = cfg.n_loops if loops is None else loops
         per_loop = sum(layer.flops_per_token(seq_len) for layer in self.block)
         if self.state is not None:
             per_loop += self.state.flops_per_token(seq_len)
-        head = 2 * cfg.d_model * cfg.vocab_size
+        prelude = sum(layer.flops_per_token(seq_len) for layer in self.prelude)
+        readout = sum(layer.flops_per_token(seq_len) for layer in self.coda) + 2 * cfg.d_model * cfg.vocab_size
+        readout *= loops if all_readouts else 1
         inj = self.inject.flops_per_token() if self.inject is not None else 0  # before loops 2..R
-        fwd = loops * per_loop + max(loops - 1, 0) * inj + head
+        fwd = prelude + loops * per_loop + max(loops - 1, 0) * inj + readout
         if not training:
             return round(fwd)
         back = loops if backprop_loops is None else min(backprop_loops, loops)
-        return round(fwd + 2 * (back * per_loop + min(back, max(loops - 1, 0)) * inj + head))
+        return round(fwd + 2 * (prelude + back * per_loop + min(back, max(loops - 1, 0)) * inj + readout))
 
     # ----------------------------------------------------------------- cache
     def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None) -> LoopCache:
-        """Caches for decoding at depth n_loops (default R): one entry per (loop, layer)."""
+        """Caches for decoding at depth n_loops (default R): one entry per (loop, layer), one per
+        prelude layer ("prelude", l) and one per (loop, coda layer) (r, ("coda", l))."""
         p = self.head.weight
         device, dtype = device or p.device, dtype or p.dtype
-        entries = {}
+        entries = {("prelude", l): layer.allocate_cache(batch_size, max_len, device, dtype)
+                   for l, layer in enumerate(self.prelude)}
         for r in range(self.loops(n_loops)):
             for l, layer in enumerate(self.block):
                 entries[(r, l)] = layer.allocate_cache(batch_size, max_len, device, dtype)
             if self.state is not None and self.state.mixer is not None:
                 entries[(r, "state")] = self.state.allocate_cache(batch_size, max_len, device, dtype)
+            for l, layer in enumerate(self.coda):
+                entries[(r, ("coda", l))] = layer.allocate_cache(batch_size, max_len, device, dtype)
         return LoopCache(entries, batch_size, max_len, device)
 
     def loops(self, n_loops: int | None = None) -> int:
@@ -190,7 +219,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         no_grad_loops = self._no_grad_loops(R, backprop_loops)
         positions, valid = self._positions(input_ids, attention_mask, cache)
 
-        x = e = self.embed(input_ids)
+        x = e = self.run_prelude(self.embed(input_ids), positions, valid, cache)
         s = self.state.initial_state(x) if self.state is not None else None
         readouts, diag = [], {"retention": [], "state_norm": [], "state_to_stream": []}
         for r in range(R):
@@ -215,10 +244,12 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         if exit_rule is not None and exit_threshold is None:
             raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
         want_loops = return_all_loops or exit_threshold is not None or exit_at_step is not None or expected_exit
-        if not want_loops:
-            return LoopedLMOutput(logits=self.head(self.final_norm(readouts[-1])), diagnostics=diagnostics)
+        if not want_loops:  # the coda on the last readout only
+            z = self._coda(readouts[-1], R - 1, positions, valid, cache)
+            return LoopedLMOutput(logits=self.head(self.final_norm(z)), diagnostics=diagnostics)
 
-        loop_hidden = self.final_norm(torch.stack(readouts))  # (R′, B, T, d)
+        coda_out = [self._coda(z, r, positions, valid, cache) for r, z in enumerate(readouts)]
+        loop_hidden = self.final_norm(torch.stack(coda_out))  # (R′, B, T, d)
         loop_logits = self.head(loop_hidden)  # (R, B, T, V)
         out = LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden, diagnostics=diagnostics)
         if self.exit_gate is not None:
@@ -257,7 +288,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     def _check_cache_depth(cache: LoopCache | None, R: int) -> None:
         if cache is None:
             return
-        cached = 1 + max(r for r, _ in cache.entries)
+        cached = 1 + max(r for r, _ in cache.entries if isinstance(r, int))
         if cached != R:
             raise ValueError(f"this call runs n_loops={R} but the cache was allocated for {cached} loops; "
                              f"allocate_cache(..., n_loops={R}) and decode every step at that depth")
@@ -287,6 +318,27 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         for l, layer in enumerate(self._compiled_layers if compiled else self.block):
             x = layer(x, positions, valid, cache[r, l] if cache is not None else None)
         return x
+
+    def run_prelude(self, x, positions, valid, cache):
+        """The prelude layers, once per token (no exits there): Embed(tokens) → e."""
+        for l, layer in enumerate(self.prelude):
+            x = layer(x, positions, valid, cache["prelude", l] if cache is not None else None)
+        return x
+
+    def _coda(self, z, r, positions, valid, cache):
+        """The coda on loop r's readout (0-based), with that depth's coda caches."""
+        for l, layer in enumerate(self.coda):
+            entry = None
+            if cache is not None:
+                entry = cache[r, ("coda", l)]
+                if entry.length != cache.length - z.shape[1]:
+                    raise ValueError(
+                        f"the coda cache of loop {r + 1} holds {entry.length} tokens but the cache {cache.length - z.shape[1]}: "
+                        "the coda runs at every depth only in calls that read per-depth outputs (return_all_loops, "
+                        "exit_threshold, exit_at_step, expected_exit), so use one cache with such outputs on every "
+                        "call or on none")
+            z = layer(z, positions, valid, entry)
+        return z
 
     def _positions(self, input_ids, attention_mask, cache):
         B, T = input_ids.shape
