@@ -25,15 +25,18 @@ looped order (R copies of the block), so the check also holds for a retrofit.
                            ← source layer l·R, so one pass of the block samples the whole
                            source depth (L = 4, R = 2 → block [0, 2], run 0,2,0,2).
   --sharing middle_cycle   MoR's Middle-Cycle keeps the first and the last layer unshared
-                           (prelude / coda) and cycles the middle ones. looplab has no
-                           prelude/coda yet, so the block is taken stepwise from the middle
-                           layers 1..L−2 (N = (L−2) // R, layer l ← 1 + l·R) and the first and
-                           last layers are dropped, with a note; --prelude/--coda are refused.
+                           (prelude / coda) and cycles the middle ones. from-hf does not fill
+                           looplab's prelude/coda layers yet, so the block is taken stepwise from
+                           the middle layers 1..L−2 (N = (L−2) // R, layer l ← 1 + l·R) and the
+                           first and last layers are dropped, with a note; --prelude/--coda are refused.
 A retrofit changes the function (it is a new model to train), so only N⊗1 is required to
 match the source; the retrofit check compares with the re-stacked source instead.
 
 `to-hf` writes a training checkpoint as a looplab Hub-style folder (LoopedLM.save_pretrained):
 config.json, model.safetensors, the model card, and the dataset's tokenizer when it is a file.
+`to-hf --transformers` unrolls a vanilla model into P + N·R + C layers: its prelude layers, the
+block R times, its coda layers (a plain forward reads the coda once, after the last loop, so the
+unrolled stack is exact; checked like from-hf).
 """
 
 from __future__ import annotations
@@ -302,7 +305,7 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
     layers = choose_block_layers(base.n_layers, loops, block_layers, sharing)
     if sharing == "middle_cycle":
         log(f"note: middle_cycle without prelude/coda: source layers 0 and {base.n_layers - 1} are dropped "
-            f"(looplab has no prelude/coda yet); block = layers {layers}")
+            f"(from-hf does not fill prelude/coda layers yet); block = layers {layers}")
     cfg_dict = base.to_dict()
     cfg_dict.update(n_layers=len(layers), n_loops=loops,
                     extra={"converted_from": str(src), "source_model_type": fam.model_type, "block_layers": layers})
@@ -401,12 +404,12 @@ def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = Fal
 
 # --------------------------------------------------------------------------- to transformers
 def transformers_config(cfg: LoopedLMConfig):
-    """The transformers config of the unrolled model: N·R layers, the block repeated R times."""
+    """The transformers config of the unrolled model: P + N·R + C layers (prelude, the block R times, coda)."""
     if cfg.state_mode != "vanilla":
         _refuse("state_mode", cfg.state_mode, "transformers models have no StateLoop branch (export vanilla models)")
     if cfg.exit_gate != "none":
         _refuse("exit_gate", cfg.exit_gate, "transformers models have no exit gate")
-    depth = cfg.n_layers * cfg.n_loops
+    depth = unrolled_depth(cfg)
     if cfg.backbone == "llama":
         from transformers import LlamaConfig
 
@@ -432,23 +435,37 @@ def transformers_config(cfg: LoopedLMConfig):
     _refuse("backbone", cfg.backbone, "transformers has no looplab hybrid; export llama or mamba2 models")
 
 
+def unrolled_depth(cfg: LoopedLMConfig) -> int:
+    return cfg.prelude_layers + cfg.n_layers * cfg.n_loops + cfg.coda_layers
+
+
+def unrolled_layer(cfg: LoopedLMConfig, k: int) -> str:
+    """The looplab layer that unrolled layer k is: prelude.k, block.((k − P) mod N), or coda.(k − P − N·R)."""
+    P, NR = cfg.prelude_layers, cfg.n_layers * cfg.n_loops
+    if k < P:
+        return f"prelude.{k}"
+    if k < P + NR:
+        return f"block.{(k - P) % cfg.n_layers}"
+    return f"coda.{k - P - NR}"
+
+
 def unmap_state_dict(fam: Family, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], cfg: LoopedLMConfig) -> dict[str, torch.Tensor]:
-    """The inverse of map_state_dict for the unrolled model: source layer k ← block layer k mod N;
+    """The inverse of map_state_dict for the unrolled model: source layer k ← `unrolled_layer(cfg, k)`;
     fused tensors split at the sizes of the transformers parameters (`theirs`, shapes only)."""
     out = {fam.embed: ours["embed.weight"], fam.final_norm: ours["final_norm.weight"]}
     if "lm_head.weight" in theirs:
         out["lm_head.weight"] = ours["head.weight"]
-    for k in range(cfg.n_layers * cfg.n_loops):
-        pre, l = f"{fam.layers_prefix}.{k}.", k % cfg.n_layers
+    for k in range(unrolled_depth(cfg)):
+        pre, layer = f"{fam.layers_prefix}.{k}.", unrolled_layer(cfg, k)
         for name, parts in fam.layer_map:
-            t = ours[f"block.{l}.{name}"]
+            t = ours[f"{layer}.{name}"]
             for p, piece in zip(parts, t.split([theirs[pre + p].shape[0] for p in parts], dim=0)):
                 out[pre + p] = piece.clone()
     return out
 
 
 def to_transformers(model: LoopedLM, out: str | os.PathLike, tokenizer=None, tolerance: float = TOLERANCE, log=print):
-    """Write a vanilla N⊗R LoopedLM as a transformers folder (its N·R layers unrolled, so the
+    """Write a vanilla N⊗R LoopedLM as a transformers folder (its P + N·R + C layers unrolled, so the
     shared weights are stored R times), checked like from-hf; returns the max relative difference."""
     from transformers import AutoModelForCausalLM
 
@@ -460,7 +477,7 @@ def to_transformers(model: LoopedLM, out: str | os.PathLike, tokenizer=None, tol
     hf_model.load_state_dict(sd, strict=True)
     hf_model.eval()
     diff = max_relative_logit_diff(model.float(), hf_model, fam.model_type)
-    log(f"equivalence check vs the exported {cfg.n_layers * cfg.n_loops}-layer transformers model: "
+    log(f"equivalence check vs the exported {unrolled_depth(cfg)}-layer transformers model: "
         f"max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
     if not diff <= tolerance:
         raise ConversionError(f"exported model differs: max relative logit difference {diff:.3e} > {tolerance:g}")
@@ -490,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--block-layers", type=_int_list, default=None, help="source layers forming the block, e.g. 0,2")
     f.add_argument("--sharing", choices=("cycle", "middle_cycle"), default=None,
                    help="choose the block layers as Mixture-of-Recursions does (see the module docstring)")
-    f.add_argument("--prelude", type=int, default=None, help="not available yet (needs prelude/coda in looplab)")
-    f.add_argument("--coda", type=int, default=None, help="not available yet (needs prelude/coda in looplab)")
+    f.add_argument("--prelude", type=int, default=None, help="not available yet (from-hf fills the block only)")
+    f.add_argument("--coda", type=int, default=None, help="not available yet (from-hf fills the block only)")
     f.add_argument("--no-check", action="store_true", help="skip the built-in logit comparison")
     t = sub.add_parser("to-hf", help="looplab training checkpoint → looplab Hub-style folder")
     t.add_argument("ckpt", help="a training checkpoint (last.ckpt file or sharded folder) or a looplab folder")
@@ -502,8 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "from-hf":
             if a.prelude or a.coda:
-                raise ConversionError("--prelude/--coda need prelude and coda layers, which looplab does not have yet "
-                                      "(the depth issue); convert the block only (--block-layers / --sharing)")
+                raise ConversionError("--prelude/--coda: from-hf does not fill looplab's prelude/coda layers yet; convert "
+                                      "the block only (--block-layers / --sharing), then train with loop_depth.prelude/coda "
+                                      "from scratch")
             from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, check=not a.no_check)
         else:
             to_hf(a.ckpt, a.out, transformers=a.transformers)

@@ -150,7 +150,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted)
     module.flops_per_batch = flops_train * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
     log.info("model: %s | params %s | state-branch overhead %.3f%% | forward FLOPs/token %.3g",
-             f"{model_cfg.backbone} {model_cfg.n_layers}x{model_cfg.n_loops} {model_cfg.state_mode} gate={model_cfg.exit_gate}",
+             f"{model_cfg.backbone} {model_cfg.n_layers}x{model_cfg.n_loops} (prelude {model_cfg.prelude_layers}, coda "
+             f"{model_cfg.coda_layers}) {model_cfg.state_mode} gate={model_cfg.exit_gate}",
              f"{params['total']:,}", 100 * params["state_branch"] / max(1, params["total"] - params["state_branch"]), flops_fwd)
 
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
@@ -241,7 +242,8 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "group": cfg.get("group"),
         "tags": list(cfg.get("tags") or []),
         "seed": cfg.seed,
-        "model": {"backbone": mc.backbone, "layers": mc.n_layers, "loops": mc.n_loops, "state_mode": mc.state_mode,
+        "model": {"backbone": mc.backbone, "layers": mc.n_layers, "loops": mc.n_loops,
+                  "prelude": mc.prelude_layers, "coda": mc.coda_layers, "state_mode": mc.state_mode,
                   "exit_gate": mc.exit_gate, "exit_stage": module.objective.get("exit_stage"), "d_model": mc.d_model},
         "dataset": cfg.dataset.get("name"),
         "metrics": {**val, **test},
@@ -278,7 +280,10 @@ def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None
 
     m = results["model"]
     console = Console()
-    table = Table(title=f"{results['dataset']} · {m['backbone']} {m['layers']}⊗{m['loops']} · {m['state_mode']}"
+    shape = f"{m['layers']}⊗{m['loops']}"
+    if m.get("prelude") or m.get("coda"):  # older results.json files have neither
+        shape = f"prelude {m.get('prelude', 0)} + {shape} + coda {m.get('coda', 0)}"
+    table = Table(title=f"{results['dataset']} · {m['backbone']} {shape} · {m['state_mode']}"
                         f" · held-out {results['final_split']} split")
     table.add_column("loop depth")
     has_acc = any(v is not None for v in results["per_depth"]["acc"])

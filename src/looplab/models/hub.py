@@ -65,6 +65,8 @@ def model_card_text(cfg, num_params: int, source: str | None = None) -> str:
         "| field | value |",
         "|---|---|",
         f"| N⊗R | {n}⊗{r} |",
+        *([f"| prelude / coda layers | {cfg.prelude_layers} / {cfg.coda_layers} |"]
+          if getattr(cfg, "prelude_layers", 0) or getattr(cfg, "coda_layers", 0) else []),
         f"| backbone | {cfg.backbone}" + (f" (pattern {cfg.hybrid_pattern})" if cfg.backbone == "hybrid" else "") + " |",
         f"| state mode | {cfg.state_mode} |",
         f"| exit gate | {cfg.exit_gate} |",

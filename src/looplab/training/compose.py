@@ -32,11 +32,17 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
     for key in ("layers", "loops"):
         if key not in loop:
             raise ConfigError(f"loop_depth.{key} is missing (loop_depth needs layers=N and loops=R)")
-    fields: dict[str, Any] = {"n_layers": loop["layers"], "n_loops": loop["loops"], "injection": loop.get("injection") or "none"}
+    fields: dict[str, Any] = {"n_layers": loop["layers"], "n_loops": loop["loops"], "injection": loop.get("injection") or "none",
+                              "prelude_layers": loop.get("prelude", 0), "coda_layers": loop.get("coda", 0)}
     if not isinstance(loop["loops"], int) or loop["loops"] < 1:
         raise ConfigError(f"loop_depth.loops={loop['loops']!r} must be an integer >= 1 (R, the number of loops)")
     if not isinstance(loop["layers"], int) or loop["layers"] < 1:
         raise ConfigError(f"loop_depth.layers={loop['layers']!r} must be an integer >= 1 (N, the block's layers)")
+    for key in ("prelude", "coda"):
+        v = fields[f"{key}_layers"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"loop_depth.{key}={v!r} must be an integer >= 0 (non-shared layers "
+                              f"{'before' if key == 'prelude' else 'after'} the looped block; 0 = none)")
 
     known = set(LoopedLMConfig.__dataclass_fields__)
     for key, value in backbone.items():

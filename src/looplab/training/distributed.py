@@ -131,8 +131,9 @@ def recover_checkpoint(path: str | os.PathLike) -> None:
 
 
 def shard_looped_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> None:
-    """FSDP2: `fully_shard` each backbone layer (a unit gathered at each of its R uses), then the root
-    (embedding, state branch, exit gate, final norm and head). Idempotent."""
+    """FSDP2: `fully_shard` each backbone layer (a unit gathered at each of its R uses; the prelude and
+    coda layers are units of their own too, being the same layer classes), then the root (embedding,
+    state branch, exit gate, final norm and head). Idempotent."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
