@@ -83,7 +83,7 @@ class FrozenInputs:
 
     def __init__(self, handling: str):
         self.handling = handling
-        self.inputs: dict = {}  # key (layer index or "state") → (B, T, d) input at each token's last run loop
+        self.inputs: dict = {}  # key (layer index, "state" or ("coda", l)) → (B, T, d) input at each token's last run loop
         self.gone: torch.Tensor | None = None  # (B, T) bool: tokens whose exit depth is below this loop
 
     def set_loop(self, gone: torch.Tensor | None) -> None:

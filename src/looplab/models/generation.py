@@ -205,7 +205,7 @@ def generate(
     Batched prompts are left-padded with attention_mask (1 = token, 0 = padding); each row
     then gets the tokens it would get alone. Rows that emit eos keep emitting eos; generation
     stops early (n < max_new_tokens) once every row has finished. n_loops=R′ decodes at a test-time
-    depth (any R′ ≥ 1, caches sized for R′; not with skip_compute yet).
+    depth (any R′ ≥ 1, caches sized for R′; skip_compute included).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]

@@ -305,7 +305,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
 
         Only cache-free training forwards use it. Evaluation, scoring and cached decoding keep
         the eager layers: their shapes change from call to call, and each new shape would be
-        another compilation. Parameters stay shared with the eager layers (same state dict).
+        another compilation. Parameters stay shared with the eager layers (same state dict). The
+        prelude and coda layers stay eager (not compiled).
         """
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.block]
 
