@@ -301,19 +301,23 @@ def run_train(overrides, run_dir):
 
 
 def test_training_run_with_prelude_and_coda(tiny_overrides, tmp_path):
+    """The issue's done-when run at tiny scale: prelude, coda, injection, a depth sampler with truncated
+    backprop and test-time depths."""
     run_dir = tmp_path / "run"
     res = run_train(tiny_overrides + ["loop_depth=1x2", "loop_depth.prelude=1", "loop_depth.coda=1",
-                                      "loop_depth.injection=add"], run_dir)
+                                      "loop_depth.injection=add", "loop_depth.sampler=poisson_lognormal",
+                                      "loop_depth.backprop_loops=1", "loop_depth.eval_loops=[1,4]"], run_dir)
     on_disk = json.loads((run_dir / "results.json").read_text())
     assert on_disk["status"] == "ok" and on_disk["model"]["prelude"] == 1 and on_disk["model"]["coda"] == 1
+    assert set(on_disk["per_depth"]["eval_loops"]) == {"1", "4"} and (run_dir / "depth.png").exists()
     assert res["model"]["prelude"] == 1
     from looplab.checkpoint import load_model
 
     model, _ = load_model(run_dir / "checkpoints" / "last.ckpt")
     assert model.config.prelude_layers == 1 and model.config.coda_layers == 1 and model.config.injection == "add"
     assert on_disk["params"]["prelude"] == on_disk["params"]["coda"] == on_disk["params"]["block"] > 0
-    seq = on_disk["flops_per_token"]["seq_len"]
-    assert on_disk["flops_per_token"]["forward"] == model.flops_per_token(seq)
+    seq, loops = on_disk["flops_per_token"]["seq_len"], on_disk["flops_per_token"]["loops"]
+    assert on_disk["flops_per_token"]["forward"] == model.flops_per_token(seq, loops=loops)
 
 
 @pytest.mark.parametrize("override,match", [("loop_depth.prelude=-1", "loop_depth.prelude=-1"),
