@@ -7,8 +7,8 @@
     logits = Head(FinalNorm(Coda(readout_R))),  readout_r = h_r (+ W_o s_r)
 
 Prelude and coda (issue 15, Huginn's prelude/core/coda): `prelude_layers` and `coda_layers`
-non-shared layers of the block's kinds (hybrid: `hybrid_pattern` tiled over each), 0 by default,
-when the model is exactly the plain N⊗R one (no parameters, no state-dict keys). The prelude runs
+non-shared layers of the block's kinds (hybrid: `hybrid_pattern` tiled over each); at the default
+0 / 0 the model is exactly the plain N⊗R one (no parameters, no state-dict keys). The prelude runs
 once per token; its output e is the first loop's input and what injection re-injects. The coda is
 part of the readout, not of the recurrence: it never feeds back into the loop. Design choice: every
 depth's readout passes through the same coda before the shared final norm and head, so per-depth

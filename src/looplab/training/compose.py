@@ -33,7 +33,8 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
         if key not in loop:
             raise ConfigError(f"loop_depth.{key} is missing (loop_depth needs layers=N and loops=R)")
     fields: dict[str, Any] = {"n_layers": loop["layers"], "n_loops": loop["loops"], "injection": loop.get("injection") or "none",
-                              "prelude_layers": loop.get("prelude", 0), "coda_layers": loop.get("coda", 0)}
+                              "prelude_layers": 0 if loop.get("prelude") is None else loop["prelude"],
+                              "coda_layers": 0 if loop.get("coda") is None else loop["coda"]}
     if not isinstance(loop["loops"], int) or loop["loops"] < 1:
         raise ConfigError(f"loop_depth.loops={loop['loops']!r} must be an integer >= 1 (R, the number of loops)")
     if not isinstance(loop["layers"], int) or loop["layers"] < 1:
