@@ -75,7 +75,8 @@ def test_every_table_spec_composes(number, scale):
             grid = sw.grid()
             assert grid and len(grid) == len({tuple(c.items()) for c in grid})
             for combo in grid:
-                over = [f"+experiment={sw.experiment}", *sw.combo_overrides(combo), *sw.fixed]
+                # Hydra's multirun puts the experiment's own sweep params (e.g. +arm=...) before +experiment=...
+                over = [*sw.combo_overrides(combo), f"+experiment={sw.experiment}", *sw.fixed]
                 if sw.init_from:
                     over.append("exit_gate.init_from=some.ckpt")
                 cfg = compose(over)
@@ -86,6 +87,10 @@ def test_every_table_spec_composes(number, scale):
                     assert mc.n_loops == int(combo["loop_depth.loops"])
                 if "exit_gate" in combo:
                     assert mc.exit_gate == combo["exit_gate"]
+                arm_states = {"vanilla": "vanilla", "looped": "vanilla", "stateloop": "stateloop", "stateloop_attn": "stateloop_attn",
+                              "stateloop_mamba2": "stateloop_mamba2", "stateloop_reset": "stateloop_reset"}
+                if combo.get("arm") in arm_states:  # the arm decides the state mode (table 1 once had every arm = stateloop)
+                    assert mc.state_mode == arm_states[combo["arm"]], (sw.experiment, combo)
 
 
 def test_paper_dry_run_prints_exact_commands(capsys):
