@@ -25,12 +25,7 @@ STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "st
 V, R, Q, ATOL = 61, 4, 0.5, 3e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
 def make_model(backbone, state_mode, seed=0, gate_bias=-0.3, mamba_mlp=False) -> LoopedLM:

@@ -24,13 +24,7 @@ V = 61
 ATOL = 2e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models: intra-op threads only add contention on a shared CPU (seconds per test instead of ms)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
 def combo_params(backbones=BACKBONES, state_modes=STATE_MODES, gates=GATES):

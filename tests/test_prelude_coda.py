@@ -24,12 +24,7 @@ BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_mamba2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
 def make_config(backbone="llama", state_mode="vanilla", exit_gate="ouro", n_loops=R, **kw) -> LoopedLMConfig:

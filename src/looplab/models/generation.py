@@ -146,8 +146,9 @@ def stream(
             f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={cfg.max_seq_len}; "
             "shorten the prompt or lower max_new_tokens"
         )
-    if resolve_handling(skip_compute) is not None:
-        _check_skip(cfg, resolve_handling(skip_compute), exit_rule, exit_threshold)
+    handling = resolve_handling(skip_compute)
+    if handling is not None:
+        _check_skip(cfg, handling, exit_rule, exit_threshold)
     if exit_rule is not None and exit_threshold is None:
         raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
     if exit_threshold is not None:

@@ -145,6 +145,15 @@ def plot_extrapolation(table: "Table", ax) -> None:
     ax.legend(fontsize=7)
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_table(table: "Table", path: Path) -> Path | None:
     """Draw the table's figure into `path` (PNG); None when the table kind has no plot (decode)."""
     kind = table.spec.kind
@@ -165,12 +174,7 @@ def plot_table(table: "Table", path: Path) -> Path | None:
         plot_bars(table, ax, "perplexity")
     ax.set_title(f"Table {table.spec.number}: {table.spec.title} ({table.scale})", fontsize=9)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_eval_loops(results: dict, path: Path) -> Path:
@@ -196,9 +200,4 @@ def plot_eval_loops(results: dict, path: Path) -> Path:
     ax.set_title(f"{results.get('dataset')} · {m['backbone']} {m['layers']}⊗{R} · {m['state_mode']} · sampler {sampler}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
