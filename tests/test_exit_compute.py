@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 
+import json
+
 import pytest
 import torch
 
@@ -227,7 +229,7 @@ def test_exit_grid_on_a_trained_checkpoint(tiny_overrides, tmp_path):
     assert len(ckpts) == 1
     grid = [("gate", 0.5), ("hidden_delta", 0.0), ("entropy", 1e9)]
     res = exit_grid.run_checkpoint(ckpts[0], n_quality=32, n_time=1, grid=grid)
-    assert res["seed"] is not None and res["backbone"] == "mamba2"
+    assert res["seed"] is not None and res["backbone"] == "mamba2" and res["training"] == "standard"
     assert [(r["rule"], r["handling"]) for r in res["rows"]] == [(rule, h) for rule, _ in grid for h in ("ssm_skip", "ssm_propagate")]
     for r in res["rows"]:
         assert r["answers"] > 0 and set(r["per_token_ms"]) == {"all_loops", "exact_exit", "skip"}
@@ -239,6 +241,22 @@ def test_exit_grid_on_a_trained_checkpoint(tiny_overrides, tmp_path):
     summary = exit_grid.summarize([res, {**res, "seed": 2}])
     assert len(summary) == 6 and all(s["accuracy_skip"]["n"] == 2 for s in summary)
     assert all(isinstance(s["meets_target"], bool) for s in summary)
+
+
+def test_exit_grid_names_the_body_training_through_the_stage2_run(tmp_path):
+    """A stage-2 gate's row says how the body it started from was trained (issue 16 item 3: exit-aware vs standard)."""
+    from looplab.bench.exit_grid import body_training
+
+    def run(name, gate):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "results.json").write_text(json.dumps({"config": {"exit_gate": gate}}))
+        return str(tmp_path / name / "checkpoints" / "last.ckpt")
+
+    aware = run("aware", {"name": "none", "skip_train_prob": 0.5, "skip_compute": "ssm_skip"})
+    plain = run("plain", {"name": "none", "skip_train_prob": 0.0, "skip_compute": False})
+    assert body_training(run("s2_aware", {"name": "ouro", "stage": "stage2", "init_from": aware})) == "exit-aware (ssm_skip, p=0.5)"
+    assert body_training(run("s2_plain", {"name": "ouro", "stage": "stage2", "init_from": plain})) == "standard"
+    assert body_training(aware) == "exit-aware (ssm_skip, p=0.5)" and body_training(tmp_path / "nowhere.ckpt") == "standard"
 
 
 @pytest.mark.parametrize("backbone,state_mode,handling,injection", [

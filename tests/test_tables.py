@@ -644,30 +644,43 @@ def test_make_table4_report_writes_fresh_files(tmp_path):
 
 
 def test_table10_plans_the_hybrid_gates_then_the_grid_and_reports_the_target(tmp_path):
-    cmds = runner.plan(10, "tiny", tmp_path, dry_run=True)
-    assert "exit_gate=none" in cmds[0].argv and "exit_gate.stage=stage2" in cmds[1].argv and len(cmds) == 5
+    cmds = runner.plan(10, "tiny", tmp_path, dry_run=True, jobs=2)
+    assert len(cmds) == 9 and all("exit_gate=none" in c.argv for c in cmds[:2])
+    assert "exit_gate.skip_train_prob=0.5" in cmds[1].argv and "exit_gate.skip_compute=ssm_skip" in cmds[1].argv
+    assert all("exit_gate.stage=stage2" in c.argv and "hardware.num_threads=1" in c.argv for c in cmds[2:8])
+    assert any("exit_gate_hybrid_tiny_skiptrain/" in a for a in cmds[7].argv if a.startswith("exit_gate.init_from="))
+    # the six stage-2 runs form one batch that the runner starts two at a time; the sweeps before them do not
+    assert [len(b) for b in runner._batches(cmds)] == [1, 1, 6, 1]
     grid = cmds[-1].argv
+    assert grid[-2:] == ["--jobs", "2"]
     assert grid[1:3] == ["-m", "looplab.bench.exit_grid"]
     assert str(tmp_path / "table8" / "tiny" / "exit_gate_mamba_tiny_stage2") in grid
     assert str(tmp_path / "table10" / "tiny" / "exit_gate_hybrid_tiny_stage2") in grid
 
-    def run(bb, seed, speed, acc_skip):
+    def run(bb, seed, speed, acc_skip, training="standard"):
         rows = [{"rule": "gate", "threshold": 0.5, "handling": h, "answers": 512,
                  "accuracy": {"all_loops": 0.9, "exact_exit": 0.9, "skip": acc_skip}, "mean_exit_step": {"exact_exit": 2.0, "skip": 2.1},
                  "per_token_ms": {"all_loops": 2.0 * speed, "exact_exit": 2.2 * speed, "skip": 2.0},
                  "speedup_vs_all_loops": speed, "speedup_vs_exact_exit": 1.1 * speed} for h in ("ssm_skip", "ssm_propagate")]
-        return {"backbone": bb, "state_mode": "vanilla", "n_layers": 1, "n_loops": 4, "seed": seed, "rows": rows}
+        return {"backbone": bb, "state_mode": "vanilla", "n_layers": 1, "n_loops": 4, "seed": seed, "rows": rows,
+                "training": training}
 
+    aware = "exit-aware (ssm_skip, p=0.5)"
     data = {"n_quality": 512, "n_time": 4, "threads": 1, "grid": {"gate": [0.5]},
-            "runs": [run("mamba2", s, 1.6 + 0.01 * s, 0.895) for s in (1, 2, 3)] + [run("hybrid", s, 1.2, 0.9) for s in (1, 2, 3)]}
+            "runs": [run("mamba2", s, 1.6 + 0.01 * s, 0.895) for s in (1, 2, 3)] + [run("hybrid", s, 1.2, 0.9) for s in (1, 2, 3)]
+            + [run("hybrid", s, 1.2, 0.93 + 0.01 * s, aware) for s in (1, 2, 3)]}
     (tmp_path / "exits.json").write_text(json.dumps(data))
     t = report.build_exitgrid(spec.get(10), "tiny", tmp_path, seeds=[1, 2, 3], exits_json=tmp_path / "exits.json")
-    assert len(t.rows) == 4 and all(r["seeds"] == 3 for r in t.rows)
+    assert len(t.rows) == 6 and all(r["seeds"] == 3 for r in t.rows)
     mamba = [r for r in t.rows if r["backbone"] == "mamba2"]
     assert all(r["target"] == "met" for r in mamba) and all(r["target"] == "" for r in t.rows if r["backbone"] == "hybrid")
     assert mamba[0]["accuracy lost (all loops − skip)"].mean == pytest.approx(0.005)
     (line,) = [v for k, v in t.summary.items() if k.startswith("target")]
-    assert line.startswith("**met** by mamba2 vanilla gate 0.5 ssm_")
+    assert line.startswith("**met** by mamba2 vanilla standard gate 0.5 ssm_")
+    # item 3: exit-aware − standard training, paired by seed, per handling at the gate
+    aware_lines = {k: v for k, v in t.summary.items() if "exit-aware − standard" in k}
+    assert len(aware_lines) == 2 and all(k.endswith("**better**") for k in aware_lines)
+    assert all(v.mean == pytest.approx(0.05) for v in aware_lines.values())
     assert any("exit_gate_hybrid_tiny" in m for m in t.missing)  # its own gated hybrid runs have not run here
     paths = report.write(t, tmp_path / "tables")
     assert (tmp_path / "tables" / "table10.png").exists() and "no finding" in (tmp_path / "tables" / "README.md").read_text()

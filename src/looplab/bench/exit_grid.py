@@ -126,16 +126,29 @@ def run_checkpoint(path: str | Path, n_quality: int = 512, n_time: int = 4, grid
     cfg = model.config
     return {"checkpoint": str(path), "backbone": cfg.backbone, "state_mode": cfg.state_mode, "n_layers": cfg.n_layers,
             "n_loops": cfg.n_loops, "d_model": cfg.d_model, "task": meta["dataset"].get("task"), "seed": _run_seed(path),
-            "n_quality": min(n_quality, len(examples)), "n_time": n_time, "rows": rows}
+            "training": body_training(path), "n_quality": min(n_quality, len(examples)), "n_time": n_time, "rows": rows}
+
+
+def _results(ckpt: str | Path) -> dict[str, Any]:
+    """results.json of the run folder holding checkpoints/last.ckpt ({} when there is none)."""
+    try:
+        return json.loads((Path(ckpt).parent.parent / "results.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _run_seed(ckpt: str | Path) -> int | None:
-    """The training run's seed, from the results.json of the run folder holding checkpoints/last.ckpt."""
-    res = Path(ckpt).parent.parent / "results.json"
-    try:
-        return json.loads(res.read_text()).get("seed")
-    except (OSError, json.JSONDecodeError):
-        return None
+    return _results(ckpt).get("seed")
+
+
+def body_training(ckpt: str | Path) -> str:
+    """How the looped body was trained: "exit-aware (HANDLING, p=P)" when the run — or, for a stage-2 gate, the run
+    it started from (exit_gate.init_from) — trained with exit_gate.skip_train_prob > 0, else "standard"."""
+    gate = (_results(ckpt).get("config") or {}).get("exit_gate") or {}
+    if not float(gate.get("skip_train_prob") or 0) and gate.get("init_from"):
+        gate = (_results(gate["init_from"]).get("config") or {}).get("exit_gate") or {}
+    p = float(gate.get("skip_train_prob") or 0)
+    return f"exit-aware ({gate.get('skip_compute')}, p={p:g})" if p else "standard"
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,10 +159,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
     for run in runs:
         for row in run["rows"]:
-            key = (run["backbone"], run["state_mode"], row["rule"], row["threshold"], row["handling"])
+            key = (run["backbone"], run["state_mode"], run.get("training", "standard"), row["rule"], row["threshold"],
+                   row["handling"])
             groups.setdefault(key, []).append((run, row))
     out = []
-    for (bb, sm, rule, th, h), items in groups.items():
+    for (bb, sm, training, rule, th, h), items in groups.items():
         def stat(values):
             values = [float(v) for v in values]
             lo, hi = t_interval(values) if len(values) > 1 else (float("nan"), float("nan"))
@@ -157,7 +171,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
         rows = [r for _, r in items]
         loss = [r["accuracy"]["all_loops"] - r["accuracy"]["skip"] for r in rows]
-        s = {"backbone": bb, "state_mode": sm, "rule": rule, "threshold": th, "handling": h,
+        s = {"backbone": bb, "state_mode": sm, "training": training, "rule": rule, "threshold": th, "handling": h,
              "accuracy_all_loops": stat(r["accuracy"]["all_loops"] for r in rows),
              "accuracy_exact_exit": stat(r["accuracy"]["exact_exit"] for r in rows),
              "accuracy_skip": stat(r["accuracy"]["skip"] for r in rows),
@@ -189,17 +203,33 @@ def checkpoints_in(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def run(paths: Sequence[str | Path], n_quality: int = 512, n_time: int = 4, threads: int = 1) -> dict[str, Any]:
-    ckpts = checkpoints_in(paths)
-    if not ckpts:
-        raise SystemExit(f"no trained checkpoint in {', '.join(map(str, paths))}; run `make table8` (gated p-hop runs) first")
+def _run_one(args: tuple[Path, int, int, int]) -> dict[str, Any]:
+    ckpt, n_quality, n_time, threads = args
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runs = [run_checkpoint(c, n_quality, n_time) for c in ckpts]
+        return run_checkpoint(ckpt, n_quality, n_time)
     finally:
         torch.set_num_threads(old)
-    return {"threads": threads, "n_quality": n_quality, "n_time": n_time, "grid": {k: list(v) for k, v in GRID.items()},
+
+
+def run(paths: Sequence[str | Path], n_quality: int = 512, n_time: int = 4, threads: int = 1,
+        jobs: int = 1) -> dict[str, Any]:
+    """jobs > 1: that many checkpoints at once, each in its own process with `threads` threads (the three decoders of
+    one configuration are still timed round-robin inside one process, so the load hits them alike)."""
+    ckpts = checkpoints_in(paths)
+    if not ckpts:
+        raise SystemExit(f"no trained checkpoint in {', '.join(map(str, paths))}; run `make table8` (gated p-hop runs) first")
+    work = [(c, n_quality, n_time, threads) for c in ckpts]
+    if jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(jobs, len(work)), mp_context=mp.get_context("spawn")) as pool:
+            runs = list(pool.map(_run_one, work))
+    else:
+        runs = [_run_one(w) for w in work]
+    return {"threads": threads, "jobs": jobs, "n_quality": n_quality, "n_time": n_time, "grid": {k: list(v) for k, v in GRID.items()},
             "target": {"speedup_vs_all_loops": TARGET_SPEEDUP, "accuracy_lost": TARGET_LOSS},
             "runs": runs, "summary": summarize(runs)}
 
@@ -210,13 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/exits.json")
     ap.add_argument("--n-quality", type=int, default=512, help="test sequences scored per configuration (batched)")
     ap.add_argument("--n-time", type=int, default=4, help="test sequences decoded token by token for the timing")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per checkpoint process")
+    ap.add_argument("--jobs", type=int, default=1, help="checkpoints measured at once (one process each)")
     args = ap.parse_args(argv)
-    res = run(args.paths, args.n_quality, args.n_time, args.threads)
+    res = run(args.paths, args.n_quality, args.n_time, args.threads, args.jobs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     for s in res["summary"]:
-        print(f"{s['backbone']:7s} {s['state_mode']:17s} {s['rule']:13s} {s['threshold']:<6g} {s['handling']:13s} "
+        print(f"{s['backbone']:7s} {s['state_mode']:17s} {s['training']:24s} {s['rule']:13s} {s['threshold']:<6g} {s['handling']:13s} "
               f"acc skip {s['accuracy_skip']['mean']:.3f} (all {s['accuracy_all_loops']['mean']:.3f}) "
               f"exit {s['mean_exit_step_skip']['mean']:.2f} speed-up {s['speedup_vs_all_loops']['mean']:.2f}x")
     print(f"wrote {args.out}")

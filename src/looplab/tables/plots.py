@@ -115,7 +115,8 @@ def plot_exitgrid(table: "Table", ax) -> None:
         x, xs = _mean_std(table, row, "speed-up vs all loops")
         y, ys = _mean_std(table, row, "accuracy, skip")
         if x is not None and y is not None:
-            series.setdefault(f"{row['backbone']} {row['state']} ({row['handling']})", []).append((x, y, xs, ys))
+            trained = "" if row.get("training", "standard") == "standard" else ", exit-aware"
+            series.setdefault(f"{row['backbone']} {row['state']} ({row['handling']}{trained})", []).append((x, y, xs, ys))
     for name, pts in sorted(series.items()):
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], xerr=[p[2] for p in pts], yerr=[p[3] for p in pts],
                     fmt="o", capsize=2, label=name, alpha=0.8)

@@ -1108,16 +1108,16 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
     for run in data.get("runs", []):
         for row in run["rows"]:
-            key = (run["backbone"], run["state_mode"], f"{run['n_layers']}⊗{run['n_loops']}", row["rule"], row["threshold"],
-                   row["handling"])
+            key = (run["backbone"], run["state_mode"], f"{run['n_layers']}⊗{run['n_loops']}", run.get("training", "standard"),
+                   row["rule"], row["threshold"], row["handling"])
             groups.setdefault(key, []).append((run, row))
     met = []
-    for (bb, sm, nr, rule, th, h), items in groups.items():
+    for (bb, sm, nr, training, rule, th, h), items in groups.items():
         rows = [r for _, r in items]
         answers = min(r["answers"] for r in rows)
         lost = Stat([r["accuracy"]["all_loops"] - r["accuracy"]["skip"] for r in rows])
         speed = Stat([r["speedup_vs_all_loops"] for r in rows])
-        row = {"backbone": bb, "state": sm, "N⊗R": nr, "rule": rule, "threshold": th, "handling": h,
+        row = {"backbone": bb, "state": sm, "N⊗R": nr, "training": training, "rule": rule, "threshold": th, "handling": h,
                "seeds": len(rows),
                "accuracy, all loops": Stat([r["accuracy"]["all_loops"] for r in rows], answers),
                "accuracy, exact exit": Stat([r["accuracy"]["exact_exit"] for r in rows], answers),
@@ -1129,10 +1129,11 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
                "ms/token, skip": Stat([r["per_token_ms"]["skip"] for r in rows])}
         row["target"] = "met" if speed.mean >= TARGET_SPEEDUP and lost.mean <= TARGET_LOSS else ""
         if row["target"]:
-            met.append(f"{bb} {sm} {rule} {th:g} {h}")
+            met.append(f"{bb} {sm} {training} {rule} {th:g} {h}")
         table.rows.append(row)
-    table.rows.sort(key=lambda r: (r["backbone"], r["state"], r["rule"], r["threshold"], r["handling"]))
-    table.columns = ["backbone", "state", "N⊗R", "rule", "threshold", "handling", "seeds", "accuracy, all loops",
+    table.rows.sort(key=lambda r: (r["backbone"], r["state"], r["training"], r["rule"], r["threshold"], r["handling"]))
+    _exit_aware_training(table, groups)
+    table.columns = ["backbone", "state", "N⊗R", "training", "rule", "threshold", "handling", "seeds", "accuracy, all loops",
                      "accuracy, exact exit", "accuracy, skip", "accuracy lost (all loops − skip)", "mean exit step (skip)",
                      "speed-up vs all loops", "speed-up vs exact exit", "ms/token, skip", "target"]
     ssm = [m for m in met if not m.split()[-1] == "kv_copy"]
@@ -1144,6 +1145,28 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
                        f"timing, {data.get('threads')} thread(s); thresholds per rule: {data.get('grid')}")
     table.sizes = f"{data.get('n_quality')} test sequences (one answer each) per configuration"
     return table
+
+
+def _exit_aware_training(table: Table, groups: dict[tuple, list[tuple[dict, dict]]]) -> None:
+    """Issue 16 item 3: exit-aware training − standard training of the same backbone, paired by seed, on skip
+    decoding's accuracy at each handling's learned gate (q = 0.5 and 0.7) and at its best zero-shot configuration."""
+    by_key: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for (bb, sm, nr, training, rule, th, h), items in groups.items():
+        arm = "standard" if training == "standard" else "exit-aware"
+        by_key.setdefault((bb, sm, nr, rule, th, h), {}).setdefault(arm, {}).update({run.get("seed"): row for run, row in items})
+    for (bb, sm, nr, rule, th, h), arms in sorted(by_key.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        if len(arms) < 2 or not (rule == "gate" and th in (0.5, 0.7)):
+            continue
+        seeds = sorted(set(arms["standard"]) & set(arms["exit-aware"]))
+        if len(seeds) < 2:
+            continue
+        diff = Stat([arms["exit-aware"][k]["accuracy"]["skip"] - arms["standard"][k]["accuracy"]["skip"] for k in seeds])
+        exits = Stat([arms["exit-aware"][k]["mean_exit_step"]["skip"] - arms["standard"][k]["mean_exit_step"]["skip"]
+                      for k in seeds])
+        lo, hi = diff.interval
+        verdict = "better" if lo > 0 else "worse" if hi < 0 else "inconclusive"
+        table.summary[f"{bb} {nr}, {h}, gate q = {th:g}: exit-aware − standard training, skip accuracy "
+                      f"(paired over {len(seeds)} seeds; mean exit step {exits.mean:+.2f}) — **{verdict}**"] = diff
 
 
 BUILDERS = {"exitgrid": build_exitgrid, "extrapolation": build_extrapolation, "lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,

@@ -31,6 +31,7 @@ class Command:
     sweep: Sweep | None = None
     note: str = ""
     seed: int | None = None
+    parallel: int = 1  # stage-2 runs (one command per seed): this many of the consecutive ones run at once
 
     def __str__(self) -> str:
         return shlex.join(self.argv)
@@ -75,13 +76,15 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
     argv += [_override_list(k, v) for k, v in sw.params]
     argv += list(sw.fixed)
     if init_from is not None:
+        if jobs > 1 and not hardware:  # the runner starts `jobs` stage-2 commands at once: split the cores
+            argv.append(f"hardware.num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
         argv.append(f"exit_gate.init_from={init_from}")
         if seed is not None:
             argv += [f"seed={seed}", f"hydra.sweep.subdir=seed{seed}"]
     elif seeds:
         argv.append(_override_list("seed", seeds))
     argv += list(extra)
-    return Command(argv, sw, seed=seed)
+    return Command(argv, sw, seed=seed, parallel=jobs if init_from is not None and not hardware else 1)
 
 
 def _experiment_hardware(sw: Sweep) -> str | None:
@@ -151,9 +154,9 @@ def exit_grid_dirs(scale: str, out_root: Path) -> list[Path]:
     return [sweep_dir(out_root, n, scale, sw) for n in (8, 10) for sw in get(n).sweeps_for(scale) if sw.init_from is not None]
 
 
-def exit_grid_command(scale: str, out_root: Path, exits_json: Path = DEFAULT_EXITS_JSON) -> Command:
+def exit_grid_command(scale: str, out_root: Path, exits_json: Path = DEFAULT_EXITS_JSON, jobs: int = 1) -> Command:
     argv = [sys.executable, "-m", "looplab.bench.exit_grid", *map(str, exit_grid_dirs(scale, out_root)), "--out", str(exits_json),
-            "--threads", "1"]
+            "--threads", "1", "--jobs", str(jobs)]
     return Command(argv, note="exit rules x thresholds x handlings on the trained gates (bench/exit_grid.py)")
 
 
@@ -192,12 +195,38 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
             for seed in seeds or [None]:
                 path = resolve_init_from(spec, scale, sw, out_root, seed, seeds, dry_run=True)
                 cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds,
-                                          hardware=hardware, init_from=path, seed=seed))
+                                          hardware=hardware, init_from=path, seed=seed, jobs=jobs))
     if spec.kind == "exitgrid":
-        cmds.append(exit_grid_command(scale, out_root))
+        cmds.append(exit_grid_command(scale, out_root, jobs=jobs))
     if zeroshot if zeroshot is not None else number == 1:
         cmds.append(zeroshot_command(spec, scale, out_root))
     return cmds
+
+
+def _batches(cmds: list[Command]) -> list[list[Command]]:
+    """Consecutive stage-2 commands that may run at once (parallel > 1, none starting from another's sweep) form one
+    batch; every other command is a batch of its own."""
+    out: list[list[Command]] = []
+    for cmd in cmds:
+        last = out[-1] if out else None
+        if (cmd.parallel > 1 and last and last[0].parallel > 1 and cmd.sweep.init_from[0] not in {c.sweep.folder for c in last}):
+            last.append(cmd)
+        else:
+            out.append([cmd])
+    return out
+
+
+def _execute(cmd: Command, env: dict[str, str], number: int) -> dict:
+    t0 = time.time()
+    try:
+        rc = subprocess.run(cmd.argv, env=env).returncode
+    except OSError as e:  # a command that cannot even start must not stop the table
+        print(f"[table{number}] could not start: {e}", flush=True)
+        rc = -1
+    dt = time.time() - t0
+    if rc != 0:
+        print(f"[table{number}] exited with {rc} after {dt:.0f} s; going on (the report lists missing/failed runs)", flush=True)
+    return {"argv": cmd.argv, "returncode": rc, "seconds": dt}
 
 
 def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: str | None = None,
@@ -214,30 +243,30 @@ def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: s
                 decode_json=decode_json, dry_run=True, zeroshot=zeroshot, jobs=jobs)
     records = []
     run_env = {**os.environ, **(env or {})}
-    for cmd in cmds:
-        if cmd.sweep is not None and cmd.sweep.init_from is not None and not dry_run:
-            # stage 2: the earlier sweep has run by now; take its real checkpoint
-            path = resolve_init_from(spec, scale, cmd.sweep, out_root, cmd.seed, seeds, dry_run=False)
-            if path is None:
-                msg = f"skipped: the run {cmd.sweep.init_from} that stage 2 starts from has no ok results.json"
-                print(f"[table{number}] {msg}\n  {cmd}", flush=True)
-                records.append({"argv": cmd.argv, "returncode": None, "skipped": msg, "seconds": 0.0})
-                continue
-            cmd.argv = [a if not a.startswith("exit_gate.init_from=") else f"exit_gate.init_from={path}" for a in cmd.argv]
-        print(f"[table{number}] {cmd}", flush=True)
-        if dry_run:
-            records.append({"argv": cmd.argv, "returncode": None, "seconds": 0.0})
-            continue
-        t0 = time.time()
-        try:
-            rc = subprocess.run(cmd.argv, env=run_env).returncode
-        except OSError as e:  # a command that cannot even start must not stop the table
-            print(f"[table{number}] could not start: {e}", flush=True)
-            rc = -1
-        dt = time.time() - t0
-        if rc != 0:
-            print(f"[table{number}] exited with {rc} after {dt:.0f} s; going on (the report lists missing/failed runs)", flush=True)
-        records.append({"argv": cmd.argv, "returncode": rc, "seconds": dt})
+    for batch in _batches(cmds):
+        ready = []
+        for cmd in batch:
+            if cmd.sweep is not None and cmd.sweep.init_from is not None and not dry_run:
+                # stage 2: the earlier sweep has run by now; take its real checkpoint
+                path = resolve_init_from(spec, scale, cmd.sweep, out_root, cmd.seed, seeds, dry_run=False)
+                if path is None:
+                    msg = f"skipped: the run {cmd.sweep.init_from} that stage 2 starts from has no ok results.json"
+                    print(f"[table{number}] {msg}\n  {cmd}", flush=True)
+                    records.append({"argv": cmd.argv, "returncode": None, "skipped": msg, "seconds": 0.0})
+                    continue
+                cmd.argv = [a if not a.startswith("exit_gate.init_from=") else f"exit_gate.init_from={path}" for a in cmd.argv]
+            print(f"[table{number}] {cmd}", flush=True)
+            if dry_run:
+                records.append({"argv": cmd.argv, "returncode": None, "seconds": 0.0})
+            else:
+                ready.append(cmd)
+        if len(ready) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(batch[0].parallel) as pool:
+                records += list(pool.map(lambda c: _execute(c, run_env, number), ready))
+        else:
+            records += [_execute(c, run_env, number) for c in ready]
     if not dry_run:
         log = Path(out_root) / f"table{number}" / scale / "runner.json"
         log.parent.mkdir(parents=True, exist_ok=True)

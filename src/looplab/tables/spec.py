@@ -106,6 +106,8 @@ def sweep(experiment: str, params: dict[str, list[str]] | None = None, fixed: li
     )
 
 
+SKIP_TRAIN_PROB = 0.5  # table 10's exit-aware arm: the share of tokens trained at a sampled exit
+
 Filter = tuple[tuple[str, str], ...]
 
 
@@ -233,11 +235,19 @@ TABLES: dict[int, TableSpec] = {
                         "paper": "llama 4⊗4 at 410M on the Pile, the same recipes, perplexity at R′ = 1..8"}),
     10: TableSpec(10, "Exit rules × state handlings: answer accuracy against measured decoding speed", "exitgrid",
                   {"tiny": (sweep("exit_gate_hybrid_tiny", params={"exit_gate": ["none"]}),
+                            # issue 16 item 3: the same body trained exit-aware (ssm_skip at sampled exits, p = 0.5)
+                            sweep("exit_gate_hybrid_tiny", params={"exit_gate": ["none"]},
+                                  fixed=[f"exit_gate.skip_train_prob={SKIP_TRAIN_PROB}", "exit_gate.skip_compute=ssm_skip"],
+                                  name="exit_gate_hybrid_tiny_skiptrain"),
                             sweep("exit_gate_hybrid_tiny", fixed=["exit_gate.stage=stage2"], name="exit_gate_hybrid_tiny_stage2",
-                                  init_from=("exit_gate_hybrid_tiny", {"exit_gate": "none"}))),
+                                  init_from=("exit_gate_hybrid_tiny", {"exit_gate": "none"})),
+                            sweep("exit_gate_hybrid_tiny", fixed=["exit_gate.stage=stage2"],
+                                  name="exit_gate_hybrid_tiny_skiptrain_stage2",
+                                  init_from=("exit_gate_hybrid_tiny_skiptrain", {"exit_gate": "none"}))),
                    "paper": ()}, "accuracy",
                   notes={"tiny": "p-hop (n 32, p 3) 1⊗4 llama / StateLoop / Mamba-2 from table 8's stage-2 runs and 2⊗4 "
-                                 "hybrid trained here (fixed loops, then stage 2), 3 seeds; every exit rule × threshold "
+                                 "hybrid trained here (fixed loops, then stage 2; and the same with exit-aware training: "
+                                 "ssm_skip at sampled exits with p = 0.5, then stage 2), 3 seeds; every exit rule × threshold "
                                  "(bench/exit_grid.py GRID) × state handling; accuracy and exit step over 512 test "
                                  "sequences, ms/token of cached decoding over 4, one thread",
                          "paper": "not defined: the grid scores task answers (table 8's paper runs are LM runs); run "
