@@ -136,7 +136,42 @@ def test_block_choice_follows_the_sharing_patterns():
     with pytest.raises(convert.ConversionError, match="not both"):
         convert.choose_block_layers(4, 2, [0], "cycle")
     with pytest.raises(convert.ConversionError, match="cannot fill"):
-        convert.choose_block_layers(3, 2, None, "middle_cycle")
+        convert.choose_block_layers(3, 2, None, "middle_cycle", 1, 1)
+    # prelude / coda: the block comes from the layers between them; middle_cycle's own are one each
+    assert convert.prelude_coda("middle_cycle", None, None) == (1, 1) and convert.prelude_coda(None, None, 2) == (0, 2)
+    assert convert.choose_block_layers(6, 2, None, "middle_cycle", 1, 1) == [1, 3]
+    assert convert.choose_block_layers(6, 1, None, None, 2, 1) == [2, 3, 4]
+    assert convert.choose_block_layers(6, 2, None, "cycle", 1, 1) == [1, 3]
+    with pytest.raises(convert.ConversionError, match="none left"):
+        convert.choose_block_layers(4, 1, None, None, 2, 2)
+    with pytest.raises(convert.ConversionError, match="negative"):
+        convert.prelude_coda(None, -1, 0)
+
+
+@pytest.mark.parametrize("source", ["llama_src", "mamba2_src"])
+def test_prelude_and_coda_from_the_source_s_first_and_last_layers(source, request, tmp_path):
+    """--prelude/--coda fill looplab's unshared layers: with the middle layers as a 1-loop block the model is the
+    source itself (the built-in check compares with it unchanged); the retrofit P + [block]×R + C equals an
+    independently re-stacked transformers model."""
+    src = request.getfixturevalue(source)
+    n_src = 4 if source == "llama_src" else 2
+    model, diff = convert.from_hf(str(src), tmp_path / "pc", prelude=1, coda=1 if n_src > 2 else 0)
+    assert (model.config.prelude_layers, model.config.n_loops) == (1, 1) and diff < 1e-5
+    assert model.config.n_layers == n_src - 1 - (n_src > 2)
+    if source != "llama_src":
+        return
+    model, _ = convert.from_hf(str(src), tmp_path / "mc", loops=2, sharing="middle_cycle")  # prelude 0, block [1], coda 3
+    assert (model.config.prelude_layers, model.config.coda_layers, model.config.extra["block_layers"]) == (1, 1, [1])
+    ref = LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    ref.model.layers = torch.nn.ModuleList([ref.model.layers[i] for i in (0, 1, 1, 3)])
+    ref.config.num_hidden_layers = 4
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = model(ids).logits, ref(input_ids=ids, use_cache=False).logits
+    assert float((a - b).abs().max() / b.pow(2).mean().sqrt()) < 1e-5
+    folder = tmp_path / "mc"
+    assert LoopedLM.from_pretrained(str(folder)).config.coda_layers == 1
+    assert "loop_depth.prelude=1" in convert.train_overrides(model.config, folder)
 
 
 def test_cli_mamba2_retrofit_prints_the_check_and_the_train_command(mamba2_src, tmp_path, capsys):
@@ -169,14 +204,14 @@ def test_unrepresentable_settings_are_refused_with_the_field_named(family, chang
         convert.family_of(cfg).to_config(cfg)
 
 
-def test_cli_refuses_a_biased_source_and_prelude(tmp_path, capsys):
+def test_cli_refuses_a_biased_source(tmp_path, capsys):
     biased = tmp_path / "biased"
     LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 1}, attention_bias=True)).save_pretrained(biased)
     assert convert.main(["from-hf", str(biased), "--out", str(tmp_path / "o")]) == 1
     assert "attention_bias=True" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
-    assert convert.main(["from-hf", str(biased), "--out", str(tmp_path / "o"), "--prelude", "1"]) == 1
-    assert "prelude" in capsys.readouterr().err
+    assert convert.main(["from-hf", str(biased), "--out", str(tmp_path / "o"), "--prelude", "5"]) == 1
+    assert "attention_bias=True" in capsys.readouterr().err  # refused for the bias before the layer count matters
 
 
 def test_a_bf16_source_is_stored_in_bf16(tmp_path):

@@ -24,11 +24,15 @@ looped order (R copies of the block), so the check also holds for a retrofit.
                            Transformers' "stepwise" initialisation: N = L // R, block layer l
                            ← source layer l·R, so one pass of the block samples the whole
                            source depth (L = 4, R = 2 → block [0, 2], run 0,2,0,2).
-  --sharing middle_cycle   MoR's Middle-Cycle keeps the first and the last layer unshared
-                           (prelude / coda) and cycles the middle ones. from-hf does not fill
-                           looplab's prelude/coda layers yet, so the block is taken stepwise from
-                           the middle layers 1..L−2 (N = (L−2) // R, layer l ← 1 + l·R) and the
-                           first and last layers are dropped, with a note; --prelude/--coda are refused.
+  --sharing middle_cycle   MoR's Middle-Cycle keeps the first and the last layer unshared: they
+                           become looplab's prelude and coda (--prelude 1 --coda 1 unless given),
+                           and the block is taken stepwise from the middle layers 1..L−2
+                           (N = (L−2) // R, layer l ← 1 + l·R).
+  --prelude P --coda C     the first P and the last C source layers become the unshared prelude
+                           and coda (Huginn / the retrofitting-recurrence work); the block comes
+                           from the layers between them (all of them at R = 1, stepwise with
+                           --sharing cycle, or exactly --block-layers). At R = 1 with the middle
+                           layers as the block the model is the source itself, and is checked so.
 A retrofit changes the function (it is a new model to train), so only N⊗1 is required to
 match the source; the retrofit check compares with the re-stacked source instead.
 
@@ -185,25 +189,46 @@ def family_of(hf_cfg) -> Family:
     return FAMILIES[mt]
 
 
-def map_state_dict(fam: Family, src: dict[str, torch.Tensor], cfg: LoopedLMConfig, block_layers: list[int]) -> dict[str, torch.Tensor]:
-    """Source state dict → LoopedLM state dict; looped block layer l ← source layer block_layers[l]."""
+def map_state_dict(fam: Family, src: dict[str, torch.Tensor], cfg: LoopedLMConfig, block_layers: list[int],
+                   prelude: int = 0, coda: int = 0) -> dict[str, torch.Tensor]:
+    """Source state dict → LoopedLM state dict: prelude layer k ← source layer k, looped block layer l ← source layer
+    block_layers[l], coda layer k ← source layer L − coda + k."""
     out = {"embed.weight": src[fam.embed], "final_norm.weight": src[fam.final_norm]}
     out["head.weight"] = src[fam.embed] if cfg.tie_embeddings else src["lm_head.weight"]
-    for l, i in enumerate(block_layers):
+    n_src = 1 + max(int(k[len(fam.layers_prefix) + 1:].split(".", 1)[0]) for k in src if k.startswith(fam.layers_prefix + "."))
+    targets = ([(f"prelude.{k}", k) for k in range(prelude)] + [(f"block.{l}", i) for l, i in enumerate(block_layers)]
+               + [(f"coda.{k}", n_src - coda + k) for k in range(coda)])
+    for ours, i in targets:
         pre = f"{fam.layers_prefix}.{i}."
         for name, parts in fam.layer_map:
             if name == "mixer.conv1d.bias" and pre + name not in src:  # use_conv_bias=False ≡ a zero bias
                 w = src[pre + "mixer.conv1d.weight"]
-                out[f"block.{l}.{name}"] = torch.zeros(w.shape[0], dtype=w.dtype)
+                out[f"{ours}.{name}"] = torch.zeros(w.shape[0], dtype=w.dtype)
                 continue
             ts = [src[pre + p] for p in parts]
-            out[f"block.{l}.{name}"] = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+            out[f"{ours}.{name}"] = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
     return out
 
 
 # --------------------------------------------------------------------------- retrofit
-def choose_block_layers(n_src: int, loops: int, block_layers: list[int] | None, sharing: str | None) -> list[int]:
-    """Which source layers initialise the looped block (see the module docstring)."""
+def prelude_coda(sharing: str | None, prelude: int | None, coda: int | None) -> tuple[int, int]:
+    """(P, C): as given; middle_cycle's own first and last unshared layer otherwise (1, 1); else none."""
+    default = 1 if sharing == "middle_cycle" else 0
+    p, c = (default if prelude is None else prelude), (default if coda is None else coda)
+    if p < 0 or c < 0:
+        raise ConversionError(f"--prelude={p} --coda={c}: layer counts cannot be negative")
+    return p, c
+
+
+def choose_block_layers(n_src: int, loops: int, block_layers: list[int] | None, sharing: str | None,
+                        prelude: int | None = None, coda: int | None = None) -> list[int]:
+    """Which source layers initialise the looped block (see the module docstring); the first `prelude` and the last
+    `coda` source layers are the prelude's and the coda's (None: prelude_coda's default)."""
+    prelude, coda = prelude_coda(sharing, prelude, coda)
+    first, span = prelude, n_src - prelude - coda
+    if span < 1 and block_layers is None:
+        raise ConversionError(f"--prelude={prelude} --coda={coda}: the source has {n_src} layers, none left for the "
+                              "looped block")
     if block_layers is not None:
         if sharing is not None:
             raise ConversionError("give --block-layers or --sharing, not both: --sharing chooses the block layers")
@@ -212,13 +237,9 @@ def choose_block_layers(n_src: int, loops: int, block_layers: list[int] | None, 
             raise ConversionError(f"--block-layers={block_layers}: the source has layers 0..{n_src - 1}")
         return list(block_layers)
     if loops == 1 and sharing is None:
-        return list(range(n_src))
+        return list(range(first, first + span))
     sharing = sharing or "cycle"
-    if sharing == "cycle":
-        first, span = 0, n_src
-    elif sharing == "middle_cycle":
-        first, span = 1, n_src - 2
-    else:
+    if sharing not in ("cycle", "middle_cycle"):
         raise ConversionError(f"--sharing={sharing!r} is unknown; choose cycle or middle_cycle")
     n = span // loops
     if n < 1:
@@ -295,31 +316,37 @@ def max_relative_logit_diff(looped: LoopedLM, reference, model_type: str, seed: 
 
 # --------------------------------------------------------------------------- from-hf
 def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: list[int] | None = None,
-            sharing: str | None = None, check: bool = True, tolerance: float = TOLERANCE, log=print) -> tuple[LoopedLM, float | None]:
+            sharing: str | None = None, prelude: int | None = None, coda: int | None = None, check: bool = True,
+            tolerance: float = TOLERANCE, log=print) -> tuple[LoopedLM, float | None]:
     """Convert SRC into a looplab folder at OUT; returns (model, max relative logit difference)."""
     hf_model, hf_cfg = load_source(src)
     fam = family_of(hf_cfg)
     base = fam.to_config(hf_cfg)
     if loops < 1:
         raise ConversionError(f"--loops={loops} must be >= 1")
-    layers = choose_block_layers(base.n_layers, loops, block_layers, sharing)
-    if sharing == "middle_cycle":
-        log(f"note: middle_cycle without prelude/coda: source layers 0 and {base.n_layers - 1} are dropped "
-            f"(from-hf does not fill prelude/coda layers yet); block = layers {layers}")
+    P, C = prelude_coda(sharing, prelude, coda)
+    layers = choose_block_layers(base.n_layers, loops, block_layers, sharing, P, C)
+    pre, post = list(range(P)), list(range(base.n_layers - C, base.n_layers))
+    if P or C:
+        log(f"prelude = source layers {pre}, block = {layers} × {loops}, coda = {post}")
     cfg_dict = base.to_dict()
-    cfg_dict.update(n_layers=len(layers), n_loops=loops,
-                    extra={"converted_from": str(src), "source_model_type": fam.model_type, "block_layers": layers})
+    cfg_dict.update(n_layers=len(layers), n_loops=loops, prelude_layers=P, coda_layers=C,
+                    extra={"converted_from": str(src), "source_model_type": fam.model_type, "block_layers": layers,
+                           "prelude_source_layers": pre, "coda_source_layers": post})
     cfg = LoopedLMConfig.from_dict(cfg_dict)
     model = LoopedLM(cfg)
-    sd = map_state_dict(fam, hf_model.state_dict(), cfg, layers)
+    sd = map_state_dict(fam, hf_model.state_dict(), cfg, layers, P, C)
     model.load_state_dict(sd, strict=True)
     model.eval()
 
     diff = None
     if check:
-        restack(hf_model, fam, layers * loops)
+        # the plain forward runs prelude, the block R times, then the coda once: the source stacked in that order
+        order = pre + layers * loops + post
+        restack(hf_model, fam, order)
         diff = max_relative_logit_diff(model, hf_model, fam.model_type)
-        what = "source" if layers == list(range(base.n_layers)) and loops == 1 else f"source re-stacked as {layers}×{loops}"
+        stacked = f"{pre} + {layers}×{loops} + {post}" if P or C else f"{layers}×{loops}"
+        what = "source" if order == list(range(base.n_layers)) else f"source re-stacked as {stacked}"
         log(f"equivalence check vs {what}: max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
         if not diff <= tolerance:
             raise ConversionError(f"converted model differs from the {what}: max relative logit difference "
@@ -367,7 +394,9 @@ def train_overrides(cfg: LoopedLMConfig, folder: str | os.PathLike, dataset: str
     the folder's own tokenizer."""
     out = [f"dataset={dataset}", f"backbone={cfg.backbone}"]
     out += [f"++backbone.{k}={json.dumps(getattr(cfg, k))}" for k in _BACKBONE_KEYS.get(cfg.backbone, ())]
-    out += [f"loop_depth.layers={cfg.n_layers}", f"loop_depth.loops={cfg.n_loops}", f"init_from={folder}"]
+    out += [f"loop_depth.layers={cfg.n_layers}", f"loop_depth.loops={cfg.n_loops}"]
+    out += [f"loop_depth.{k}={n}" for k, n in (("prelude", cfg.prelude_layers), ("coda", cfg.coda_layers)) if n]
+    out.append(f"init_from={folder}")
     if (Path(folder) / "tokenizer.json").is_file():
         out.append(f"dataset.tokenizer={folder}")
     return out
@@ -507,8 +536,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--block-layers", type=_int_list, default=None, help="source layers forming the block, e.g. 0,2")
     f.add_argument("--sharing", choices=("cycle", "middle_cycle"), default=None,
                    help="choose the block layers as Mixture-of-Recursions does (see the module docstring)")
-    f.add_argument("--prelude", type=int, default=None, help="not available yet (from-hf fills the block only)")
-    f.add_argument("--coda", type=int, default=None, help="not available yet (from-hf fills the block only)")
+    f.add_argument("--prelude", type=int, default=None,
+                   help="the first P source layers become the unshared prelude (default 0; middle_cycle: 1)")
+    f.add_argument("--coda", type=int, default=None,
+                   help="the last C source layers become the unshared coda (default 0; middle_cycle: 1)")
     f.add_argument("--no-check", action="store_true", help="skip the built-in logit comparison")
     t = sub.add_parser("to-hf", help="looplab training checkpoint → looplab Hub-style folder")
     t.add_argument("ckpt", help="a training checkpoint (last.ckpt file or sharded folder) or a looplab folder")
@@ -518,11 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.cmd == "from-hf":
-            if a.prelude or a.coda:
-                raise ConversionError("--prelude/--coda: from-hf does not fill looplab's prelude/coda layers yet; convert "
-                                      "the block only (--block-layers / --sharing), then train with loop_depth.prelude/coda "
-                                      "from scratch")
-            from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, check=not a.no_check)
+            from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, prelude=a.prelude,
+                    coda=a.coda, check=not a.no_check)
         else:
             to_hf(a.ckpt, a.out, transformers=a.transformers)
     except (ConversionError, ConfigError, OSError, ValueError) as e:  # OSError: no such folder, hub unreachable
