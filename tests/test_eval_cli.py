@@ -63,6 +63,26 @@ def test_eval_cli_sweep(gated_checkpoint, tmp_path):
     assert q_half["mean_exit_step"] == pytest.approx(steps_sum / n)
 
 
+def test_eval_cli_at_a_test_time_depth(gated_checkpoint, tmp_path):
+    """--loops R′ (issue 15): the per-loop rows run over 1..R′ with the same weights, and loop R′'s accuracy is that of
+    model(ids, n_loops=R′), recomputed here; R′ < 1 is refused."""
+    path, model, dm = gated_checkpoint
+    report = main([str(path), "--loops", "5", "--thresholds", "0.5", "--out", str(tmp_path / "eval5")])
+    sweep = report["sweep"]
+    assert report["n_loops"] == sweep["n_loops"] == 5 and report["trained_n_loops"] == 3 and "agreement" not in report
+    assert [r["mean_exit_step"] for r in sweep["fixed"]] == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0])
+    dm.setup("test")
+    correct = n = 0
+    with torch.no_grad():
+        for batch in dm.test_dataloader():
+            logits, m = model(batch["input_ids"], n_loops=5).logits, batch["answer_mask"]
+            correct += int((logits.argmax(-1) == batch["targets"])[m].sum())
+            n += int(m.sum())
+    assert sweep["fixed"][4]["accuracy"] == pytest.approx(correct / n)
+    with pytest.raises(SystemExit):
+        main([str(path), "--loops", "0", "--out", str(tmp_path / "eval0")])
+
+
 def test_sweep_without_gate_reports_fixed_depths_only():
     torch.manual_seed(0)
     model = LoopedLM(LoopedLMConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=1, n_loops=2))

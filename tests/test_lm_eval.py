@@ -302,6 +302,27 @@ def test_loglikelihood_under_a_zero_shot_exit_rule_sums_the_chosen_depths_log_pr
         LooplabLM.from_model(model, TOK, exit_rule="kl")
 
 
+def test_adapter_scores_and_generates_at_a_test_time_depth():
+    """model_args n_loops=R′ (issue 15): loglikelihood is read from model(ids, n_loops=R′), generation runs R′ loops,
+    and a depth below 1 is refused."""
+    model = tiny_model(loops=2)
+    tok = load_tokenizer(TOK)
+    ctx, cont = tok.encode("Once more unto the breach"), tok.encode(", dear friends")
+    with torch.no_grad():
+        logits = model(torch.tensor([ctx + cont[:-1]]), n_loops=5).logits[0].double()
+    want = torch.log_softmax(logits, -1)[-len(cont):].gather(-1, torch.tensor(cont)[:, None]).sum().item()
+    lm = LooplabLM.from_model(model, TOK, n_loops="5")
+    (lp, _), = lm.loglikelihood(requests("loglikelihood", ("Once more unto the breach", ", dear friends")))
+    assert lp == pytest.approx(want, abs=1e-3)
+    at_trained = LooplabLM.from_model(model, TOK).loglikelihood(requests("loglikelihood", ("Once more unto the breach", ", dear friends")))
+    assert at_trained[0][0] != pytest.approx(want, abs=1e-3)  # the depth really changed the scores
+    with torch.no_grad():
+        seq = model.generate(torch.tensor([ctx]), 4, temperature=0.0, n_loops=5)
+    assert lm._greedy([ctx], 4)[0] == seq[0, len(ctx):].tolist()[: len(lm._greedy([ctx], 4)[0])]
+    with pytest.raises(ValueError, match="n_loops must be"):
+        LooplabLM.from_model(model, TOK, n_loops=0)
+
+
 # ------------------------------------------------------- looplab_tiny suite
 def test_tiny_suite_runs_offline_through_the_adapter_and_matches_own_scoring():
     """`--tasks looplab_tiny` (the tag) runs the three held-out-play tasks offline; lm-eval's accuracy

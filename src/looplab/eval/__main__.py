@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rule-thresholds", type=float, nargs="*", default=None,
                     help="thresholds of --exit-rule (kl/entropy: nats; hidden_delta: relative change; argmax_stable: k)")
     ap.add_argument("--min-loops", type=int, default=1, help="no exit before this loop (zero-shot exit rules)")
+    ap.add_argument("--loops", type=int, default=None, metavar="R′",
+                    help="test-time depth: apply the shared block R′ times instead of the trained R (any R′ ≥ 1, also "
+                         "above R; per-loop metrics and exits then run over 1..R′)")
     ap.add_argument("--max-batches", type=int, default=None)
     ap.add_argument("--zeroshot", nargs="*", default=None, metavar="TASK", help="lm-eval tasks or tags (none given: the paper's 8-task hub suite; offline: looplab_tiny)")
     ap.add_argument("--limit", type=float, default=None, help="lm-eval: documents per task")
@@ -62,7 +65,11 @@ def main(argv: list[str] | None = None) -> dict:
     from looplab.eval.exit_sweep import exit_sweep, plot_sweep, sweep_markdown
     from looplab.eval.perplexity import split_metrics
 
-    model, meta = load_model(args.checkpoint, map_location=args.device)
+    if args.loops is not None and args.loops < 1:
+        ap.error(f"--loops must be ≥ 1, got {args.loops}")
+    # a test-time depth is a config override: the block is shared, so the same weights run R′ loops
+    model, meta = load_model(args.checkpoint, map_location=args.device,
+                             **({"n_loops": args.loops} if args.loops is not None else {}))
     ckpt = Path(args.checkpoint)
     out_dir = Path(args.out) if args.out else ckpt.resolve().parent.parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,14 +96,15 @@ def main(argv: list[str] | None = None) -> dict:
     is_task = "task" in meta["dataset"]
     metric = "accuracy" if is_task else "perplexity"
     report = {"checkpoint": str(ckpt), "split": args.split, "metric": metric, "max_batches": max_batches,
+              "n_loops": model.config.n_loops, "trained_n_loops": meta["model_config"]["n_loops"],
               "scored_tokens": metrics.pop("_scored_tokens"), "scored_answers": metrics.pop("_scored_answers"),
               "metrics": {f"{args.split}/{k}": v for k, v in metrics.items()}, "sweep": sweep}
-    if run is not None:
+    if run is not None and args.loops is None:  # at another depth the run's own metrics are not comparable
         report["agreement"] = agreement(run, report["metrics"], args.split)
     table = sweep_markdown(sweep, metric)
     plot_sweep(sweep, metric, out_dir / "exit_curve.png")
     print(table)
-    if run is not None:
+    if "agreement" in report:
         a = report["agreement"]
         print(f"results.json {args.split} metrics: {a['compared']} compared, max relative difference "
               f"{a['max_rel_diff']:.2e}" + ("" if not a["missing"] else f", not recomputed: {a['missing']}"))

@@ -59,6 +59,7 @@ class LooplabLM(LM):
         exit_threshold: float | None = None,
         exit_rule: str | None = None,
         exit_min_loops: int = 1,
+        n_loops: int | None = None,
         max_gen_toks: int = 256,
         tokenizer: str | LMTokenizer | None = None,
         model: torch.nn.Module | None = None,
@@ -100,6 +101,11 @@ class LooplabLM(LM):
         self._max_length = min(want, model.config.max_seq_len)
         self.exit_threshold = float(exit_threshold) if exit_threshold is not None else None
         self.exit_rule, self.exit_min_loops = exit_rule or None, _as_int(exit_min_loops, 1)
+        # test-time depth R′ (issue 15): every forward pass and generation applies the shared block R′ times
+        self.n_loops = None if n_loops in (None, "", "None") else _as_int(n_loops, 0)
+        if self.n_loops is not None and self.n_loops < 1:
+            raise ValueError(f"n_loops must be ≥ 1, got {n_loops!r}")
+        depth = self.n_loops or model.config.n_loops
         if self.exit_rule is not None and self.exit_threshold is None:
             raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
         if self.exit_threshold is not None:
@@ -107,7 +113,7 @@ class LooplabLM(LM):
 
             if (self.exit_rule or "gate") == "gate" and getattr(model, "exit_gate", None) is None:
                 raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot exit_rule")
-            check_rule(self.exit_rule or "gate", self.exit_threshold, self.exit_min_loops, model.config.n_loops)
+            check_rule(self.exit_rule or "gate", self.exit_threshold, self.exit_min_loops, depth)
         self.max_gen_toks = int(max_gen_toks)
         self.checkpoint = checkpoint
 
@@ -201,10 +207,11 @@ class LooplabLM(LM):
 
     # -------------------------------------------------------------- internals
     def _exit_kwargs(self) -> dict[str, Any]:
-        """The exit rule every forward pass and generation of this adapter uses (none: loop R)."""
-        if self.exit_threshold is None:
-            return {}
-        return {"exit_threshold": self.exit_threshold, "exit_rule": self.exit_rule, "exit_min_loops": self.exit_min_loops}
+        """The depth and exit rule every forward pass and generation of this adapter uses (none: loop R)."""
+        kw: dict[str, Any] = {} if self.n_loops is None else {"n_loops": self.n_loops}
+        if self.exit_threshold is not None:
+            kw.update(exit_threshold=self.exit_threshold, exit_rule=self.exit_rule, exit_min_loops=self.exit_min_loops)
+        return kw
 
     def _forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         kw = self._exit_kwargs()
