@@ -91,6 +91,13 @@ def test_every_table_spec_composes(number, scale):
                               "stateloop_mamba2": "stateloop_mamba2", "stateloop_reset": "stateloop_reset"}
                 if combo.get("arm") in arm_states:  # the arm decides the state mode (table 1 once had every arm = stateloop)
                     assert mc.state_mode == arm_states[combo["arm"]], (sw.experiment, combo)
+                depth_arms = {"depth_fixed": ("fixed", None), "depth_random": ("poisson_lognormal", None),
+                              "depth_random_truncated": ("poisson_lognormal", 2)}
+                if combo.get("arm") in depth_arms:  # table 9: the arm decides the training depth recipe
+                    assert (cfg.loop_depth.sampler, cfg.loop_depth.backprop_loops) == depth_arms[combo["arm"]], combo
+                    assert cfg.loop_depth.injection == combo["loop_depth.injection"]
+                if "exit_gate.skip_train_prob" in " ".join(sw.fixed):  # table 10's exit-aware arm
+                    assert cfg.exit_gate.skip_train_prob > 0 and cfg.exit_gate.skip_compute == "ssm_skip"
 
 
 def test_paper_dry_run_prints_exact_commands(capsys):
