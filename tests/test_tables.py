@@ -659,7 +659,7 @@ def test_table10_plans_the_hybrid_gates_then_the_grid_and_reports_the_target(tmp
     # the six stage-2 runs form one batch that the runner starts two at a time; the sweeps before them do not
     assert [len(b) for b in runner._batches(cmds)] == [1, 1, 6, 1]
     grid = cmds[-1].argv
-    assert grid[-2:] == ["--jobs", "2"]
+    assert grid[-4:] == ["--jobs", "2", "--n-time", "2"]
     assert grid[1:3] == ["-m", "looplab.bench.exit_grid"]
     assert str(tmp_path / "table8" / "tiny" / "exit_gate_mamba_tiny_stage2") in grid
     assert str(tmp_path / "table10" / "tiny" / "exit_gate_hybrid_tiny_stage2") in grid

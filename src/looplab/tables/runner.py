@@ -23,6 +23,7 @@ from looplab.tables.spec import ZEROSHOT_TASKS, Sweep, TableSpec, default_seeds,
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
 DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10: bench/exit_grid.py
+EXIT_GRID_TIMED = 2  # table 10: test sequences decoded token by token per configuration (≈ 70 timed tokens per decoder)
 
 
 @dataclass
@@ -156,7 +157,7 @@ def exit_grid_dirs(scale: str, out_root: Path) -> list[Path]:
 
 def exit_grid_command(scale: str, out_root: Path, exits_json: Path = DEFAULT_EXITS_JSON, jobs: int = 1) -> Command:
     argv = [sys.executable, "-m", "looplab.bench.exit_grid", *map(str, exit_grid_dirs(scale, out_root)), "--out", str(exits_json),
-            "--threads", "1", "--jobs", str(jobs)]
+            "--threads", "1", "--jobs", str(jobs), "--n-time", str(EXIT_GRID_TIMED)]
     return Command(argv, note="exit rules x thresholds x handlings on the trained gates (bench/exit_grid.py)")
 
 

@@ -249,7 +249,7 @@ TABLES: dict[int, TableSpec] = {
                                  "hybrid trained here (fixed loops, then stage 2; and the same with exit-aware training: "
                                  "ssm_skip at sampled exits with p = 0.5, then stage 2), 3 seeds; every exit rule × threshold "
                                  "(bench/exit_grid.py GRID) × state handling; accuracy and exit step over 512 test "
-                                 "sequences, ms/token of cached decoding over 4, one thread",
+                                 "sequences, ms/token of cached decoding over 2 (about 70 tokens per decoder), one thread",
                          "paper": "not defined: the grid scores task answers (table 8's paper runs are LM runs); run "
                                   "`python -m looplab.bench.exit_grid` on task checkpoints"}),
 }
