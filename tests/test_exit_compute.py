@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 import json
+import math
 
 import pytest
 import torch
@@ -241,6 +242,48 @@ def test_exit_grid_on_a_trained_checkpoint(tiny_overrides, tmp_path):
     summary = exit_grid.summarize([res, {**res, "seed": 2}])
     assert len(summary) == 6 and all(s["accuracy_skip"]["n"] == 2 for s in summary)
     assert all(isinstance(s["meets_target"], bool) for s in summary)
+
+
+@torch.no_grad()
+def test_exit_grid_quality_scores_every_token_of_a_language_model_window():
+    """Language-model rows (table 10's lm_tiny checkpoints): with every position scored, perplexity is exp of the mean
+    next-token loss of the logits each decoder reads — loop R for all loops, loop 1 when every token exits there, and
+    loop R again under a rule that never fires."""
+    from looplab.bench import exit_grid
+
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=50, d_model=32, n_heads=2, n_layers=1, n_loops=3, backbone="mamba2",
+                                    d_state=8, headdim=16, chunk_size=8)).eval()
+    g = torch.Generator().manual_seed(1)
+    examples = [{"input_ids": torch.randint(0, 50, (12,), generator=g), "targets": torch.randint(0, 50, (12,), generator=g),
+                 "answer_mask": torch.ones(12, dtype=torch.bool)} for _ in range(3)]
+    ids, tgt = torch.stack([e["input_ids"] for e in examples]), torch.stack([e["targets"] for e in examples])
+    loops = model(ids, return_all_loops=True).loop_logits
+
+    def ppl(logits):
+        return math.exp(float(torch.nn.functional.cross_entropy(logits.reshape(-1, 50), tgt.reshape(-1))))
+
+    first = exit_grid.quality(model, examples, "entropy", 1e9, "ssm_skip", batch_size=2)  # every token stops at loop 1
+    assert first["answers"] == 36 and first["mean_exit_step"]["skip"] == 1
+    assert first["perplexity"]["all_loops"] == pytest.approx(ppl(loops[-1]), rel=1e-5)
+    assert first["perplexity"]["skip"] == pytest.approx(ppl(loops[0]), rel=1e-5)
+    assert first["perplexity"]["exact_exit"] == pytest.approx(ppl(loops[0]), rel=1e-5)
+    never = exit_grid.quality(model, examples, "hidden_delta", 0.0, "ssm_propagate")
+    assert never["perplexity"]["skip"] == pytest.approx(ppl(loops[-1]), rel=1e-5) and never["mean_exit_step"]["skip"] == 3
+    assert math.log(never["perplexity"]["skip"]) == pytest.approx(never["loss"]["skip"])
+
+
+def test_exit_grid_skips_one_loop_checkpoints(tmp_path):
+    """Tables 5 and 7 hold N⊗1 runs next to the looped ones: nothing to exit, so no rows (and no data loaded)."""
+    from looplab.bench import exit_grid
+    from looplab.checkpoint import looplab_meta
+
+    model = LoopedLM(LoopedLMConfig(vocab_size=20, d_model=16, n_heads=2, n_layers=2, n_loops=1))
+    path = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "looplab": looplab_meta(model.config, {"name": "lm_tiny"})}, path)
+    assert exit_grid.run_checkpoint(path) is None
 
 
 def test_exit_grid_names_the_body_training_through_the_stage2_run(tmp_path):

@@ -663,22 +663,32 @@ def test_table10_plans_the_hybrid_gates_then_the_grid_and_reports_the_target(tmp
     assert grid[1:3] == ["-m", "looplab.bench.exit_grid"]
     assert str(tmp_path / "table8" / "tiny" / "exit_gate_mamba_tiny_stage2") in grid
     assert str(tmp_path / "table10" / "tiny" / "exit_gate_hybrid_tiny_stage2") in grid
+    assert str(tmp_path / "table5" / "tiny" / "mano_mamba_tiny") in grid and str(tmp_path / "table7" / "tiny" / "lm_hybrid_loops_tiny") in grid
 
-    def run(bb, seed, speed, acc_skip, training="standard"):
+    def run(bb, seed, speed, acc_skip, training="standard", task="phop"):
         rows = [{"rule": "gate", "threshold": 0.5, "handling": h, "answers": 512,
                  "accuracy": {"all_loops": 0.9, "exact_exit": 0.9, "skip": acc_skip}, "mean_exit_step": {"exact_exit": 2.0, "skip": 2.1},
+                 "perplexity": {"all_loops": 40.0, "exact_exit": 41.0, "skip": 42.0 + seed},
                  "per_token_ms": {"all_loops": 2.0 * speed, "exact_exit": 2.2 * speed, "skip": 2.0},
                  "speedup_vs_all_loops": speed, "speedup_vs_exact_exit": 1.1 * speed} for h in ("ssm_skip", "ssm_propagate")]
         return {"backbone": bb, "state_mode": "vanilla", "n_layers": 1, "n_loops": 4, "seed": seed, "rows": rows,
-                "training": training}
+                "training": training, "task": task}
 
     aware = "exit-aware (ssm_skip, p=0.5)"
     data = {"n_quality": 512, "n_time": 4, "threads": 1, "grid": {"gate": [0.5]},
             "runs": [run("mamba2", s, 1.6 + 0.01 * s, 0.895) for s in (1, 2, 3)] + [run("hybrid", s, 1.2, 0.9) for s in (1, 2, 3)]
-            + [run("hybrid", s, 1.2, 0.93 + 0.01 * s, aware) for s in (1, 2, 3)]}
+            + [run("hybrid", s, 1.2, 0.93 + 0.01 * s, aware) for s in (1, 2, 3)]
+            + [run("mamba2", s, 2.0, 0.9, task="mano") for s in (1, 2, 3)] + [run("mamba2", s, 2.0, 0.9, task="lm") for s in (1, 2, 3)]}
     (tmp_path / "exits.json").write_text(json.dumps(data))
     t = report.build_exitgrid(spec.get(10), "tiny", tmp_path, seeds=[1, 2, 3], exits_json=tmp_path / "exits.json")
-    assert len(t.rows) == 6 and all(r["seeds"] == 3 for r in t.rows)
+    assert len(t.rows) == 10 and all(r["seeds"] == 3 for r in t.rows)
+    assert [r["task"] for r in t.rows] == ["phop"] * 6 + ["mano"] * 2 + ["lm"] * 2
+    lm = [r for r in t.rows if r["task"] == "lm"]
+    assert all("accuracy, skip" not in r and r["perplexity added (skip − all loops)"].mean == pytest.approx(4.0) for r in lm)
+    assert "perplexity, skip" in t.columns
+    # the target is p-hop's: Mano and LM rows never meet it, however fast
+    assert all(r["target"] == "" for r in t.rows if r["task"] != "phop")
+    t.rows = [r for r in t.rows if r["task"] == "phop"]
     mamba = [r for r in t.rows if r["backbone"] == "mamba2"]
     assert all(r["target"] == "met" for r in mamba) and all(r["target"] == "" for r in t.rows if r["backbone"] == "hybrid")
     assert mamba[0]["accuracy lost (all loops − skip)"].mean == pytest.approx(0.005)

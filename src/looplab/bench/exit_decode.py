@@ -32,13 +32,19 @@ from looplab.models.generation import decode_step, skip_compute_unsupported
 DECODERS = ("all_loops", "exact_exit", "skip")
 
 
-def _test_examples(meta: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
+def _test_examples(meta: dict[str, Any], n: int, every_token: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The first n test sequences with their scored positions: a task's answers; every_token: a language-model
+    split's windows have none, and every next token is scored."""
     from looplab.eval.__main__ import build_datamodule
 
     dm = build_datamodule(meta["dataset"])
+    if hasattr(dm, "prepare_data"):
+        dm.prepare_data()
     dm.setup("test")
     out: list[dict[str, torch.Tensor]] = []
     for batch in dm.test_dataloader():
+        if "answer_mask" not in batch and every_token:
+            batch = {**batch, "answer_mask": torch.ones_like(batch["targets"], dtype=torch.bool)}
         if "answer_mask" not in batch:
             raise ValueError(f"dataset {meta['dataset'].get('name')!r} has no answer positions: exit decoding "
                              "measures a task's answer accuracy (table 8's p-hop checkpoints)")

@@ -2,8 +2,9 @@
 
 `python -m looplab.bench.exit_grid CKPT_OR_SWEEP_DIR ... --out bench/exits.json`
 
-For each trained checkpoint (a task model: p-hop or Mano, whose results.json scores answer
-positions) and each configuration (exit rule, threshold, and — for `skip` — the state handling
+For each trained looped checkpoint (R > 1; N⊗1 ones are skipped: nothing to exit) — a task model
+(p-hop or Mano: answer accuracy at the answer positions) or a language model (`lm_tiny`: perplexity
+of every next token of the first `lm_sequences` test windows) — and each configuration (exit rule, threshold, and — for `skip` — the state handling
 of models/exit_compute.py; attention-only models: kv_copy, models with Mamba-2 layers or a
 Mamba-2 state mixer: ssm_skip and ssm_propagate), three decoders are compared:
 
@@ -24,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from looplab.models.exit_compute import forward_with_exits, has_ssm
 from looplab.models.generation import decode_step
@@ -43,7 +46,16 @@ GRID: dict[str, tuple[float, ...]] = {
     "hidden_delta": (0.05, 0.1, 0.2),
     "argmax_stable": (1, 2),
 }
+# language models: a next-token distribution has entropy of nats, not hundredths of a nat, so the entropy
+# thresholds that fire on a task's confident answers never fire there (the table's mean exit step shows it)
+GRID_LM: dict[str, tuple[float, ...]] = {
+    "entropy": (1.0, 2.0, 3.0),
+    "kl": (0.01, 0.05, 0.2),
+    "hidden_delta": (0.05, 0.1, 0.2),
+    "argmax_stable": (1, 2),
+}
 TARGET_SPEEDUP, TARGET_LOSS = 1.5, 0.01  # issue 16: ≥ 1.5× decoding speed-up losing ≤ 1 point of accuracy
+TARGET_TASK = "phop"  # … on p-hop
 
 
 def handlings_for(config) -> tuple[str, ...]:
@@ -58,9 +70,11 @@ def _batches(examples: list[dict[str, torch.Tensor]], size: int):
 
 @torch.no_grad()
 def quality(model, examples, rule: str, threshold: float, handling: str, batch_size: int = 64) -> dict[str, Any]:
-    """Answer accuracy and exit steps of exact_exit and skip (and all_loops) over the examples, batched."""
+    """Answer accuracy, mean loss (nats) and exit steps of exact_exit and skip (and all_loops) over the examples'
+    scored positions, batched."""
     R = model.config.n_loops
     correct = {"all_loops": 0, "exact_exit": 0, "skip": 0}
+    nll = {"all_loops": 0.0, "exact_exit": 0.0, "skip": 0.0}
     steps_sum = {"exact_exit": 0.0, "skip": 0.0}
     hist = [0] * R
     answers = 0
@@ -68,9 +82,10 @@ def quality(model, examples, rule: str, threshold: float, handling: str, batch_s
         ids, targets, answer = b["input_ids"], b["targets"], b["answer_mask"]
         full = model(ids, exit_rule=rule, exit_threshold=threshold, return_all_loops=True)
         skip = forward_with_exits(model, ids, None, handling, rule=rule, threshold=threshold)
-        preds = {"all_loops": full.loop_logits[-1].argmax(-1), "exact_exit": full.logits.argmax(-1), "skip": skip.logits.argmax(-1)}
-        for k, p in preds.items():
-            correct[k] += int((p == targets)[answer].sum())
+        logits = {"all_loops": full.loop_logits[-1], "exact_exit": full.logits, "skip": skip.logits}
+        for k, lg in logits.items():
+            correct[k] += int((lg.argmax(-1) == targets)[answer].sum())
+            nll[k] += float(F.cross_entropy(lg[answer].float(), targets[answer], reduction="sum"))
         steps_sum["exact_exit"] += float(full.exit_steps[answer].float().sum())
         steps_sum["skip"] += float(skip.exit_steps[answer].float().sum())
         for s in skip.exit_steps[answer].tolist():
@@ -78,6 +93,7 @@ def quality(model, examples, rule: str, threshold: float, handling: str, batch_s
         answers += int(answer.sum())
     n = max(answers, 1)
     return {"answers": answers, "accuracy": {k: v / n for k, v in correct.items()},
+            "loss": {k: v / n for k, v in nll.items()}, "perplexity": {k: math.exp(v / n) for k, v in nll.items()},
             "mean_exit_step": {k: v / n for k, v in steps_sum.items()}, "exit_histogram_skip": hist}
 
 
@@ -102,21 +118,28 @@ def speed(model, examples, rule: str, threshold: float, handling: str, warmup: i
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-def grid_for(model) -> list[tuple[str, float]]:
-    rules = [r for r in GRID if r != "gate" or model.exit_gate is not None]
-    return [(r, th) for r in rules for th in GRID[r]]
+def grid_for(model, lm: bool = False) -> list[tuple[str, float]]:
+    grid = GRID_LM if lm else GRID
+    rules = [r for r in grid if r != "gate" or model.exit_gate is not None]
+    return [(r, th) for r in rules for th in grid[r]]
 
 
 def run_checkpoint(path: str | Path, n_quality: int = 512, n_time: int = 4, grid: list[tuple[str, float]] | None = None,
-                   handlings: Sequence[str] | None = None) -> dict[str, Any]:
+                   handlings: Sequence[str] | None = None, lm_sequences: int = 64) -> dict[str, Any] | None:
+    """One checkpoint's rows; None for an N⊗1 model (one loop: no exit to take)."""
     from looplab.bench.exit_decode import _test_examples
     from looplab.checkpoint import load_model
 
     model, meta = load_model(path)
     model.eval()
-    examples = _test_examples(meta, max(n_quality, n_time))
+    if model.config.n_loops < 2:
+        return None
+    lm = not meta["dataset"].get("task")
+    if lm:  # every token of a window is scored: fewer sequences give as many scored positions as a task's answers
+        n_quality = min(n_quality, lm_sequences)
+    examples = _test_examples(meta, max(n_quality, n_time), every_token=lm)
     rows = []
-    for rule, th in grid or grid_for(model):
+    for rule, th in grid or grid_for(model, lm):
         for h in handlings or handlings_for(model.config):
             q = quality(model, examples[:n_quality], rule, th, h)
             ms = speed(model, examples[:n_time], rule, th, h)
@@ -125,7 +148,8 @@ def run_checkpoint(path: str | Path, n_quality: int = 512, n_time: int = 4, grid
                          "speedup_vs_exact_exit": ms["exact_exit"] / ms["skip"]})
     cfg = model.config
     return {"checkpoint": str(path), "backbone": cfg.backbone, "state_mode": cfg.state_mode, "n_layers": cfg.n_layers,
-            "n_loops": cfg.n_loops, "d_model": cfg.d_model, "task": meta["dataset"].get("task"), "seed": _run_seed(path),
+            "n_loops": cfg.n_loops, "d_model": cfg.d_model, "task": meta["dataset"].get("task") or "lm",
+            "metric": "perplexity" if lm else "accuracy", "seed": _run_seed(path),
             "training": body_training(path), "n_quality": min(n_quality, len(examples)), "n_time": n_time, "rows": rows}
 
 
@@ -159,11 +183,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
     for run in runs:
         for row in run["rows"]:
-            key = (run["backbone"], run["state_mode"], run.get("training", "standard"), row["rule"], row["threshold"],
-                   row["handling"])
+            key = (run.get("task"), run["backbone"], run["state_mode"], run.get("training", "standard"), row["rule"],
+                   row["threshold"], row["handling"])
             groups.setdefault(key, []).append((run, row))
     out = []
-    for (bb, sm, training, rule, th, h), items in groups.items():
+    for (task, bb, sm, training, rule, th, h), items in groups.items():
         def stat(values):
             values = [float(v) for v in values]
             lo, hi = t_interval(values) if len(values) > 1 else (float("nan"), float("nan"))
@@ -171,7 +195,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
         rows = [r for _, r in items]
         loss = [r["accuracy"]["all_loops"] - r["accuracy"]["skip"] for r in rows]
-        s = {"backbone": bb, "state_mode": sm, "training": training, "rule": rule, "threshold": th, "handling": h,
+        s = {"task": task, "backbone": bb, "state_mode": sm, "training": training, "rule": rule, "threshold": th, "handling": h,
              "accuracy_all_loops": stat(r["accuracy"]["all_loops"] for r in rows),
              "accuracy_exact_exit": stat(r["accuracy"]["exact_exit"] for r in rows),
              "accuracy_skip": stat(r["accuracy"]["skip"] for r in rows),
@@ -180,7 +204,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "speedup_vs_all_loops": stat(r["speedup_vs_all_loops"] for r in rows),
              "speedup_vs_exact_exit": stat(r["speedup_vs_exact_exit"] for r in rows),
              "ms_skip": stat(r["per_token_ms"]["skip"] for r in rows)}
-        s["meets_target"] = s["speedup_vs_all_loops"]["mean"] >= TARGET_SPEEDUP and s["accuracy_lost_skip"]["mean"] <= TARGET_LOSS
+        if all("perplexity" in r for r in rows):
+            s["perplexity_all_loops"] = stat(r["perplexity"]["all_loops"] for r in rows)
+            s["perplexity_skip"] = stat(r["perplexity"]["skip"] for r in rows)
+        s["meets_target"] = (task == TARGET_TASK and s["speedup_vs_all_loops"]["mean"] >= TARGET_SPEEDUP
+                             and s["accuracy_lost_skip"]["mean"] <= TARGET_LOSS)
         out.append(s)
     return out
 
@@ -203,24 +231,24 @@ def checkpoints_in(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def _run_one(args: tuple[Path, int, int, int]) -> dict[str, Any]:
-    ckpt, n_quality, n_time, threads = args
+def _run_one(args: tuple[Path, int, int, int, int]) -> dict[str, Any] | None:
+    ckpt, n_quality, n_time, threads, lm_sequences = args
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return run_checkpoint(ckpt, n_quality, n_time)
+        return run_checkpoint(ckpt, n_quality, n_time, lm_sequences=lm_sequences)
     finally:
         torch.set_num_threads(old)
 
 
 def run(paths: Sequence[str | Path], n_quality: int = 512, n_time: int = 4, threads: int = 1,
-        jobs: int = 1) -> dict[str, Any]:
+        jobs: int = 1, lm_sequences: int = 64) -> dict[str, Any]:
     """jobs > 1: that many checkpoints at once, each in its own process with `threads` threads (the three decoders of
     one configuration are still timed round-robin inside one process, so the load hits them alike)."""
     ckpts = checkpoints_in(paths)
     if not ckpts:
         raise SystemExit(f"no trained checkpoint in {', '.join(map(str, paths))}; run `make table8` (gated p-hop runs) first")
-    work = [(c, n_quality, n_time, threads) for c in ckpts]
+    work = [(c, n_quality, n_time, threads, lm_sequences) for c in ckpts]
     if jobs > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -229,7 +257,9 @@ def run(paths: Sequence[str | Path], n_quality: int = 512, n_time: int = 4, thre
             runs = list(pool.map(_run_one, work))
     else:
         runs = [_run_one(w) for w in work]
-    return {"threads": threads, "jobs": jobs, "n_quality": n_quality, "n_time": n_time, "grid": {k: list(v) for k, v in GRID.items()},
+    runs = [r for r in runs if r is not None]  # N⊗1 checkpoints of the same sweeps
+    return {"threads": threads, "jobs": jobs, "n_quality": n_quality, "lm_sequences": lm_sequences, "n_time": n_time,
+            "grid": {k: list(v) for k, v in GRID.items()}, "grid_lm": {k: list(v) for k, v in GRID_LM.items()},
             "target": {"speedup_vs_all_loops": TARGET_SPEEDUP, "accuracy_lost": TARGET_LOSS},
             "runs": runs, "summary": summarize(runs)}
 
@@ -242,13 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-time", type=int, default=4, help="test sequences decoded token by token for the timing")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per checkpoint process")
     ap.add_argument("--jobs", type=int, default=1, help="checkpoints measured at once (one process each)")
+    ap.add_argument("--lm-sequences", type=int, default=64, help="language models: test windows scored per configuration")
     args = ap.parse_args(argv)
-    res = run(args.paths, args.n_quality, args.n_time, args.threads, args.jobs)
+    res = run(args.paths, args.n_quality, args.n_time, args.threads, args.jobs, args.lm_sequences)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     for s in res["summary"]:
-        print(f"{s['backbone']:7s} {s['state_mode']:17s} {s['training']:24s} {s['rule']:13s} {s['threshold']:<6g} {s['handling']:13s} "
-              f"acc skip {s['accuracy_skip']['mean']:.3f} (all {s['accuracy_all_loops']['mean']:.3f}) "
+        quality = (f"ppl skip {s['perplexity_skip']['mean']:.2f} (all {s['perplexity_all_loops']['mean']:.2f}) "
+                   if s["task"] == "lm" else
+                   f"acc skip {s['accuracy_skip']['mean']:.3f} (all {s['accuracy_all_loops']['mean']:.3f}) ")
+        print(f"{s['task']:5s} {s['backbone']:7s} {s['state_mode']:17s} {s['training']:24s} {s['rule']:13s} {s['threshold']:<6g} "
+              f"{s['handling']:13s} " + quality +
               f"exit {s['mean_exit_step_skip']['mean']:.2f} speed-up {s['speedup_vs_all_loops']['mean']:.2f}x")
     print(f"wrote {args.out}")
     return 0

@@ -109,14 +109,16 @@ def plot_task(table: "Table", ax) -> None:
 
 
 def plot_exitgrid(table: "Table", ax) -> None:
-    """Table 10: accuracy of skip decoding against its measured speed-up over all loops, one series per backbone."""
+    """Table 10: accuracy of skip decoding against its measured speed-up over all loops, one series per task, backbone
+    and handling (language-model rows have perplexity instead and are not plotted)."""
     series: dict[str, list[tuple[float, float, float, float]]] = {}
     for row in table.rows:
         x, xs = _mean_std(table, row, "speed-up vs all loops")
         y, ys = _mean_std(table, row, "accuracy, skip")
         if x is not None and y is not None:
             trained = "" if row.get("training", "standard") == "standard" else ", exit-aware"
-            series.setdefault(f"{row['backbone']} {row['state']} ({row['handling']}{trained})", []).append((x, y, xs, ys))
+            task = "" if row.get("task", "phop") == "phop" else f"{row['task']}: "
+            series.setdefault(f"{task}{row['backbone']} {row['state']} ({row['handling']}{trained})", []).append((x, y, xs, ys))
     for name, pts in sorted(series.items()):
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], xerr=[p[2] for p in pts], yerr=[p[3] for p in pts],
                     fmt="o", capsize=2, label=name, alpha=0.8)

@@ -151,8 +151,10 @@ def decode_command(scale: str, decode_json: Path, extra: list[str], out_root: Pa
 
 
 def exit_grid_dirs(scale: str, out_root: Path) -> list[Path]:
-    """Table 10's checkpoints: the stage-2 (trained gate) sweeps of table 8 and of table 10 itself."""
-    return [sweep_dir(out_root, n, scale, sw) for n in (8, 10) for sw in get(n).sweeps_for(scale) if sw.init_from is not None]
+    """Table 10's checkpoints: the stage-2 (trained gate) sweeps of table 8 and of table 10 itself (p-hop), and the
+    looped Mano and language models of tables 5 and 7 (zero-shot rules only; exit_grid skips their N⊗1 runs)."""
+    gated = [sweep_dir(out_root, n, scale, sw) for n in (8, 10) for sw in get(n).sweeps_for(scale) if sw.init_from is not None]
+    return gated + [sweep_dir(out_root, n, scale, sw) for n in (5, 7) for sw in get(n).sweeps_for(scale)]
 
 
 def exit_grid_command(scale: str, out_root: Path, exits_json: Path = DEFAULT_EXITS_JSON, jobs: int = 1) -> Command:

@@ -247,9 +247,11 @@ TABLES: dict[int, TableSpec] = {
                    "paper": ()}, "accuracy",
                   notes={"tiny": "p-hop (n 32, p 3) 1⊗4 llama / StateLoop / Mamba-2 from table 8's stage-2 runs and 2⊗4 "
                                  "hybrid trained here (fixed loops, then stage 2; and the same with exit-aware training: "
-                                 "ssm_skip at sampled exits with p = 0.5, then stage 2), 3 seeds; every exit rule × threshold "
+                                 "ssm_skip at sampled exits with p = 0.5, then stage 2), 3 seeds; the looped Mano (table 5) and "
+                                 "language models (table 7: perplexity of 64 test windows) with the zero-shot rules; "
+                                 "every exit rule × threshold "
                                  "(bench/exit_grid.py GRID) × state handling; accuracy and exit step over 512 test "
-                                 "sequences, ms/token of cached decoding over 2 (about 70 tokens per decoder), one thread",
+                                 "sequences, ms/token of cached decoding over 2 test sequences, one thread",
                          "paper": "not defined: the grid scores task answers (table 8's paper runs are LM runs); run "
                                   "`python -m looplab.bench.exit_grid` on task checkpoints"}),
 }
