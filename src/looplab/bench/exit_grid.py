@@ -226,6 +226,8 @@ def checkpoints_in(paths: Sequence[str | Path]) -> list[Path]:
             except (OSError, json.JSONDecodeError):
                 continue
             ckpt = Path(r.get("checkpoint") or res.parent / "checkpoints" / "last.ckpt")
+            if not ckpt.exists():  # the run folder was moved since: its checkpoint moved with it
+                ckpt = res.parent / "checkpoints" / "last.ckpt"
             if r.get("status") == "ok" and ckpt.exists():
                 out.append(ckpt)
     return out
