@@ -273,6 +273,19 @@ def test_exit_grid_quality_scores_every_token_of_a_language_model_window():
     assert math.log(never["perplexity"]["skip"]) == pytest.approx(never["loss"]["skip"])
 
 
+def test_exit_grid_finds_the_checkpoints_of_moved_run_folders(tmp_path):
+    """results.json records the checkpoint's absolute path; a sweep folder moved since keeps its checkpoint next to
+    its results.json, and failed runs are left out."""
+    from looplab.bench.exit_grid import checkpoints_in
+
+    for name, status in (("0", "ok"), ("1", "failed")):
+        run = tmp_path / "sweep" / name
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+        (run / "results.json").write_text(json.dumps({"status": status, "checkpoint": f"/elsewhere/{name}/last.ckpt"}))
+    assert checkpoints_in([tmp_path / "sweep"]) == [tmp_path / "sweep" / "0" / "checkpoints" / "last.ckpt"]
+
+
 def test_exit_grid_skips_one_loop_checkpoints(tmp_path):
     """Tables 5 and 7 hold N⊗1 runs next to the looped ones: nothing to exit, so no rows (and no data loaded)."""
     from looplab.bench import exit_grid
