@@ -23,7 +23,7 @@ from looplab.tables.spec import ZEROSHOT_TASKS, Sweep, TableSpec, default_seeds,
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
 DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10: bench/exit_grid.py
-EXIT_GRID_TIMED = 2  # table 10: test sequences decoded token by token per configuration (≈ 70 timed tokens per decoder)
+EXIT_GRID_TIMED = 2  # table 10: test sequences decoded token by token per configuration and decoder (p-hop: ≈ 70 tokens; LM windows: 256)
 
 
 @dataclass
