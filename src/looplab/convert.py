@@ -52,7 +52,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -190,14 +190,13 @@ def family_of(hf_cfg) -> Family:
 
 
 def map_state_dict(fam: Family, src: dict[str, torch.Tensor], cfg: LoopedLMConfig, block_layers: list[int],
-                   prelude: int = 0, coda: int = 0) -> dict[str, torch.Tensor]:
-    """Source state dict → LoopedLM state dict: prelude layer k ← source layer k, looped block layer l ← source layer
-    block_layers[l], coda layer k ← source layer L − coda + k."""
+                   prelude_layers: Sequence[int] = (), coda_layers: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+    """Source state dict → LoopedLM state dict: looplab's prelude layer k, block layer l and coda layer k ← source
+    layers prelude_layers[k], block_layers[l] and coda_layers[k]."""
     out = {"embed.weight": src[fam.embed], "final_norm.weight": src[fam.final_norm]}
     out["head.weight"] = src[fam.embed] if cfg.tie_embeddings else src["lm_head.weight"]
-    n_src = 1 + max(int(k[len(fam.layers_prefix) + 1:].split(".", 1)[0]) for k in src if k.startswith(fam.layers_prefix + "."))
-    targets = ([(f"prelude.{k}", k) for k in range(prelude)] + [(f"block.{l}", i) for l, i in enumerate(block_layers)]
-               + [(f"coda.{k}", n_src - coda + k) for k in range(coda)])
+    targets = ([(f"prelude.{k}", i) for k, i in enumerate(prelude_layers)] + [(f"block.{l}", i) for l, i in enumerate(block_layers)]
+               + [(f"coda.{k}", i) for k, i in enumerate(coda_layers)])
     for ours, i in targets:
         pre = f"{fam.layers_prefix}.{i}."
         for name, parts in fam.layer_map:
@@ -335,7 +334,7 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
                            "prelude_source_layers": pre, "coda_source_layers": post})
     cfg = LoopedLMConfig.from_dict(cfg_dict)
     model = LoopedLM(cfg)
-    sd = map_state_dict(fam, hf_model.state_dict(), cfg, layers, P, C)
+    sd = map_state_dict(fam, hf_model.state_dict(), cfg, layers, pre, post)
     model.load_state_dict(sd, strict=True)
     model.eval()
 
