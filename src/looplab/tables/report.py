@@ -1165,7 +1165,8 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
                        f"timing, {data.get('threads')} thread(s); thresholds per rule: {data.get('grid')}; language "
                        f"models: {data.get('lm_sequences')} test windows, every next token scored, thresholds "
                        f"{data.get('grid_lm')}")
-    table.sizes = f"{data.get('n_quality')} test sequences (one answer each) per configuration"
+    table.sizes = (f"{data.get('n_quality')} test sequences (one answer each) per configuration; language models: "
+                   f"{data.get('lm_sequences')} test windows, every next token scored")
     return table
 
 

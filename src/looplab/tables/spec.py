@@ -247,7 +247,7 @@ TABLES: dict[int, TableSpec] = {
                    "paper": ()}, "accuracy",
                   notes={"tiny": "p-hop (n 32, p 3) 1⊗4 llama / StateLoop / Mamba-2 from table 8's stage-2 runs and 2⊗4 "
                                  "hybrid trained here (fixed loops, then stage 2; and the same with exit-aware training: "
-                                 "ssm_skip at sampled exits with p = 0.5, then stage 2), 3 seeds; the looped Mano (table 5) and "
+                                 f"ssm_skip at sampled exits with p = {SKIP_TRAIN_PROB:g}, then stage 2), 3 seeds; the looped Mano (table 5) and "
                                  "language models (table 7: perplexity of 64 test windows) with the zero-shot rules; "
                                  "every exit rule × threshold "
                                  "(bench/exit_grid.py GRID) × state handling; accuracy and exit step over 512 test "
