@@ -98,17 +98,21 @@ def test_every_table_spec_composes(number, scale):
                     assert cfg.loop_depth.injection == combo["loop_depth.injection"]
                 if "exit_gate.skip_train_prob" in " ".join(sw.fixed):  # table 10's exit-aware arm
                     assert cfg.exit_gate.skip_train_prob > 0 and cfg.exit_gate.skip_compute == "ssm_skip"
+                if number == 8 and scale == "tiny" and combo.get("exit_gate") == "ouro":  # stage 1 trains twice as long
+                    assert cfg.trainer.max_steps == spec.STAGE1_STEPS_TINY == 2 * compose([f"+experiment={sw.experiment}"]).trainer.max_steps
 
 
 def test_paper_dry_run_prints_exact_commands(capsys):
     assert tables_main(["run", "8", "--scale", "paper", "--dry-run", "--seeds", "1,2"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[table8]")]
-    assert len(lines) == 3 + 3 * 2  # three fixed/stage-1 sweeps, then stage 2 per experiment and seed
-    first = lines[0]
-    for part in ("-m looplab.train -m", "+experiment=exit_gate_mamba", "group=table8-paper", "exit_gate=none,ouro",
-                 "seed=1,2", "hydra.sweep.dir=outputs/tables/table8/paper/exit_gate_mamba", "logger=wandb"):
+    assert len(lines) == 3 + 3 + 3 * 2  # three stage-1 sweeps, three fixed-loop sweeps, then stage 2 per experiment and seed
+    first, fixed = lines[0], lines[3]
+    for part in ("-m looplab.train -m", "+experiment=exit_gate_mamba", "group=table8-paper", "exit_gate=ouro",
+                 "seed=1,2", "hydra.sweep.dir=outputs/tables/table8/paper/exit_gate_mamba_stage1", "logger=wandb"):
         assert part in first
-    # stage 2 of seed 2 starts from the fixed-loop job of seed 2: grid order (none,1) (none,2) (ouro,1) (ouro,2) -> job 1
+    assert "exit_gate=none" in fixed and "hydra.sweep.dir=outputs/tables/table8/paper/exit_gate_mamba " in fixed + " "
+    assert "max_steps" not in " ".join(lines)  # at paper scale stage 1 trains the experiment's own steps
+    # stage 2 of seed 2 starts from the fixed-loop job of seed 2: grid order (none,1) (none,2) -> job 1
     stage2 = [l for l in lines if "exit_gate_mamba_stage2" in l]
     assert "exit_gate.init_from=outputs/tables/table8/paper/exit_gate_mamba/1/checkpoints/last.ckpt" in stage2[1]
     assert "seed=2" in stage2[1] and "exit_gate.stage=stage2" in stage2[1]
@@ -122,21 +126,22 @@ def test_runner_goes_on_after_a_failed_sweep_and_resolves_stage2(tmp_path, monke
     """A failing command does not stop the table; stage 2 takes the fixed-loop run's real checkpoint."""
     calls = []
     t8 = spec.get(8).sweeps_for("tiny")
-    src = t8[1]  # exit_gate_llama_tiny
+    src = next(s for s in t8 if s.folder == "exit_gate_llama_tiny")  # the llama fixed-loop sweep
 
     def fake_run(argv, env=None):
         calls.append(argv)
-        if any(a == f"+experiment={src.experiment}" for a in argv) and not any("stage2" in a for a in argv):
-            # the llama fixed/stage-1 sweep "runs": its fixed-loop job writes results.json
+        if f"hydra.sweep.dir={table_root(tmp_path / 'out', 8, src)}" in argv:
+            # the llama fixed-loop run "runs" and writes results.json
             ckpt = tmp_path / "somewhere" / "last.ckpt"
-            write_run(table_root(tmp_path / "out", 8, src) / "0",
+            write_run(table_root(tmp_path / "out", 8, src) / "seed1",
                       {**fake_result(src, {"exit_gate": "none", "seed": "1"}, seed=1), "checkpoint": str(ckpt)})
-        return subprocess.CompletedProcess(argv, 1 if len(calls) == 1 else 0)
+        return subprocess.CompletedProcess(argv, 1 if "+experiment=exit_gate_mamba_tiny" in argv else 0)
 
     monkeypatch.setattr(runner.subprocess, "run", fake_run)
-    records = runner.run(8, "tiny", tmp_path / "out", logger="none", table_dir=tmp_path / "tables", seeds=[1])
-    assert [r["returncode"] for r in records[:3]] == [1, 0, 0]
-    assert len(calls) == 4  # 3 first sweeps + only the llama stage 2 (the others have nothing to start from)
+    records = runner.run(8, "tiny", tmp_path / "out", logger="none", table_dir=tmp_path / "tables", seeds=[1], jobs=2)
+    # stage 1 and the fixed-loop runs form one batch, started two at a time; the mamba ones fail, the rest go on
+    assert [r["returncode"] for r in records[:6]] == [1, 0, 0, 1, 0, 0]
+    assert len(calls) == 7  # 6 first runs + only the llama stage 2 (the others have nothing to start from)
     assert f"exit_gate.init_from={tmp_path / 'somewhere' / 'last.ckpt'}" in calls[-1]
     skipped = [r for r in records if r.get("skipped")]
     assert len(skipped) == 2
@@ -601,6 +606,18 @@ def test_tiny_tables_default_to_three_seeds(capsys):
     assert all("seed=7" in l for l in capsys.readouterr().out.splitlines() if l.startswith("[table6]"))
     cmds = runner.plan(8, "tiny")
     assert sum("exit_gate.stage=stage2" in c.argv for c in cmds) == 3 * 3  # stage 2 per backbone and seed
+    # table 8 tiny: stage 1 (1,600 steps) and fixed loops as one-seed commands, longest first, then stage 2
+    cmds = runner.plan(8, "tiny", jobs=2)
+    stage1 = [c for c in cmds if "exit_gate=ouro" in c.argv]
+    assert len(stage1) == 9 and cmds[:9] == stage1
+    assert all(f"trainer.max_steps={spec.STAGE1_STEPS_TINY}" in c.argv and "hardware.num_threads=1" in c.argv for c in stage1)
+    assert not any("max_steps" in a for c in cmds[9:] for a in c.argv)
+    assert {a for c in cmds[:18] for a in c.argv if a.startswith("hydra.sweep.subdir=")} == {"hydra.sweep.subdir=seed1",
+                                                                                              "hydra.sweep.subdir=seed2",
+                                                                                              "hydra.sweep.subdir=seed3"}
+    assert [len(b) for b in runner._batches(cmds)] == [18, 9]
+    assert "exit_gate.init_from=outputs/tables/table8/tiny/exit_gate_llama_tiny/seed2/checkpoints/last.ckpt" in next(
+        c for c in cmds if c.seed == 2 and "exit_gate_llama_tiny_stage2" in " ".join(c.argv)).argv
     t1 = runner.plan(1, "tiny")
     assert t1[-1].argv[2:5] == ["looplab.tables", "zeroshot", "1"] and t1[-1].argv[-2:] == ["--tasks", "looplab_tiny"]
     assert not any("seed=" in a for c in runner.plan(6, "paper") for a in c.argv)

@@ -972,7 +972,7 @@ def _exit_step(d: dict[str, Any], q: str) -> float | None:
 def _exit_rows(cell: Cell, mode: str) -> list[dict[str, Any]]:
     base = {"experiment": cell.sweep.experiment, "backbone": _first(cell, "model", "backbone", default="?"),
             "N⊗R": _nxr(cell), "state": _first(cell, "model", "state_mode", default="?"), "mode": mode,
-            "seeds": len(cell.ok)}
+            "seeds": len(cell.ok), "steps": _first(cell, "global_step")}
     rows = []
     if mode == "fixed loops":
         R = _first(cell, "model", "loops") or 0
@@ -1006,9 +1006,10 @@ def build_exit(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | N
     order = {"fixed loops": 0, "stage 1": 1, "stage 2": 2}
     table.rows.sort(key=lambda r: (r["experiment"], order.get(r["mode"], 3)))
     table.columns = ["experiment", "backbone", "N⊗R", "state", "mode", "setting", "seeds", "accuracy", "Wilson 95% (examples)",
-                     "mean exit step", "loss"]
+                     "mean exit step", "loss", "steps"]
     table.notes.append("fixed loops: the exit_gate=none model read out at depth k; stage 1: joint gate training (Ouro); "
-                       "stage 2: gate only, backbone frozen and loaded from the fixed-loop run of the same seed; q: exit at "
+                       "stage 2: gate only, backbone frozen and loaded from the fixed-loop run of the same seed (steps: "
+                       "the gate's own training steps); q: exit at "
                        "the first depth whose cumulative exit probability reaches q (q > 1 never exits early); mean exit "
                        "step: at the answer positions (tasks) or over all target tokens (LM), mean ± 95% t over seeds")
     table.verdicts = evaluate_findings(spec, units_for(cells, _exit_mode), scale)

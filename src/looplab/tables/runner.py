@@ -32,7 +32,7 @@ class Command:
     sweep: Sweep | None = None
     note: str = ""
     seed: int | None = None
-    parallel: int = 1  # stage-2 runs (one command per seed): this many of the consecutive ones run at once
+    parallel: int = 1  # one-seed commands (stage 2, per_seed sweeps): this many of the consecutive ones run at once
 
     def __str__(self) -> str:
         return shlex.join(self.argv)
@@ -66,7 +66,7 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
     argv = [sys.executable, "-m", "looplab.train", "-m", f"+experiment={sw.experiment}",
             f"group=table{spec.number}-{scale}", f"tags=[{','.join(tags)}]",
             f"hydra.sweep.dir={sweep_dir(out_root, spec.number, scale, sw)}", f"logger={logger}"]
-    if jobs > 1 and not hardware and init_from is None:
+    if jobs > 1 and not hardware and init_from is None and not sw.per_seed:
         # hydra-joblib-launcher: the sweep's jobs in `jobs` processes, the cores split between them
         threads = max(1, (os.cpu_count() or 1) // jobs)
         argv += ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}", f"hardware.num_threads={threads}"]
@@ -76,16 +76,18 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
             argv.append("trainer.strategy=fsdp")  # e.g. hardware=slurm keeps the experiment's FSDP2 sharding
     argv += [_override_list(k, v) for k, v in sw.params]
     argv += list(sw.fixed)
-    if init_from is not None:
-        if jobs > 1 and not hardware:  # the runner starts `jobs` stage-2 commands at once: split the cores
+    one_seed = init_from is not None or sw.per_seed  # one command per seed, the runner starts `jobs` of them at once
+    if one_seed:
+        if jobs > 1 and not hardware:  # split the cores between the commands running together
             argv.append(f"hardware.num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
-        argv.append(f"exit_gate.init_from={init_from}")
+        if init_from is not None:
+            argv.append(f"exit_gate.init_from={init_from}")
         if seed is not None:
             argv += [f"seed={seed}", f"hydra.sweep.subdir=seed{seed}"]
     elif seeds:
         argv.append(_override_list("seed", seeds))
     argv += list(extra)
-    return Command(argv, sw, seed=seed, parallel=jobs if init_from is not None and not hardware else 1)
+    return Command(argv, sw, seed=seed, parallel=jobs if one_seed and not hardware else 1)
 
 
 def _experiment_hardware(sw: Sweep) -> str | None:
@@ -129,6 +131,8 @@ def resolve_init_from(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, se
             if r.get("status") == "ok" and all(_parse(r.get("overrides")).get(k) == v for k, v in want.items()):
                 return r.get("checkpoint") or str(path.parent / "checkpoints" / "last.ckpt")
         return None
+    if src.per_seed and seed is not None:
+        return str(src_dir / f"seed{seed}" / "checkpoints" / "last.ckpt")
     for i, combo in enumerate(src.grid(seeds)):
         if all(combo.get(k) == v for k, v in want.items()):
             return str(src_dir / str(i) / "checkpoints" / "last.ckpt")
@@ -191,12 +195,12 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
     cmds: list[Command] = []
     for sw in spec.sweeps_for(scale):
-        if sw.init_from is None:
+        if sw.init_from is None and not sw.per_seed:
             cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware,
                                       jobs=jobs))
         else:
             for seed in seeds or [None]:
-                path = resolve_init_from(spec, scale, sw, out_root, seed, seeds, dry_run=True)
+                path = None if sw.init_from is None else resolve_init_from(spec, scale, sw, out_root, seed, seeds, dry_run=True)
                 cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds,
                                           hardware=hardware, init_from=path, seed=seed, jobs=jobs))
     if spec.kind == "exitgrid":
@@ -207,12 +211,13 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
 
 
 def _batches(cmds: list[Command]) -> list[list[Command]]:
-    """Consecutive stage-2 commands that may run at once (parallel > 1, none starting from another's sweep) form one
-    batch; every other command is a batch of its own."""
+    """Consecutive one-seed commands that may run at once (parallel > 1, none starting from another's sweep) form one
+    batch, started in order JOBS at a time; every other command is a batch of its own."""
     out: list[list[Command]] = []
     for cmd in cmds:
         last = out[-1] if out else None
-        if (cmd.parallel > 1 and last and last[0].parallel > 1 and cmd.sweep.init_from[0] not in {c.sweep.folder for c in last}):
+        src = cmd.sweep.init_from[0] if cmd.sweep is not None and cmd.sweep.init_from else None
+        if cmd.parallel > 1 and last and last[0].parallel > 1 and src not in {c.sweep.folder for c in last}:
             last.append(cmd)
         else:
             out.append([cmd])
