@@ -215,12 +215,12 @@ def test_lm_depth_and_reset_tables(tmp_path):
 def test_exit_gate_table_rows_and_plot(tmp_path):
     out = tmp_path / "out"
     sweeps = spec.get(8).sweeps_for("tiny")
-    first, stage2 = sweeps[1], sweeps[4]  # llama
-    assert stage2.init_from[0] == first.folder
+    stage1, first, stage2 = sweeps[1], sweeps[4], sweeps[7]  # llama: stage 1, fixed loops, stage 2
+    assert stage2.init_from[0] == first.folder and stage1.folder == "exit_gate_llama_tiny_stage1"
     exit_stats = {"0.5": {"acc": 0.7, "loss": 0.9, "mean_step": 2.5, "answer_step": 2.0},
                   "0.9": {"acc": 0.8, "loss": 0.8, "mean_step": 3.2, "answer_step": 3.0}}
     write_run(table_root(out, 8, first) / "0", fake_result(first, {"exit_gate": "none"}, per_depth_acc=[0.2, 0.5, 0.7, 0.85]))
-    write_run(table_root(out, 8, first) / "1", fake_result(first, {"exit_gate": "ouro"}, exit_gate="ouro", exit=exit_stats))
+    write_run(table_root(out, 8, stage1) / "seed1234", fake_result(stage1, {"exit_gate": "ouro"}, exit_gate="ouro", exit=exit_stats))
     s2 = {q: {**v, "acc": v["acc"] + 0.05} for q, v in exit_stats.items()}
     write_run(table_root(out, 8, stage2) / "0", fake_result(stage2, {}, exit_gate="ouro", exit=s2))
     t = report.build(8, "tiny", out, seeds=[1234])
@@ -231,7 +231,7 @@ def test_exit_gate_table_rows_and_plot(tmp_path):
     assert llama[2]["accuracy"].mean == 0.7 and llama[2]["mean exit step"] == 3.0
     # mean exit step at the scored (answer) positions: answer_step, not the all-token mean_step
     assert llama[7]["accuracy"].mean == pytest.approx(0.85) and llama[7]["mean exit step"].mean == 3.0
-    assert len(t.missing) == 6  # mamba and stateloop: none, ouro and stage 2 each
+    assert len(t.missing) == 6  # mamba and stateloop: stage 1, fixed loops and stage 2 each
     png = next(p for p in report.write(t, tmp_path / "tables") if p.suffix == ".png")
     assert png.name == "table8.png" and png.stat().st_size > 1000
 
@@ -484,7 +484,7 @@ def test_accuracy_differences_carry_the_examples_noise(tmp_path):
 def test_exit_gate_and_mano_findings(tmp_path):
     """Table 8: stage 2 (q = 0.5) − fixed loops, paired by seed; table 5: iso-parameter and iso-FLOP arms."""
     sweeps = spec.get(8).sweeps_for("tiny")
-    first, stage2 = sweeps[1], sweeps[4]  # llama
+    first, stage2 = sweeps[4], sweeps[7]  # llama: fixed loops, stage 2
     for s in (1, 2, 3):
         write_run(table_root(tmp_path, 8, first) / f"f{s}", fake_result(first, {"exit_gate": "none", "seed": str(s)}, acc=0.80 + 0.05 * s,
                                                                         seed=s, config=TASK_CFG))
