@@ -66,7 +66,7 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
     argv = [sys.executable, "-m", "looplab.train", "-m", f"+experiment={sw.experiment}",
             f"group=table{spec.number}-{scale}", f"tags=[{','.join(tags)}]",
             f"hydra.sweep.dir={sweep_dir(out_root, spec.number, scale, sw)}", f"logger={logger}"]
-    if jobs > 1 and not hardware and init_from is None and not sw.per_seed:
+    if jobs > 1 and not hardware and not sw.one_command_per_seed:
         # hydra-joblib-launcher: the sweep's jobs in `jobs` processes, the cores split between them
         threads = max(1, (os.cpu_count() or 1) // jobs)
         argv += ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}", f"hardware.num_threads={threads}"]
@@ -76,8 +76,7 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
             argv.append("trainer.strategy=fsdp")  # e.g. hardware=slurm keeps the experiment's FSDP2 sharding
     argv += [_override_list(k, v) for k, v in sw.params]
     argv += list(sw.fixed)
-    one_seed = init_from is not None or sw.per_seed  # one command per seed, the runner starts `jobs` of them at once
-    if one_seed:
+    if sw.one_command_per_seed:  # the runner starts `jobs` of them at once
         if jobs > 1 and not hardware:  # split the cores between the commands running together
             argv.append(f"hardware.num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
         if init_from is not None:
@@ -87,7 +86,7 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
     elif seeds:
         argv.append(_override_list("seed", seeds))
     argv += list(extra)
-    return Command(argv, sw, seed=seed, parallel=jobs if one_seed and not hardware else 1)
+    return Command(argv, sw, seed=seed, parallel=jobs if sw.one_command_per_seed and not hardware else 1)
 
 
 def _experiment_hardware(sw: Sweep) -> str | None:
@@ -195,7 +194,7 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
     cmds: list[Command] = []
     for sw in spec.sweeps_for(scale):
-        if sw.init_from is None and not sw.per_seed:
+        if not sw.one_command_per_seed:
             cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware,
                                       jobs=jobs))
         else:

@@ -53,6 +53,11 @@ class Sweep:
     per_seed: bool = False
 
     @property
+    def one_command_per_seed(self) -> bool:
+        """Stage-2 sweeps (init_from) and per_seed sweeps run as one command per seed."""
+        return self.per_seed or self.init_from is not None
+
+    @property
     def folder(self) -> str:
         return self.name or self.experiment
 
