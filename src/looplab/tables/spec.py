@@ -212,7 +212,7 @@ TABLES: dict[int, TableSpec] = {
                                  "(`python -m looplab.tables zeroshot 1 --scale paper` after training)"}),
     2: TableSpec(2, "Loop depth: Vanilla Looped vs StateLoop per R", "depth",
                  {"tiny": (sweep("stateloop_depth_tiny"),), "paper": (sweep("stateloop_depth"),)}, "perplexity",
-                 notes={"tiny": "1⊗R (R = 2, 4) llama d128, embedded corpus with its 1,024-token BPE, 600 steps",
+                 notes={"tiny": "1⊗R (R = 2, 4, 6) llama d128, embedded corpus with its 1,024-token BPE, 600 steps",
                         "paper": "4⊗R (R = 3..7) at 410M on the Pile"}),
     3: TableSpec(3, "State reset: carry vs reset", "reset",
                  {"tiny": (sweep("stateloop_reset_tiny"),), "paper": (sweep("stateloop_reset"),)}, "perplexity",
