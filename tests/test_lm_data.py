@@ -149,6 +149,15 @@ def test_missing_and_empty_inputs_name_the_path(tmp_path):
         load_split(tmp_path / "c", "train")
 
 
+def test_broken_cache_symlink_is_named(tmp_path, jsonl):
+    """A cache_dir that is a dangling symlink (e.g. a worktree linked to a cache that was removed) names itself."""
+    path, _ = jsonl
+    cache = tmp_path / "cache"
+    cache.symlink_to(tmp_path / "gone")
+    with pytest.raises(FileExistsError, match=r"cache.*exists and is not a folder \(a broken symlink\?\)"):
+        prepare(_src(path), TOK, cache, verbose=False)
+
+
 def test_truncated_or_corrupt_token_file_is_detected(tmp_path, jsonl):
     path, _ = jsonl
     cache = tmp_path / "cache"

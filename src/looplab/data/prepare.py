@@ -349,7 +349,11 @@ def prepare(src: SourceConfig, tokenizer: str | LMTokenizer, cache_dir: str | os
         if splits is None:
             splits, fingerprint2 = load_source(src)
             assert fingerprint2 == fingerprint, (fingerprint2, fingerprint)
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as e:  # a broken symlink or a file where a folder of the path should be
+            raise FileExistsError(f"cannot create the data cache folder {folder}: {e.filename} exists and is not a "
+                                  f"folder (a broken symlink?); fix it or set dataset.cache_dir / LOOPLAB_CACHE") from None
         out[split] = tf = _write_split(splits[split], split, folder, tok, src, fingerprint, num_proc, batch_docs, limits[split])
         if verbose:
             m = tf.manifest
