@@ -216,7 +216,8 @@ TABLES: dict[int, TableSpec] = {
                         "paper": "4⊗R (R = 3..7) at 410M on the Pile"}),
     3: TableSpec(3, "State reset: carry vs reset", "reset",
                  {"tiny": (sweep("stateloop_reset_tiny"),), "paper": (sweep("stateloop_reset"),)}, "perplexity",
-                 notes={"tiny": "2⊗3 llama d128, embedded corpus, 300 steps", "paper": "6⊗4 at 410M on the Pile"}),
+                 notes={"tiny": "2⊗3 llama d128, embedded corpus with its 1,024-token BPE, 600 steps (table 2's setting)",
+                        "paper": "6⊗4 at 410M on the Pile"}),
     4: TableSpec(4, "Decoding latency per generated token", "decode", {"tiny": (), "paper": ()}, "per_token_ms",
                  notes={"tiny": "bench/decode.json of the decoding benchmark, fp32 on the CPU (`make table4` runs it in quick mode "
                                 "with 1 thread; the full run adds context 256 and a 24-layer block)",
