@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,59 @@ def build_datamodule(cfg: DictConfig):
         raise ValueError(f"dataset config {ds.get('name')!r} has no _target_ (the DataModule class to build)")
     ds.pop("name", None)
     return hydra.utils.instantiate(ds, _convert_="all")
+
+
+@dataclass
+class RunParts:
+    """What `build_run` composes from a config: the DataModule and the LightningModule, with the
+    pieces of config they were built from."""
+
+    dm: Any
+    model_cfg: Any
+    objective: dict[str, Any]
+    depth: Any
+    eval_loops: list[int]
+    use_compile: bool
+    compile_why: str
+    module: Any
+
+
+def build_run(cfg: DictConfig) -> RunParts:
+    """Seed, then the DataModule and the LightningModule, exactly as `python -m looplab.train` builds them.
+
+    The paired arms of a table (StateLoop vs Vanilla Looped, reset vs carry, ...) go through this one
+    function, so that for a given seed they start from the same values of every parameter they share
+    and see the same batches (common random numbers: models/rng.py; tests/test_common_random_numbers.py).
+    """
+    import lightning as L
+
+    from looplab.training.compose import depth_from_cfg, eval_loops_from_cfg, model_config_from_cfg, objective_from_cfg
+    from looplab.training.module import LoopedLMModule
+
+    L.seed_everything(cfg.seed, workers=True)
+    dm = build_datamodule(cfg)
+    model_cfg = model_config_from_cfg(cfg, vocab_size=getattr(dm, "vocab_size", None))
+    objective = objective_from_cfg(cfg)
+    depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop (issue 15)
+    eval_loops = eval_loops_from_cfg(cfg)
+    use_compile, compile_why = resolve_compile(cfg.get("compile", False), model_cfg.d_model, str(cfg.trainer.accelerator))
+    dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
+    for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
+        if hasattr(dm, attr):
+            try:
+                dataset_meta[f"_{attr}"] = getattr(dm, attr)
+            except Exception:  # a property that needs setup() first
+                pass
+    module = LoopedLMModule(
+        model_config=model_cfg.to_dict(),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        objective=objective,
+        dataset=dataset_meta,
+        checkpoint_loops=bool(cfg.hardware.get("activation_checkpointing", False)),
+        compile_block=use_compile,  # applied in configure_model, after any sharding
+        depth=asdict(depth),
+    )
+    return RunParts(dm, model_cfg, objective, depth, eval_loops, use_compile, compile_why, module)
 
 
 def load_warm_start(model, path: str) -> list[str]:
@@ -56,9 +109,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from looplab.checkpoint import check_compatible, read_checkpoint_meta
     from looplab.training.callbacks import AtomicCheckpointIO, PlainProgress, ThroughputRecord
-    from looplab.training.compose import depth_from_cfg, eval_loops_from_cfg, model_config_from_cfg, objective_from_cfg
     from looplab.training.distributed import recover_checkpoint, trainer_overrides
-    from looplab.training.module import LoopedLMModule
 
     start = time.time()
     ctx = hydra_context()
@@ -67,23 +118,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(ctx["output_dir"])
     if cfg.hardware.get("num_threads"):
         torch.set_num_threads(int(cfg.hardware.num_threads))
-    L.seed_everything(cfg.seed, workers=True)
-
-    # ---- everything that can be wrong is checked before any training starts
-    dm = build_datamodule(cfg)
-    model_cfg = model_config_from_cfg(cfg, vocab_size=getattr(dm, "vocab_size", None))
-    objective = objective_from_cfg(cfg)
-    depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop (issue 15)
-    eval_loops = eval_loops_from_cfg(cfg)
-    use_compile, compile_why = resolve_compile(cfg.get("compile", False), model_cfg.d_model, str(cfg.trainer.accelerator))
-    dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
-    for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
-        if hasattr(dm, attr):
-            try:
-                dataset_meta[f"_{attr}"] = getattr(dm, attr)
-            except Exception:  # a property that needs setup() first
-                pass
     ckpt_dir = out_dir / "checkpoints"
+    # ---- everything that can be wrong is checked before any training starts
+    run = build_run(cfg)
+    dm, model_cfg, objective, depth, eval_loops, module = run.dm, run.model_cfg, run.objective, run.depth, run.eval_loops, run.module
+    use_compile, compile_why = run.use_compile, run.compile_why
     recover_checkpoint(ckpt_dir / "last.ckpt")  # a sharded save killed between its two renames
     ckpt_path = None
     if cfg.resume == "auto":
@@ -95,15 +134,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_compatible(read_checkpoint_meta(ckpt_path), model_cfg)  # metadata only, every rank
         log.info("resuming from %s", ckpt_path)
 
-    module = LoopedLMModule(
-        model_config=model_cfg.to_dict(),
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        objective=objective,
-        dataset=dataset_meta,
-        checkpoint_loops=bool(cfg.hardware.get("activation_checkpointing", False)),
-        compile_block=use_compile,  # applied in configure_model, after any sharding
-        depth=asdict(depth),
-    )
     warm = cfg.get("init_from") or (cfg.exit_gate.get("init_from") if objective["exit_stage"] else None)
     if warm and not ckpt_path:
         missing = load_warm_start(module.model, str(warm))
@@ -167,6 +197,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     results = collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val_metrics, test_metrics, throughput, start, trainer,
                               flops_train=flops_train, depth_metrics=depth_metrics)
+    if hasattr(dm, "unigram_perplexity") and trainer.is_global_zero:
+        results["unigram_perplexity"] = dm.unigram_perplexity()  # the bar an LM arm must pass (findings' preconditions)
     if ckpt_path:
         carry_over_timing(results, out_dir / "results.json")
     if trainer.is_global_zero:

@@ -245,6 +245,18 @@ class LMDataModule(L.LightningDataModule):
         # lm_tiny / hf sources have one held-out split; it serves as validation and test
         return self.val_dataloader()
 
+    def unigram_perplexity(self) -> float:
+        """The perplexity of the training split's unigram distribution (add-one smoothed) on the held-out
+        targets the test scores: the bar a language model must get below to have learned anything from
+        context (the findings' precondition for a language-model arm, tables/spec.py)."""
+        files = self.prepare()
+        counts = np.bincount(np.asarray(files["train"].open(), dtype=np.int64), minlength=self.vocab_size).astype(np.float64)
+        logp = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
+        held = self.val_windows(rank=0, world_size=1)
+        tokens = np.asarray(files["validation"].open(), dtype=np.int64)
+        targets = np.concatenate([tokens[int(s) * self.seq_len + 1: int(s) * self.seq_len + self.seq_len + 1] for s in held.index])
+        return float(np.exp(-logp[targets].mean()))
+
     def state_dict(self) -> dict[str, Any]:
         # the position in the stream is global_step (restored by Lightning); keep what decides the order
         return {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}

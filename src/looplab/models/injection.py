@@ -27,7 +27,7 @@ class AddInjection(nn.Module):
         self.weight = nn.Parameter(torch.zeros(d, d))  # W_in
 
     @torch.no_grad()
-    def reset_special_parameters(self) -> None:
+    def reset_special_parameters(self, generator: torch.Generator | None = None) -> None:  # draws nothing
         self.weight.zero_()
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ class ConcatInjection(nn.Module):
         self.reset_special_parameters()
 
     @torch.no_grad()
-    def reset_special_parameters(self) -> None:
+    def reset_special_parameters(self, generator: torch.Generator | None = None) -> None:  # draws nothing
         d = self.weight.shape[0]
         self.weight.zero_()
         self.weight[:, :d].copy_(torch.eye(d))
@@ -63,7 +63,7 @@ class DiagInjection(nn.Module):
         self.gate = nn.Parameter(torch.zeros(d))  # g; the gain tanh(g) is bounded in (−1, 1)
 
     @torch.no_grad()
-    def reset_special_parameters(self) -> None:
+    def reset_special_parameters(self, generator: torch.Generator | None = None) -> None:  # draws nothing
         self.gate.zero_()
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ from looplab.models.exit_rules import EXIT_RULES, first_exit
 from looplab.models.hub import LoopedHubMixin
 from looplab.models.injection import build_injection
 from looplab.models.llama import AttentionLayer, RMSNorm
+from looplab.models.rng import draw_init_seed, named_generator
 from looplab.models.state import StateBranch
 
 
@@ -90,39 +91,52 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     def __init__(self, config: LoopedLMConfig):
         super().__init__()
         self.config = cfg = config
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        # empty lists when 0: no parameters, no state-dict keys (a plain N⊗R checkpoint loads strictly)
-        self.prelude = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.prelude_layer_types)
-        self.block = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.layer_types)
-        self.coda = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.coda_layer_types)
-        self.state = StateBranch(cfg) if cfg.uses_state else None
-        self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate != "none" else None
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
-        # draws no random numbers (and is registered last): a seeded init of every other parameter is the un-injected model's
-        self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
+        # Common random numbers (models/rng.py): one draw from the global generator, then every
+        # parameter from its own (seed, name) generator. The submodules' own default inits run on a
+        # forked generator, so building a branch never moves the global stream either: two arms
+        # built after the same seed leave it in the same state.
+        self.init_seed = draw_init_seed()
+        with torch.random.fork_rng(devices=[]):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            # empty lists when 0: no parameters, no state-dict keys (a plain N⊗R checkpoint loads strictly)
+            self.prelude = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.prelude_layer_types)
+            self.block = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.layer_types)
+            self.coda = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.coda_layer_types)
+            self.state = StateBranch(cfg) if cfg.uses_state else None
+            self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate != "none" else None
+            self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if cfg.tie_embeddings:
+                self.head.weight = self.embed.weight
+            self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
         self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
         self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Every parameter from its own generator, seeded by (seed, its name) (models/rng.py): a
+        parameter's initial values depend on the seed, its name and shape and its init rule alone,
+        never on which other modules the model has. seed: the model's `init_seed` by default."""
         cfg = self.config
+        seed = self.init_seed if seed is None else int(seed)
+        self.init_seed = seed
         std = cfg.init_std or math.sqrt(2 / (5 * cfg.d_model))
         # residual writers are applied P + N·R + C times per forward, so scale by the effective depth
         out_std = std / math.sqrt(2 * (cfg.prelude_layers + cfg.n_layers * cfg.n_loops + cfg.coda_layers))
         for name, p in self.named_parameters():
             if p.dim() == 2 and not name.startswith(("state.state_out", "inject.")):
                 s = out_std if name.endswith(("out_proj.weight", "down_proj.weight")) else std
-                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
+                g = named_generator(seed, name, p.device)
+                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s, generator=g)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
-        for m in self.modules():
+        for mod_name, m in self.named_modules():
             if m is not self and hasattr(m, "reset_special_parameters"):
-                m.reset_special_parameters()  # SSM A_log/dt/D, state gate, zero W_o
+                # SSM A_log/dt/D and conv, state gate, zero W_o: a generator of the module's own name
+                p = next(m.parameters(), None)
+                m.reset_special_parameters(generator=named_generator(seed, mod_name, p.device if p is not None else None))
 
     # --------------------------------------------------------------- summary
     def num_parameters(self) -> dict[str, int]:

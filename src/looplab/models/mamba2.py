@@ -242,17 +242,24 @@ class Mamba2Mixer(nn.Module):
         )
 
     @torch.no_grad()
-    def reset_special_parameters(self) -> None:
+    def reset_special_parameters(self, generator: torch.Generator | None = None) -> None:
         """A ~ U[A_init] stored as log, softplus(dt_bias) ~ logU[dt_init], D = 1, conv at PyTorch's default.
-        Called by LoopedLM after its generic init (which zeroes every bias, dt_bias and conv bias included)."""
+        Called by LoopedLM after its generic init (which zeroes every bias, dt_bias and conv bias included);
+        generator: the mixer's own (models/rng.py), None: the global one."""
         lo, hi = self.A_init
-        self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(lo, hi).log())
+        self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(lo, hi, generator=generator).log())
         lo, hi = self.dt_init
-        dt = torch.exp(torch.empty_like(self.dt_bias, dtype=torch.float32).uniform_(math.log(lo), math.log(hi)))
+        dt = torch.exp(torch.empty_like(self.dt_bias, dtype=torch.float32).uniform_(math.log(lo), math.log(hi),
+                                                                                    generator=generator))
         dt = dt.clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.D.fill_(1.0)
-        self.conv1d.reset_parameters()
+        # nn.Conv1d.reset_parameters, drawn from `generator`
+        w, b = self.conv1d.weight, self.conv1d.bias
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=generator)
+        if b is not None:
+            bound = 1 / math.sqrt(w.shape[1] * w.shape[2])  # fan_in
+            nn.init.uniform_(b, -bound, bound, generator=generator)
 
     def _apply(self, fn, *args, **kwargs):
         """Keep A_log, dt_bias and D in fp32 through model.to(bf16) / .half(): exp(A_log) and the

@@ -50,12 +50,13 @@ class StateBranch(nn.Module):
         self.reset_special_parameters()
 
     @torch.no_grad()
-    def reset_special_parameters(self) -> None:
-        """Called by LoopedLM after its generic init, which must not touch these."""
+    def reset_special_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Called by LoopedLM after its generic init, which must not touch these (generator: the
+        branch's own, models/rng.py; None: the global one)."""
         lo, hi = self.cfg.state_A_init
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(lo, hi).log())
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(lo, hi, generator=generator).log())
         lo, hi = self.cfg.state_dt_init
-        dt = torch.exp(torch.empty_like(self.dt_proj.bias).uniform_(math.log(lo), math.log(hi)))
+        dt = torch.exp(torch.empty_like(self.dt_proj.bias).uniform_(math.log(lo), math.log(hi), generator=generator))
         self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.state_out.weight.zero_()
 
