@@ -122,7 +122,7 @@ def decode_checkpoint(path: str | Path, n_sequences: int = 256, q: float = 0.5, 
 def run(checkpoints: Sequence[str | Path], n_sequences: int = 256, q: float = 0.5) -> dict[str, Any]:
     """decode_checkpoint for each checkpoint, grouped by state mode (one group = one model family
     across seeds), with each group's mean and 95% t-interval over its checkpoints."""
-    from looplab.tables.report import t_interval
+    from looplab.stats import t_interval
 
     runs = [decode_checkpoint(p, n_sequences, q) for p in checkpoints]
     groups: dict[str, dict[str, Any]] = {}

@@ -178,7 +178,7 @@ def body_training(ckpt: str | Path) -> str:
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Across seeds: per (backbone, state mode, rule, threshold, handling), mean and 95% t-interval of each figure;
     `meets_target`: skip's speed-up vs all loops ≥ 1.5× while losing ≤ 1 point of accuracy against all loops."""
-    from looplab.tables.report import t_interval
+    from looplab.stats import t_interval
 
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
     for run in runs:

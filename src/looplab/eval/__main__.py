@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_batches, thresholds = args.max_batches, args.thresholds
     if run is not None:
         # evaluate what the run evaluated: Lightning's limit_{test,val}_batches, the run's thresholds q
-        from looplab.tables.report import eval_batches
+        from looplab.stats import eval_batches
 
         limit = ((run.get("config") or {}).get("trainer") or {}).get(f"limit_{args.split}_batches")
         if max_batches is None and limit is not None:

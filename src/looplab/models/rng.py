@@ -26,8 +26,11 @@ def named_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def named_generator(seed: int, name: str, device: torch.device | str | None = None) -> torch.Generator:
-    """A fresh generator for the parameter (or module) `name` of a model initialised with `seed`."""
+def named_generator(seed: int, name: str, device: torch.device | str | None = None) -> torch.Generator | None:
+    """A fresh generator for the parameter (or module) `name` of a model initialised with `seed` (None for
+    the meta device, whose tensors hold no values: a model built there only to count FLOPs or shapes)."""
+    if torch.device(device or "cpu").type == "meta":
+        return None
     g = torch.Generator(device=device or "cpu")
     g.manual_seed(named_seed(seed, name))
     return g
@@ -36,4 +39,4 @@ def named_generator(seed: int, name: str, device: torch.device | str | None = No
 def draw_init_seed() -> int:
     """The model's init seed, one draw from the global CPU generator: `torch.manual_seed(s)` (or
     Lightning's seed_everything) before building a model fixes every initial value."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())  # also under a meta default device

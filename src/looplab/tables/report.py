@@ -21,12 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from looplab.tables.spec import SCALES, Finding, Sweep, TableSpec, default_seeds, get
+from looplab.stats import (  # noqa: F401  (t_quantile, z_quantile: part of the report's surface)
+    LEVEL, Stat, adjusted_verdict, decisive_p, eval_batches, holm, judge, t_interval, t_quantile, wilson_interval,
+    z_quantile,
+)
+from looplab.tables.spec import DEFAULT_EXITS_JSON, SCALES, Finding, Sweep, TableSpec, default_seeds, get
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_TABLE_DIR = Path("experiments/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
-LEVEL = 0.95  # every interval in the tables
 
 
 # ----------------------------------------------------------------------------- runs
@@ -79,123 +82,7 @@ def load_runs(folder: Path) -> list[Run]:
     return runs
 
 
-# ----------------------------------------------------------------------------- stats
-# Two-sided 95% quantiles of Student's t (df 1..30, then 40, 60, 120) for machines without scipy;
-# with scipy (installed with the eval extra) scipy.stats computes every interval.
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
-         21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042,
-         40: 2.021, 60: 2.000, 120: 1.980}
-_Z975 = 1.959963984540054
-
-
-def _scipy_stats():
-    try:
-        from scipy import stats
-
-        return stats
-    except ImportError:  # pragma: no cover - scipy comes with the eval extra
-        return None
-
-
-def t_quantile(df: int, level: float = LEVEL) -> float:
-    """The (1 + level)/2 quantile of Student's t with df degrees of freedom."""
-    st = _scipy_stats()
-    if st is not None:
-        return float(st.t.ppf((1 + level) / 2, df))
-    if level != 0.95:
-        raise ValueError("without scipy only 95% intervals are available")
-    if df in _T975:
-        return _T975[df]
-    for lo, hi in ((30, 40), (40, 60), (60, 120)):
-        if lo < df < hi:  # linear in 1/df between the tabulated points
-            w = (1 / df - 1 / hi) / (1 / lo - 1 / hi)
-            return _T975[hi] + w * (_T975[lo] - _T975[hi])
-    return _Z975 + (_T975[120] - _Z975) * 120 / df  # df > 120: towards the normal quantile
-
-
-def z_quantile(level: float = LEVEL) -> float:
-    st = _scipy_stats()
-    return float(st.norm.ppf((1 + level) / 2)) if st is not None else _Z975
-
-
-def t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float] | None:
-    """Two-sided t-interval for the mean of `values` (None with fewer than 2)."""
-    n = len(values)
-    if n < 2:
-        return None
-    m, s = statistics.fmean(values), statistics.stdev(values)
-    if s == 0:
-        return (m, m)
-    st = _scipy_stats()
-    if st is not None:
-        lo, hi = st.t.interval(level, n - 1, loc=m, scale=s / math.sqrt(n))
-        return float(lo), float(hi)
-    h = t_quantile(n - 1, level) * s / math.sqrt(n)
-    return m - h, m + h
-
-
-def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float] | None:
-    """Wilson score interval for k successes out of n."""
-    if not n or n < 1:
-        return None
-    k = max(0, min(int(k), int(n)))
-    st = _scipy_stats()
-    if st is not None:
-        ci = st.binomtest(k, int(n)).proportion_ci(confidence_level=level, method="wilson")
-        return float(ci.low), float(ci.high)
-    z = z_quantile(level)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
-
-
-@dataclass
-class Stat:
-    """Values over seeds: mean with a 95% t-interval (none with one value).
-
-    examples: test examples (items) of one run; set for accuracies, which then also carry a 95%
-    Wilson interval over those examples at the seed-mean accuracy (`wilson`).
-    """
-
-    values: list[float]
-    examples: int | None = None
-
-    @property
-    def n(self) -> int:
-        return len(self.values)
-
-    @property
-    def mean(self) -> float | None:
-        return statistics.fmean(self.values) if self.values else None
-
-    @property
-    def std(self) -> float | None:
-        return statistics.stdev(self.values) if len(self.values) > 1 else None
-
-    @property
-    def interval(self) -> tuple[float, float] | None:
-        return t_interval(self.values)
-
-    @property
-    def half(self) -> float | None:
-        ci = self.interval
-        return None if ci is None else (ci[1] - ci[0]) / 2
-
-    @property
-    def wilson(self) -> tuple[float, float] | None:
-        if self.examples is None or self.mean is None:
-            return None
-        return wilson_interval(round(self.mean * self.examples), self.examples)
-
-    def fmt(self, digits: int = 3) -> str:
-        if not self.values:
-            return "n/a"
-        s = f"{self.mean:.{digits}f}"
-        return s + (f" ± {self.half:.{digits}f}" if self.half is not None else "")
-
-
+# ----------------------------------------------------------------------------- stats (looplab/stats.py)
 def stat(runs: list[Run], get_value, examples=None) -> Stat:
     """Stat of get_value(results) over runs; examples(run) → that run's test examples (accuracy)."""
     vals = []
@@ -230,17 +117,6 @@ def paired_stat(runs_a: list[Run], runs_b: list[Run], get_value) -> Stat:
 
 
 # ----------------------------------------------------------------------------- evaluation sizes
-def eval_batches(limit: Any, num_batches: int) -> int:
-    """Batches Lightning evaluates under limit_{val,test}_batches (None/1.0: all; int: at most; float: fraction)."""
-    if limit is None or (isinstance(limit, float) and limit == 1.0):
-        return num_batches
-    if isinstance(limit, bool):
-        raise ValueError(f"limit_batches={limit!r}")
-    if isinstance(limit, int):
-        return min(num_batches, limit)
-    return int(num_batches * float(limit))
-
-
 def held_out_size(data: dict[str, Any]) -> tuple[int | None, str]:
     """(scored test items, unit) of one run, from the config its results.json records.
 
@@ -284,7 +160,7 @@ class Unit:
     """One run (or, for table 4, one model at one context) as the findings see it."""
 
     facets: dict[str, Any]
-    rep: str  # what pairs A with B: the seed (table 4: the context length)
+    rep: str  # what pairs A with B: the seed (table 4: the repeated timing)
     data: dict[str, Any]
     examples: int | None = None  # test examples of the run (accuracy)
     zeroshot: dict[str, Any] | None = None
@@ -295,17 +171,27 @@ class Unit:
             return _value(lambda d: d["perplexity"], d)
         if metric == "accuracy":
             return _value(lambda d: d["exit"][q]["acc"], d) if q else _value(lambda d: d["accuracy"], d)
-        if metric == "exit step":
+        if metric in ("exit step", "exit fraction"):
+            R = _value(lambda d: d["model"]["loops"], d)
             if q:
                 step = _value(lambda d: d["exit"][q]["answer_step"], d)
-                return step if step is not None else _value(lambda d: d["exit"][q]["mean_step"], d)
-            return _value(lambda d: d["model"]["loops"], d)  # a fixed-loop model always uses all R loops
+                step = step if step is not None else _value(lambda d: d["exit"][q]["mean_step"], d)
+            else:
+                step = R  # a fixed-loop model always uses all R loops
+            if metric == "exit step" or step is None:
+                return step
+            return step / R if R else None
         if metric == "zero-shot":
             return _value(lambda z: z["average_acc"], self.zeroshot) if self.zeroshot else None
         if metric == "latency":
             return _value(lambda d: d["latency"], d)
         if metric == "accuracy at 2R":  # table 9: the final model tested at twice its trained depth
             return _value(lambda d: d["per_depth"]["eval_loops"][str(2 * d["model"]["loops"])]["accuracy"], d)
+        if metric == "accuracy at R":  # table 9's precondition: the final model at its trained depth
+            v = _value(lambda d: d["per_depth"]["eval_loops"][str(d["model"]["loops"])]["accuracy"], d)
+            return v if v is not None else _value(lambda d: d["accuracy"], d)
+        if metric == "unigram perplexity":  # recorded by LM runs (train.py): the bar of the LM_LEARNED precondition
+            return _value(lambda d: d["unigram_perplexity"], d)
         raise ValueError(f"unknown finding metric {metric!r}")
 
     def n_examples(self, metric: str) -> int | None:
@@ -333,7 +219,11 @@ PROPORTIONS = ("accuracy", "accuracy at 2R", "zero-shot")  # metrics whose paire
 
 @dataclass
 class Verdict:
-    """One line of a table's findings: a paired difference, its 95% interval and the verdict."""
+    """One line of a table's findings: a paired difference, its 95% interval and the verdict.
+
+    not_tested: why an arm missed the finding's precondition (then no comparison is judged);
+    p / p_holm / family: the p-value the plain verdict rests on (looplab.stats.decisive_p), its Holm
+    adjustment over the table's family of verdicts, and that family's size."""
 
     finding: Finding
     stratum: str
@@ -344,6 +234,10 @@ class Verdict:
     lo: float | None = None
     hi: float | None = None
     reason: str = ""
+    not_tested: str = ""
+    p: float | None = None
+    p_holm: float | None = None
+    family: int | None = None
 
     @property
     def mean(self) -> float | None:
@@ -351,25 +245,46 @@ class Verdict:
 
     @property
     def verdict(self) -> str:
-        return decide(self.lo, self.hi, self.finding.sign)
+        return "not tested" if self.not_tested else judge(self.finding.rule, self.lo, self.hi)
+
+    @property
+    def holm_verdict(self) -> str:
+        return adjusted_verdict(self.verdict, self.p_holm)
 
     def _fmt(self, v: float) -> str:
         if self.finding.contrast == "ratio":
             return f"{100 * v:+.2f}%"
         return f"{v:+.3f}" if self.finding.metric != "perplexity" or abs(v) < 100 else f"{v:+.1f}"
 
+    def size_note(self) -> str:
+        """What the interval says about the paper's size, for claims that state one."""
+        fd = self.finding
+        if fd.size is None or self.lo is None:
+            return ""
+        x = self._fmt(fd.size)
+        if fd.kind == "at_most":
+            return f"bound: the paper's {x}"
+        if fd.kind == "near":
+            return f"band: the paper's {x} ± {self._fmt(fd.tolerance).lstrip('+')}"
+        inside = self.lo <= fd.size <= self.hi
+        return f"the paper's {x} is {'inside' if inside else 'outside'} the interval"
+
     def measured(self) -> str:
         if self.mean is None:
             return f"not measured ({self.reason})"
-        unit = "context lengths" if self.finding.metric == "latency" else "seeds"
+        unit = "repeated timings" if self.finding.metric == "latency" else "seeds"
         s = self._fmt(self.mean)
         if self.lo is not None:
             s += f" [{self._fmt(self.lo)}, {self._fmt(self.hi)}]"
         s += f", {len(self.diffs)} paired {unit}"
+        if self.size_note():
+            s += f"; {self.size_note()}"
         if self.reason:
             s += f" ({self.reason})"
         if self.missing:
             s += f"; unpaired: {', '.join(self.missing)}"
+        if self.not_tested:
+            s += f"; not tested: {self.not_tested}"
         return s
 
     def title(self) -> str:
@@ -377,23 +292,67 @@ class Verdict:
         where = "; ".join(x for x in (self.stratum, self.arms) if x)
         return f"{f.label}, {f.metric}" + (f" ({where})" if where else "")
 
+    def holm_text(self) -> str:
+        if self.verdict in ("not tested",) or self.family is None:
+            return "—"
+        p = "" if self.p_holm is None else f", p_Holm {self.p_holm:.3g}"
+        return f"{self.holm_verdict} (family {self.family}{p})"
+
     def line(self) -> str:
-        return f"- **{self.verdict}** — {self.title()}. Paper: {self.finding.claim}. Here: {self.measured()}."
+        return (f"- **{self.verdict}** (Holm: {self.holm_text()}) — {self.title()}. Paper: {self.finding.claim}. "
+                f"Here: {self.measured()}.")
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.finding.label, "metric": self.finding.metric, "claim": self.finding.claim,
-                "expected_sign": self.finding.sign, "stratum": self.stratum, "arms": self.arms, "title": self.title(),
+                "expected_sign": self.finding.sign, "kind": self.finding.kind, "size": self.finding.size,
+                "tolerance": self.finding.tolerance, "requires": [p.describe() for p in self.finding.requires],
+                "stratum": self.stratum, "arms": self.arms, "title": self.title(),
                 "diffs": self.diffs, "reps": self.reps, "mean": self.mean, "lo": self.lo, "hi": self.hi,
-                "missing": self.missing, "measured": self.measured(), "verdict": self.verdict}
+                "missing": self.missing, "measured": self.measured(), "not_tested": self.not_tested,
+                "p": self.p, "p_holm": self.p_holm, "family": self.family,
+                "verdict": self.verdict, "holm_verdict": self.holm_verdict}
 
 
 def decide(lo: float | None, hi: float | None, expected_sign: int) -> str:
-    """reproduced: the interval excludes 0 on the paper's side; contradicted: on the other; else inconclusive."""
-    if lo is None or hi is None:
-        return "inconclusive"
-    if lo > 0 or hi < 0:
-        return "reproduced" if (1 if lo > 0 else -1) == expected_sign else "contradicted"
-    return "inconclusive"
+    """The sign rule (looplab.stats.judge with a sign Rule): reproduced when the interval excludes 0 on the
+    paper's side, contradicted on the other, else inconclusive."""
+    from looplab.stats import Rule
+
+    return judge(Rule("sign", expected_sign), lo, hi)
+
+
+def check_preconditions(fd: Finding, terms) -> str:
+    """'' when every precondition of the finding holds for the compared arms, else why not (arm and figure).
+    terms: [(coef, units, q)] of the comparison, arm A first. An arm's figure is its mean over seeds."""
+    problems = []
+    names = ("A", "B", "A′", "B′")
+    for pre in fd.requires:
+        idx = {"each": range(len(terms)), "any": range(len(terms)), "a": [0], "b": [1]}[pre.arms]
+        verdicts = []
+        for i in idx:
+            _, us, q = terms[i]
+            vals = [u.value(pre.metric, q if pre.metric == "accuracy" else None) for u in us]
+            vals = [v for v in vals if v is not None]
+            label = f"{names[i]} = {us[0].label()}"
+            if pre.threshold == "unigram":
+                bars = [u.value("unigram perplexity") for u in us]
+                bars = [b for b in bars if b is not None]
+                bar = statistics.fmean(bars) if bars else None
+                bar_txt = f"its unigram perplexity {bar:.4g}" if bar is not None else "its unigram perplexity"
+            else:
+                bar, bar_txt = float(pre.threshold), f"{float(pre.threshold):g}"
+            if not vals or bar is None:
+                verdicts.append((None, f"{label}: {pre.metric} vs {bar_txt} not measured"))
+                continue
+            v = statistics.fmean(vals)
+            ok = v < bar if pre.op == "<" else v >= bar
+            verdicts.append((ok, f"{label}: {pre.metric} {v:.4g}, needs {pre.op} {bar_txt}"))
+        if pre.arms == "any":
+            if not any(ok for ok, _ in verdicts):
+                problems.append("no arm passes (" + "; ".join(t for _, t in verdicts) + ")")
+        else:
+            problems += [t for ok, t in verdicts if not ok]
+    return "; ".join(problems)
 
 
 def _is_extreme(v: str) -> bool:
@@ -432,22 +391,23 @@ def _resolve(flt, units: list[Unit]) -> dict[str, str]:
     return out
 
 
-def evaluate_finding(fd: Finding, units: list[Unit]) -> list[Verdict]:
+def comparisons(fd: Finding, units: list[Unit]):
+    """The comparisons a finding makes among `units`: (stratum, arms, terms) per stratum and arm-A
+    configuration, terms = [(coef, units, q)] with arm A first (then B, and A′, B′ for a difference in
+    differences), or (stratum, arms, problem) when an arm cannot be paired. The report judges these;
+    tests/test_common_random_numbers.py builds the same arms to check that they share their random numbers."""
     filters = [fd.a, fd.b] + (list(fd.minus) if fd.minus else [])
     relevant = [u for u in units if any(_matches(u, f) for f in filters)]
-    if not relevant:
-        return [Verdict(fd, "", "", reason="no runs of these arms")]
     strata: dict[tuple, list[Unit]] = {}
     for u in relevant:
         strata.setdefault(tuple(str(u.facets.get(k)) for k in fd.per), []).append(u)
-    out = []
     for key, us in sorted(strata.items(), key=lambda kv: [_num_or_str(x) for x in kv[0]]):
         stratum = ", ".join(f"{k} = {v}" for k, v in zip(fd.per, key) if v != "None")
         res = [_resolve(f, us) for f in filters]
         qs = [dict(f).get("q") for f in filters]
         a_units = [u for u in us if _matches(u, filters[0], res[0])]
         if not a_units:
-            out.append(Verdict(fd, stratum, "", reason="no run of arm A"))
+            yield stratum, "", "no run of arm A"
             continue
         by_cfg: dict[tuple, list[Unit]] = {}
         for u in a_units:
@@ -477,12 +437,25 @@ def evaluate_finding(fd: Finding, units: list[Unit]) -> list[Verdict]:
             if fd.minus and len(terms) == 4:
                 arms = f"({arms}) − ({terms[2][1][0].label()} − {terms[3][1][0].label()})"
             if problems:
-                out.append(Verdict(fd, stratum, arms, reason="; ".join(problems)))
-                continue
-            if any(t[1][0].config() == terms[0][1][0].config() and t[2] == terms[0][2] for t in terms[1:2]):
-                out.append(Verdict(fd, stratum, arms, reason="arms A and B are the same runs"))
-                continue
-            out.append(_paired(fd, stratum, arms, terms))
+                yield stratum, arms, "; ".join(problems)
+            elif any(t[1][0].config() == terms[0][1][0].config() and t[2] == terms[0][2] for t in terms[1:2]):
+                yield stratum, arms, "arms A and B are the same runs"
+            else:
+                yield stratum, arms, terms
+
+
+def evaluate_finding(fd: Finding, units: list[Unit]) -> list[Verdict]:
+    filters = [fd.a, fd.b] + (list(fd.minus) if fd.minus else [])
+    if not any(_matches(u, f) for u in units for f in filters):
+        return [Verdict(fd, "", "", reason="no runs of these arms")]
+    out = []
+    for stratum, arms, terms in comparisons(fd, units):
+        if isinstance(terms, str):
+            out.append(Verdict(fd, stratum, arms, reason=terms))
+            continue
+        v = _paired(fd, stratum, arms, terms)
+        v.not_tested = check_preconditions(fd, terms)
+        out.append(v)
     return out
 
 
@@ -490,7 +463,7 @@ def _paired(fd: Finding, stratum: str, arms: str, terms) -> Verdict:
     by_rep = [{u.rep: u.value(fd.metric, q) for u in us} for _, us, q in terms]
     all_reps = set().union(*by_rep)
     reps = sorted((r for r in all_reps if all(m.get(r) is not None for m in by_rep)), key=_num_or_str)
-    missing = [f"{'seed' if fd.metric != 'latency' else 'context'} {r}" for r in sorted(all_reps - set(reps), key=_num_or_str)]
+    missing = [f"{'seed' if fd.metric != 'latency' else 'timing'} {r}" for r in sorted(all_reps - set(reps), key=_num_or_str)]
     diffs = []
     for r in reps:
         if fd.contrast == "ratio":
@@ -499,7 +472,7 @@ def _paired(fd: Finding, stratum: str, arms: str, terms) -> Verdict:
             diffs.append(sum(c * m[r] for (c, _, _), m in zip(terms, by_rep)))
     v = Verdict(fd, stratum, arms, diffs, reps, missing)
     if len(diffs) < 2:
-        v.reason = f"an interval needs ≥ 2 paired {'context lengths' if fd.metric == 'latency' else 'seeds'}"
+        v.reason = f"an interval needs ≥ 2 paired {'repeated timings' if fd.metric == 'latency' else 'seeds'}"
         return v
     lo, hi = t_interval(diffs)
     if fd.metric in PROPORTIONS:
@@ -545,7 +518,20 @@ def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = No
                     vs.append(Verdict(fd, stratum, "", reason="no runs of this experiment"))
             vs = [v for v in vs if v.stratum or v.mean is not None or not any(x.stratum for x in vs)]
         out += vs
+    adjust_family(out)
     return out
+
+
+def adjust_family(verdicts: list[Verdict]) -> None:
+    """Each verdict's decisive p-value and its Holm adjustment over the family: every verdict of the table
+    that was judged (not the ones not tested or without an interval)."""
+    for v in verdicts:
+        half = None if v.lo is None else (v.hi - v.lo) / 2
+        v.p = None if v.not_tested else decisive_p(v.finding.rule, v.mean, half, len(v.diffs) - 1 if v.diffs else None)
+    adjusted = holm([v.p for v in verdicts])
+    family = sum(p is not None for p in adjusted)
+    for v, pa in zip(verdicts, adjusted):
+        v.p_holm, v.family = pa, (family if pa is not None else None)
 
 
 def _protocol(sw) -> str | None:
@@ -1094,7 +1080,6 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
     """Table 10 from bench/exit_grid.py's JSON: one row per backbone × rule × threshold × handling, mean ± 95% t over
     the checkpoints (seeds); the target line says which configurations reach it."""
     from looplab.bench.exit_grid import TARGET_LOSS, TARGET_SPEEDUP, TARGET_TASK
-    from looplab.tables.runner import DEFAULT_EXITS_JSON
 
     table, _ = _build_runs(spec, scale, out_root, seeds)  # table 10's own sweeps (the hybrid gates): missing/failed
     table.method = ("rows: mean ± 95% t over the checkpoints (one per seed) of each backbone; accuracies also show the "

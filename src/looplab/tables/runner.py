@@ -18,11 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from looplab.tables.spec import ZEROSHOT_TASKS, Sweep, TableSpec, default_seeds, get
+from looplab.tables.spec import DEFAULT_EXITS_JSON, ZEROSHOT_TASKS, Sweep, TableSpec, default_seeds, get
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
-DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10: bench/exit_grid.py
 EXIT_GRID_TIMED = 2  # table 10: test sequences decoded token by token per configuration and decoder (p-hop: ≈ 70 tokens; LM windows: 256)
 
 

@@ -19,6 +19,7 @@ CONF = ROOT / "conf"
 SCALES = ("tiny", "paper")
 # Seeds a table runs when `--seeds` is not given: three at tiny scale, so every row has an interval
 # and every paper comparison a paired difference across seeds; the experiment's own seed at paper scale.
+DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10's exit grid (bench/exit_grid.py), run by the runner, read by the report
 DEFAULT_SEEDS: dict[str, tuple[int, ...]] = {"tiny": (1, 2, 3), "paper": ()}
 # lm-eval tasks of table 1's zero-shot column (None: the paper's 8-task hub suite)
 ZEROSHOT_TASKS: dict[str, str | None] = {"tiny": "looplab_tiny", "paper": None}
@@ -123,6 +124,32 @@ Filter = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
+class Precondition:
+    """What the arms of a finding must show for the comparison to test its claim; when an arm misses,
+    the finding's verdict is **not tested** and the line names the arm and its figure.
+
+    metric: a finding metric (report.Unit.value), taken as the arm's mean over its seeds.
+    op: '<' or '>='. threshold: a number, or 'unigram' (the run's own unigram perplexity of its
+    held-out targets, recorded by LM runs). arms: 'each' (every arm of the comparison) or 'any'
+    (at least one: a task the setting cannot teach any arm tests nothing). why: said in the report."""
+
+    metric: str
+    op: str
+    threshold: float | str
+    arms: str = "each"
+    why: str = ""
+
+    def __post_init__(self):
+        if self.op not in ("<", ">=") or self.arms not in ("each", "any", "a", "b"):
+            raise ValueError(f"precondition {self!r}: op must be < or >=, arms each, any, a or b")
+
+    def describe(self) -> str:
+        who = {"each": "every arm", "any": "at least one arm", "a": "arm A", "b": "arm B"}[self.arms]
+        t = "its unigram perplexity" if self.threshold == "unigram" else f"{self.threshold:g}"
+        return f"{who}: {self.metric} {self.op} {t}"
+
+
+@dataclass(frozen=True)
 class Finding:
     """One claim of a paper, checked as a paired difference A − B across seeds.
 
@@ -131,16 +158,20 @@ class Finding:
     `mode` (table 8), `model` (table 4)); a value `max`/`min` picks the largest/smallest value
     of that facet among the stratum's runs matching the rest of the filter; the key `q` is not a
     facet but the exit threshold whose readout the metric takes (table 8).
-    A and B are paired by seed (table 4: by context length) and must agree on the `per` and
+    A and B are paired by seed (table 4: by repeated timing) and must agree on the `per` and
     `match` facets; one verdict line per value of the `per` facets (and per A configuration).
     `minus` turns it into a difference in differences: (A − B) − (A' − B').
     sign: the sign of A − B the paper reports (−1: A is lower).
     contrast: 'diff' (A − B) or 'ratio' (A / B − 1).
+    kind / size / tolerance: how the interval is judged (looplab.stats.Rule): 'sign' (size, if given,
+    is the paper's value, reported as inside or outside the interval), 'at_most' (A − B ≤ size) or
+    'near' (A − B within size ± tolerance).
+    requires: the preconditions the arms must meet before any verdict (else **not tested**).
     """
 
     label: str  # what is compared, e.g. "StateLoop − Vanilla Looped"
     claim: str  # what the paper reports, with its numbers
-    metric: str  # perplexity | accuracy | accuracy at 2R | zero-shot | exit step | latency
+    metric: str  # perplexity | accuracy | accuracy at 2R | zero-shot | exit fraction | latency
     a: Filter
     b: Filter
     sign: int
@@ -148,24 +179,40 @@ class Finding:
     match: tuple[str, ...] = ()
     minus: tuple[Filter, Filter] | None = None
     contrast: str = "diff"
+    kind: str = "sign"
+    size: float | None = None
+    tolerance: float | None = None
+    requires: tuple[Precondition, ...] = ()
+
+    @property
+    def rule(self):
+        from looplab.stats import Rule
+
+        return Rule(self.kind, self.sign, self.size, self.tolerance)
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "claim": self.claim, "metric": self.metric, "a": dict(self.a), "b": dict(self.b),
                 "sign": self.sign, "per": list(self.per), "match": list(self.match),
-                "minus": [dict(m) for m in self.minus] if self.minus else None, "contrast": self.contrast}
+                "minus": [dict(m) for m in self.minus] if self.minus else None, "contrast": self.contrast,
+                "kind": self.kind, "size": self.size, "tolerance": self.tolerance,
+                "requires": [p.describe() for p in self.requires]}
 
 
 def finding(label: str, claim: str, metric: str, a: dict[str, Any], b: dict[str, Any], sign: int, *,
             per: tuple[str, ...] = (), match: tuple[str, ...] = (),
-            minus: tuple[dict[str, Any], dict[str, Any]] | None = None, contrast: str = "diff") -> Finding:
+            minus: tuple[dict[str, Any], dict[str, Any]] | None = None, contrast: str = "diff",
+            kind: str = "sign", size: float | None = None, tolerance: float | None = None,
+            requires: tuple[Precondition, ...] = ()) -> Finding:
     if sign not in (-1, 1) or contrast not in ("diff", "ratio"):
         raise ValueError(f"finding {label!r}: sign must be ±1 and contrast diff|ratio")
 
     def f(d):
         return tuple((k, str(v)) for k, v in d.items())
 
-    return Finding(label, claim, metric, f(a), f(b), sign, tuple(per), tuple(match),
-                   (f(minus[0]), f(minus[1])) if minus else None, contrast)
+    fd = Finding(label, claim, metric, f(a), f(b), sign, tuple(per), tuple(match),
+                 (f(minus[0]), f(minus[1])) if minus else None, contrast, kind, size, tolerance, tuple(requires))
+    fd.rule  # validates kind / size / tolerance now, not when the report runs
+    return fd
 
 
 @dataclass(frozen=True)
@@ -278,71 +325,99 @@ TABLES: dict[int, TableSpec] = {
 }
 
 
+# Preconditions (issue 25): a comparison tests a claim only when its arms did what the claim needs; an arm
+# that misses makes the verdict **not tested** and the report names the arm and its figure.
+LM_LEARNED = Precondition(
+    "perplexity", "<", "unigram", "each",
+    "a language model above the unigram perplexity of its held-out text has learned nothing from context")
+# Mano at modulus 5 scores 0.2 by guessing; p-hop's last-position shortcut reaches ≈ 0.49 (SPEC §5).
+MANO_TAUGHT = Precondition("accuracy", ">=", 0.5, "any",
+                           "a setting that teaches Mano to no arm (guessing: 0.2) cannot show what looping adds")
+PHOP_TAUGHT = Precondition("accuracy", ">=", 0.6, "any",
+                           "a setting that teaches p-hop to no arm (the shortcut reaches ≈ 0.49) cannot show what looping adds")
+PHOP_LEARNED_AT_R = Precondition(
+    "accuracy at R", ">=", 0.9, "each",
+    "an extrapolation claim is about arms that solve p-hop at their trained depth; an arm below 0.9 there did not "
+    "learn the task, and its accuracy beyond R says nothing about extrapolation")
+GATE_BODY_LEARNED = Precondition(
+    "accuracy", ">=", 0.9, "b",
+    "a gate on a fixed-loop body that did not learn the task (< 0.9 at R) has no good depth to choose")
+
 # The papers' claims each table checks (/work/shared/seeds: StateLoop, Song et al.; looped SSMs, Yu et al.,
-# arXiv 2607.10110), spelled out in experiments/README.md. Signs are those of A − B in the paper.
+# arXiv 2607.10110), spelled out in experiments/README.md. Signs are those of A − B in the paper; `size` is the
+# paper's value where the claim is about a size (kind at_most / near judge against it; sign reports it).
 FINDINGS: dict[int, tuple[Finding, ...]] = {
     1: (
         finding("StateLoop − Vanilla Looped", "StateLoop lowers Pile perplexity by 0.18 vs Vanilla Looped (1.4B)",
-                "perplexity", {"arm": "stateloop"}, {"arm": "looped"}, -1, per=("size",)),
+                "perplexity", {"arm": "stateloop"}, {"arm": "looped"}, -1, per=("size",), size=-0.18,
+                requires=(LM_LEARNED,)),
         finding("StateLoop − Vanilla Looped", "StateLoop raises the 8-task zero-shot average by +0.97 pp (1.4B)",
-                "zero-shot", {"arm": "stateloop"}, {"arm": "looped"}, +1, per=("size",)),
+                "zero-shot", {"arm": "stateloop"}, {"arm": "looped"}, +1, per=("size",), requires=(LM_LEARNED,)),
         finding("StateLoop+attn − Vanilla Looped", "the causal-attention state mixer raises it by +1.43 pp (1.4B)",
-                "zero-shot", {"arm": "stateloop_attn"}, {"arm": "looped"}, +1, per=("size",)),
+                "zero-shot", {"arm": "stateloop_attn"}, {"arm": "looped"}, +1, per=("size",), requires=(LM_LEARNED,)),
         finding("StateLoop+Mamba-2 − Vanilla Looped", "the Mamba-2 state mixer raises it by +1.44 pp (1.4B)",
-                "zero-shot", {"arm": "stateloop_mamba2"}, {"arm": "looped"}, +1, per=("size",)),
+                "zero-shot", {"arm": "stateloop_mamba2"}, {"arm": "looped"}, +1, per=("size",), requires=(LM_LEARNED,)),
     ),
     2: (
         finding("StateLoop − Vanilla Looped", "StateLoop's perplexity is lower at every depth: −0.14 at R = 3 … −0.30 at R = 7 (410M)",
-                "perplexity", {"arm": "stateloop"}, {"arm": "looped"}, -1, per=("R",)),
+                "perplexity", {"arm": "stateloop"}, {"arm": "looped"}, -1, per=("R",), requires=(LM_LEARNED,)),
         finding("gap at the largest R − gap at the smallest R", "the gap grows with depth: −0.14 at R = 3 to −0.30 at R = 7 "
                 "(change −0.16)", "perplexity", {"arm": "stateloop", "R": "max"}, {"arm": "looped", "R": "max"}, -1,
-                minus=({"arm": "stateloop", "R": "min"}, {"arm": "looped", "R": "min"})),
+                minus=({"arm": "stateloop", "R": "min"}, {"arm": "looped", "R": "min"}), size=-0.16, requires=(LM_LEARNED,)),
     ),
     3: (
         finding("reset − carry", "resetting the state every loop worsens Pile perplexity from 9.04 to 9.25 (+0.21)",
-                "perplexity", {"arm": "stateloop_reset"}, {"arm": "stateloop"}, +1),
+                "perplexity", {"arm": "stateloop_reset"}, {"arm": "stateloop"}, +1, size=0.21, requires=(LM_LEARNED,)),
     ),
     4: (
-        finding("StateLoop(R) / Vanilla Looped(R) − 1", "the state branch adds 1.42% decoding latency per token",
-                "latency", {"model": "stateloop_R"}, {"model": "vanilla_R"}, +1, contrast="ratio"),
+        # a claim about a size: reproduced only if the whole interval is at or below the paper's 1.42%
+        finding("StateLoop(R) / Vanilla Looped(R) − 1", "the state branch adds only 1.42% decoding latency per token",
+                "latency", {"model": "stateloop_R"}, {"model": "vanilla_R"}, +1, per=("context",), contrast="ratio",
+                kind="at_most", size=0.0142),
         finding("StateLoop(R) / Vanilla Looped(R+1) − 1", "StateLoop decodes with 18.86% less latency than Vanilla Looped "
-                "with one extra loop", "latency", {"model": "stateloop_R"}, {"model": "vanilla_R+1"}, -1, contrast="ratio"),
+                "with one extra loop", "latency", {"model": "stateloop_R"}, {"model": "vanilla_R+1"}, -1, per=("context",),
+                contrast="ratio", size=-0.1886),
     ),
     5: (
         finding("N⊗R − N⊗1 (equal parameters)", "looped Mamba-2 on Mano, L = 24: 4⊗6 99.35% vs 4⊗1 7.50%",
-                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("N",)),
+                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("N",), requires=(MANO_TAUGHT,)),
         finding("N⊗R − (N·R)⊗1 (equal FLOPs)", "looped Mamba-2 on Mano, L = 24: 4⊗6 99.35% vs 24⊗1 37.45%",
-                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("NR",)),
+                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("NR",), requires=(MANO_TAUGHT,)),
     ),
     6: (
         finding("1⊗R − 1⊗1 (equal parameters)", "looped Mamba-2 on p-hop (n 256, p 32): 1⊗12 ≈ 99.89% vs 1⊗1 ≈ 38–41%",
-                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("N",)),
+                "accuracy", {"R": "max"}, {"R": "1"}, +1, per=("experiment",), match=("N",), requires=(PHOP_TAUGHT,)),
     ),
     7: (
         finding("N⊗R − N⊗1 (equal parameters)", "at a fixed parameter budget more loops lower validation perplexity",
                 "perplexity", {"protocol": "isoparam", "R": "max"}, {"protocol": "isoparam", "R": "1"}, -1,
-                per=("experiment",), match=("N",)),
+                per=("experiment",), match=("N",), requires=(LM_LEARNED,)),
         finding("N⊗R − (N·R)⊗1 (equal FLOPs)", "at equal FLOPs the deeper non-looped model (24⊗1) keeps the lower "
                 "validation perplexity", "perplexity", {"protocol": "isoflop", "R": "max"}, {"protocol": "isoflop", "R": "1"},
-                +1, per=("experiment",), match=("NR",)),
+                +1, per=("experiment",), match=("NR",), requires=(LM_LEARNED,)),
     ),
     9: (
         finding("randomized depth − fixed depth", "Huginn: recurrent-depth models trained at a randomly sampled depth keep "
                 "improving when run deeper at test time; a fixed-depth looped model degrades beyond its trained depth "
                 "(users' report: perplexity 57.9 at the trained 8 loops, 170.7 at 16)", "accuracy at 2R",
-                {"arm": "depth_random"}, {"arm": "depth_fixed"}, +1, per=("injection",)),
+                {"arm": "depth_random"}, {"arm": "depth_fixed"}, +1, per=("injection",), requires=(PHOP_LEARNED_AT_R,)),
         finding("randomized depth, truncated backprop − fixed depth", "Huginn trains with randomized depth and "
                 "backpropagates through the last k loops only, and still extrapolates in depth", "accuracy at 2R",
-                {"arm": "depth_random_truncated"}, {"arm": "depth_fixed"}, +1, per=("injection",)),
+                {"arm": "depth_random_truncated"}, {"arm": "depth_fixed"}, +1, per=("injection",),
+                requires=(PHOP_LEARNED_AT_R,)),
         finding("add injection − no injection", "Huginn and Parcae re-inject the input at every loop (Parcae: for stable "
-                "depth scaling)", "accuracy at 2R", {"injection": "add"}, {"injection": "none"}, +1, per=("arm",)),
+                "depth scaling)", "accuracy at 2R", {"injection": "add"}, {"injection": "none"}, +1, per=("arm",),
+                requires=(PHOP_LEARNED_AT_R,)),
     ),
     8: (
         finding("stage 2 at q = 0.5 − fixed loops at R", "140M Mamba-2: the stage-2 gate averages 38.87 vs 37.79 for the "
                 "fixed 4-loop model", "accuracy", {"mode": "stage 2", "q": "0.5"}, {"mode": "fixed loops"}, +1,
-                per=("experiment",)),
-        finding("stage 2 mean exit step at q = 0.5 − R", "the stage-2 gate gets there at mean exit step 3.00 of 4",
-                "exit step", {"mode": "stage 2", "q": "0.5"}, {"mode": "fixed loops"}, -1, per=("experiment",)),
+                per=("experiment",), requires=(GATE_BODY_LEARNED,)),
+        # Was "mean exit step − R", which cannot come out positive (an exit is ≤ R). Restated as the share of the
+        # R loops the gate saves, judged against the paper's 3.00 of 4 within half a loop of 4 either way.
+        finding("stage 2 mean exit step / R at q = 0.5 − fixed loops (1)", "the stage-2 gate gets there at mean exit "
+                "step 3.00 of 4 (−0.25 R)", "exit fraction", {"mode": "stage 2", "q": "0.5"}, {"mode": "fixed loops"}, -1,
+                per=("experiment",), kind="near", size=-0.25, tolerance=0.125, requires=(GATE_BODY_LEARNED,)),
     ),
 }
 TABLES = {n: replace(t, findings=FINDINGS.get(n, ())) for n, t in TABLES.items()}
