@@ -105,6 +105,28 @@ class LoopedFSDPStrategy(ModelParallelStrategy):
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         self.barrier("looplab_ckpt_swapped")
 
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's sharded resume (lightning/fabric/strategies/model_parallel.py _load_checkpoint),
+        reading through looplab's safe DCP reader: Lightning's own goes through torch's FileSystemReader,
+        which unpickles `.metadata` and the non-tensor entries (optimizer hyper-parameters) unrestricted."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_optimizer_state_dict)
+
+        from looplab.checkpoint import SHARDED_META_FILE, load_sharded, read_sharded_extras
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path.is_dir() and (path / SHARDED_META_FILE).is_file()):  # one file (sharded_checkpoint=false)
+            return super().load_checkpoint(path, weights_only=True)
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        load_sharded(model_state, path)
+        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):  # each optimizer separately, as Lightning saves them
+            optim_state = {f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)}
+            load_sharded(optim_state, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[f"optimizer_{i}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        return read_sharded_extras(path)  # epoch, loops, callbacks, ...: everything but weights and optimizers
+
 
 def _fsync_tree(folder: Path) -> None:
     for f in folder.rglob("*"):
