@@ -22,13 +22,17 @@ Two layouts are read:
   when present, becomes the dataset's tokenizer, so `init_from=DIR`, eval and generate accept it.
 
 Pickled files are read with `torch.load(weights_only=True)` and an explicit allowlist (see
-SAFE_GLOBALS): a checkpoint from someone else cannot run code when loaded.
+SAFE_GLOBALS), a sharded folder's `.metadata` with an unpickler that admits only
+torch.distributed.checkpoint's index classes (DCP_METADATA_GLOBALS): a checkpoint from someone
+else cannot run code when loaded, resume under FSDP included (`load_sharded`).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -89,18 +93,18 @@ class UnsafeCheckpointError(ValueError):
     """The checkpoint needs a global outside the allowlist to unpickle; it is not loaded."""
 
 
-def _torch_load(path: Path, map_location, mmap: bool):
+def _torch_load(path: Path | io.BytesIO, map_location, mmap: bool):
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
-def _unsafe(path: Path, e: Exception) -> UnsafeCheckpointError:
+def _unsafe(path: Path, e: Exception, what: str = "it", allowlist: str = "weights-only allowlist") -> UnsafeCheckpointError:
     first = str(e).strip().splitlines()
     why = next((l for l in first if "GLOBAL" in l or "global" in l), first[0] if first else type(e).__name__)
     return UnsafeCheckpointError(
-        f"checkpoint {str(path)!r} was refused: unpickling it needs something outside looplab's weights-only "
-        f"allowlist ({why.strip()}). A pickle can run arbitrary code, so it is not loaded; if the file comes "
-        "from a source you trust, re-save its tensors with safetensors (LoopedLM.save_pretrained)"
+        f"checkpoint {str(path)!r} was refused: unpickling {what} needs something outside looplab's {allowlist} "
+        f"({why.strip()}). A pickle can run arbitrary code, so it is not loaded; if the file comes from a source "
+        "you trust, re-save its tensors with safetensors (LoopedLM.save_pretrained)"
     )
 
 
@@ -159,6 +163,140 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     return ckpt["looplab"]
 
 
+# ---- sharded folders: torch.distributed.checkpoint (DCP), read safely
+#
+# torch's FileSystemReader unpickles `.metadata` with plain pickle.load, and its planners read every
+# non-tensor entry with torch.load(weights_only=False) (torch 2.13 filesystem.py read_metadata,
+# default_planner.py load_bytes): a folder whose meta.pt is benign but whose .metadata is crafted
+# would run code on init_from=, eval, generate, convert, the lm-eval adapter and FSDP resume.
+# Every DCP read in looplab goes through the reader below instead.
+
+# Everything a DCP `.metadata` pickles, read off this project's FSDP2 checkpoints (2 ranks: model and
+# AdamW states) and a one-process dcp.save (fp32 and bf16): the index dataclasses, each tensor's
+# dtype, layout (pickled as torch.serialization._get_layout(name), a table lookup) and memory format
+# (an enum), torch.Size offsets, and the checkpoint_id Lightning passes as a PosixPath. Only plain
+# data is built from them; torch dtypes are admitted by value (getattr(torch, name) is a dtype).
+DCP_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+})
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        # exact (module, name) pairs: a dotted name ("Metadata.__init__.__globals__") matches nothing
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not a torch.distributed.checkpoint metadata class")
+
+
+class _WeightsOnlyBytes:
+    """The load planner as the reader hands it data: each non-tensor entry (optimizer hyper-parameters,
+    ...) is unpickled weights-only here, then passed on re-saved from the clean object, because the
+    planner itself would torch.load the stored bytes with weights_only=False."""
+
+    def __init__(self, planner, reader):
+        self._planner, self._reader = planner, reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = _torch_load(value, "cpu", mmap=False)
+        except pickle.UnpicklingError as e:
+            self._reader.refused = _unsafe(Path(self._reader.path), e, f"its non-tensor entry {fqn!r}")
+            raise self._reader.refused from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        self._planner.load_bytes(read_item, clean)
+
+    def __getattr__(self, name: str):  # resolve_tensor, commit_tensor: tensors are read weights-only by torch
+        return getattr(self._planner, name)
+
+
+@functools.cache
+def _safe_reader_class() -> type:
+    # defined on first use: importing torch.distributed.checkpoint takes ~1 s, which
+    # `import looplab.checkpoint` (the LightningModule, eval, generate) should not pay
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        """FileSystemReader whose `.metadata` (global or per rank) admits only DCP_METADATA_GLOBALS and whose
+        non-tensor entries are unpickled weights-only; `refused` keeps the refusal, which DCP's collectives
+        would otherwise wrap into a CheckpointException (load_sharded re-raises it as itself)."""
+
+        refused: UnsafeCheckpointError | None = None
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                try:
+                    metadata = _DCPMetadataUnpickler(f).load()
+                except pickle.UnpicklingError as e:
+                    self.refused = _unsafe(Path(self.path), e, f"its index {Path(path).name}",
+                                          "allowlist of checkpoint-metadata classes")
+                    raise self.refused from None
+            if not isinstance(metadata, Metadata):
+                raise ValueError(f"sharded checkpoint {str(self.path)!r}: {Path(path).name} holds a "
+                                 f"{type(metadata).__name__}, not a torch.distributed.checkpoint Metadata")
+            # the index names the shard files to read: names inside this folder only (DCP writes __R_N.distcp),
+            # not ../ or absolute paths that would read any file (or /dev/zero) as tensor bytes
+            files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+            outside = sorted(str(f) for f in files if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f)
+            if outside:
+                self.refused = UnsafeCheckpointError(f"checkpoint {str(self.path)!r} was refused: its index {Path(path).name} "
+                                                     f"names shard files outside the folder ({outside[:3]})")
+                raise self.refused
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan, planner):
+            return super().read_data(plan, _WeightsOnlyBytes(planner, self))
+
+    return SafeFileSystemReader
+
+
+def _read_dcp(path: Path, load) -> None:
+    """load(reader) with looplab's safe reader; a refusal is raised as the UnsafeCheckpointError itself."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    reader = _safe_reader_class()(str(path))
+    reader.read_metadata()  # refused here, before DCP's collectives wrap the error (every rank reads it anyway)
+    try:
+        load(reader)
+    except (Exception, CheckpointException):
+        if reader.refused is not None:
+            raise reader.refused from None
+        raise
+
+
+def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """`torch.distributed.checkpoint.load(state, checkpoint_id=path)` through the safe reader: fills `state`
+    in place, on every rank of the process group (FSDP resume) or in this process alone."""
+    from torch.distributed.checkpoint import load
+
+    _read_dcp(Path(path), lambda reader: load(state, storage_reader=reader))
+
+
+def read_sharded_extras(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded folder's meta.pt: every non-tensor entry of the Lightning checkpoint (epoch, loops,
+    callback states, the `looplab` entry), what resume restores besides the weights and optimizers."""
+    return _load_file(Path(path) / SHARDED_META_FILE)
+
+
 def _load_sharded_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The full `state_dict` of a torch.distributed.checkpoint folder, read in this process."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -167,10 +305,13 @@ def _load_sharded_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if not (path / ".metadata").is_file():
         raise ValueError(f"sharded checkpoint {str(path)!r} cannot be read: its index .metadata is missing"
                          " (an interrupted save?)")
+    loaded: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent here
             warnings.filterwarnings("ignore", message=".*torch.distributed is .*uninitialized.*")
-            loaded = _load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(path))
+            _read_dcp(path, lambda reader: loaded.update(_load_state_dict_from_keys(keys={"state_dict"}, storage_reader=reader)))
+    except UnsafeCheckpointError:
+        raise
     except (Exception, CheckpointException) as e:
         raise ValueError(f"sharded checkpoint {str(path)!r} cannot be read: {type(e).__name__}: {e}") from e
     if "state_dict" not in loaded:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,28 @@ class LoopedFSDPStrategy(ModelParallelStrategy):
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         self.barrier("looplab_ckpt_swapped")
 
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's sharded resume (lightning/fabric/strategies/model_parallel.py _load_checkpoint),
+        reading through looplab's safe DCP reader: Lightning's own goes through torch's FileSystemReader,
+        which unpickles `.metadata` and the non-tensor entries (optimizer hyper-parameters) unrestricted."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_optimizer_state_dict)
+
+        from looplab.checkpoint import SHARDED_META_FILE, load_sharded, read_sharded_extras
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path.is_dir() and (path / SHARDED_META_FILE).is_file()):  # one file (sharded_checkpoint=false)
+            return super().load_checkpoint(path, weights_only=True)
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        load_sharded(model_state, path)
+        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):  # each optimizer separately, as Lightning saves them
+            optim_state = {f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)}
+            load_sharded(optim_state, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[f"optimizer_{i}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        return read_sharded_extras(path)  # epoch, loops, callbacks, ...: everything but weights and optimizers
+
 
 def _fsync_tree(folder: Path) -> None:
     for f in folder.rglob("*"):
@@ -122,12 +146,61 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def recover_checkpoint(path: str | os.PathLike) -> None:
-    """Put back `.NAME.old` when a sharded save was killed between its two renames."""
+def is_global_zero_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is global rank 0 of its job, before any process group exists.
+
+    Read as Lightning reads the rank (lightning.fabric.utilities.rank_zero._get_rank): RANK (torchrun),
+    then LOCAL_RANK (Lightning's own launcher gives its children LOCAL_RANK and NODE_RANK) before
+    SLURM_PROCID, since a SLURM job's single task may launch its ranks itself and they all inherit
+    SLURM_PROCID=0; then JSM_NAMESPACE_RANK (LSF). Unlike Lightning's, LOCAL_RANK=0 on a node with
+    NODE_RANK>0 is not rank 0: with one process per node every node's would be. No variable at all:
+    a single process, or the launcher before it starts its children.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        return int(env["RANK"]) == 0
+    if "LOCAL_RANK" in env:
+        return int(env["LOCAL_RANK"]) == 0 and int(env.get("NODE_RANK") or env.get("GROUP_RANK") or 0) == 0
+    for key in ("SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if key in env:
+            return int(env[key]) == 0
+    return True
+
+
+# How long a rank waits for rank 0 to put a checkpoint back: torch's default process-group timeout,
+# which the ranks would otherwise wait for each other at init_process_group anyway (rank 0 may
+# start late: imports, the data module built before this point).
+RECOVER_TIMEOUT_S = 1800.0
+
+
+def recover_checkpoint(path: str | os.PathLike, timeout_s: float = RECOVER_TIMEOUT_S, poll_s: float = 0.2) -> bool:
+    """Put back `.NAME.old` when a sharded save was killed between its two renames; True where this
+    process did it.
+
+    Called on every rank before the process group exists, so only global rank 0 renames (two ranks of
+    one SLURM or torchrun job could otherwise race on it); the others wait until the checkpoint is back.
+    """
     path = Path(path)
     old = path.with_name(f".{path.name}.old")
-    if not path.exists() and old.exists():
-        os.replace(old, path)
+
+    def interrupted() -> bool:
+        return not path.exists() and old.exists()
+
+    if is_global_zero_from_env():
+        if interrupted():
+            os.replace(old, path)
+            return True
+        return False
+    deadline = time.monotonic() + timeout_s
+    while interrupted():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"this rank (not global rank 0) waited {timeout_s:.0f} s for rank 0 to put back the interrupted "
+                f"checkpoint {str(old)!r} as {str(path)!r}; did rank 0 start, with the same output folder? "
+                f"(rename it yourself to resume: mv {old} {path})"
+            )
+        time.sleep(poll_s)
+    return False
 
 
 def shard_looped_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> None:
