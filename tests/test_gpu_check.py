@@ -425,7 +425,8 @@ def test_parity_fails_when_the_torch_conv_ran_instead_of_causal_conv1d(monkeypat
     the torch path, but the conv check, measured from the calls, fails the case and the report."""
     error = "ImportError: causal_conv1d_cuda.so: undefined symbol: _ZN3c10"
     _cpu_fused_ops(monkeypatch, None, error)
-    jobs = [("fallback", lambda: gpu_check.parity_case(PARITY_KW, "mamba_ssm", "fp32", device="cpu", length=20, prefill=12)),
+    jobs = [("fallback", lambda: gpu_check.parity_case(PARITY_KW, "mamba_ssm", "fp32", device="cpu", length=20,
+                                                       prefill=12)),
             ("fallback-compiled", lambda: gpu_check.compile_case(PARITY_KW, "mamba_ssm", device="cpu", length=20,
                                                                  backend="eager"))]
     out = tmp_path / "parity.json"
@@ -435,7 +436,8 @@ def test_parity_fails_when_the_torch_conv_ran_instead_of_causal_conv1d(monkeypat
     assert case["worst"]["forward"] <= 1e-5  # the numbers are fine: only the conv check can catch this
     assert case["status"] == "fail" and case["conv"]["ran"] == "torch" and case["conv"]["expected"] == "causal_conv1d"
     assert case["conv"]["calls"] == {"torch": 1} and "layout" not in case["conv"]
-    assert case["why"] == f"conv: the torch conv ran 1x, causal_conv1d ran 0x, expected causal_conv1d (causal_conv1d: {error})"
+    assert case["why"] == ("conv: the torch conv ran 1x, causal_conv1d ran 0x, expected causal_conv1d "
+                           f"(causal_conv1d: {error})")
     compiled = report["cases"]["fallback-compiled"]  # compiled, the torch conv is not even counted: still a fail
     assert compiled["status"] == "fail" and compiled["conv"]["ran"] == "none counted"
     assert "no causal_conv1d call was counted" in compiled["why"]
@@ -539,7 +541,8 @@ def test_gpu_install_prerequisites_name_each_problem(tmp_path, monkeypatch):
     assert any(p.startswith("no C++ compiler (c++) on PATH") for p in problems)
     assert any(p.startswith("no ninja on PATH") for p in problems)
     env["CUDA_HOME"] = str(_toolkit(tmp_path / "wrapper", "13.0", headers=False))
-    assert any(p.startswith(f"no CUDA headers at {tmp_path}/wrapper/include") for p in gpu_install.prerequisite_problems(env, "13.0"))
+    problems = gpu_install.prerequisite_problems(env, "13.0")
+    assert any(p.startswith(f"no CUDA headers at {tmp_path}/wrapper/include") for p in problems), problems
     env = {"PATH": str(_toolkit(tmp_path / "cuda13", "13.0") / "bin")}  # found through nvcc on PATH, as torch does
     assert gpu_install.find_cuda_home(env) == str(tmp_path / "cuda13")
     assert not any("nvcc" in p or "CUDA" in p for p in gpu_install.prerequisite_problems(env, "13.0"))

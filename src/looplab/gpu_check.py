@@ -7,7 +7,9 @@ minutes on one GPU, with the figures written to `gpu-check.json` and a table pri
   path, fp32 and bf16 autocast: forward, backward (input and parameter gradients), and prefill
   through the fused scan then step decoding; plus the fused mixer under `torch.compile` (graph
   breaks counted). One shape takes causal-conv1d's channel-last view, one needs the copy, one
-  has a width causal-conv1d lacks (d_conv 5, kernel=auto: torch conv, fused scan).
+  has a width causal-conv1d lacks (d_conv 5, kernel=auto: torch conv, fused scan). Which conv
+  ran is counted as it runs (mamba2.CONV_CALLS): the torch conv where causal-conv1d was due
+  fails the case, as it fails a mamba2/hybrid training check.
 * `train-{llama,mamba2,hybrid}-{eager,compile}`: `python -m looplab.train hardware=gpu` for
   20 steps, with and without `compile=true`; graph breaks and recompiles counted from Dynamo's
   counters (a callback the run gets through `+callbacks.gpu_check`) and from TORCH_LOGS lines.

@@ -302,8 +302,8 @@ class Mamba2Mixer(nn.Module):
         if self.kernel == "mamba_ssm":
             why = "the input is not on CUDA" if not x.is_cuda else f"mamba_ssm does not import ({ops})"
             raise RuntimeError(
-                f"backbone.kernel=mamba_ssm but {why}; install the gpu extra (pip install 'looplab[gpu]') "
-                "on a CUDA machine, or use backbone.kernel=auto / torch"
+                f"backbone.kernel=mamba_ssm but {why}; build the gpu extra on a CUDA machine (make gpu-install: "
+                "pip --no-build-isolation against this torch), or use backbone.kernel=auto / torch"
             )
         return None
 
