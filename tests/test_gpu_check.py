@@ -453,6 +453,9 @@ def test_parity_passes_the_conv_check_when_causal_conv1d_ran(monkeypatch):
     compiled = gpu_check.compile_case(PARITY_KW, "mamba_ssm", device="cpu", length=20, backend="eager")
     assert compiled["status"] == "pass" and compiled["conv"]["calls"] == {"causal_conv1d": 2}  # eager behind disable
     torch._dynamo.reset()
+    # the d_conv 5 shape (kernel=auto): causal-conv1d has no such width, the torch conv is the right one
+    case = gpu_check.parity_case({**PARITY_KW, "d_conv": 5}, "auto", "fp32", device="cpu", length=20, prefill=12)
+    assert case["status"] == "pass" and case["conv"] == {"ran": "torch", "expected": "torch", "calls": {"torch": 1}}
 
 
 def test_training_check_fails_when_its_mamba2_layers_ran_the_torch_conv(tmp_path):
@@ -501,6 +504,12 @@ def test_gpu_install_refuses_on_a_cpu_machine_before_installing_anything(capsys)
     assert err.startswith("gpu-check refused: ") and "nothing was built, run or written" in err
     assert ("built without CUDA" if torch.version.cuda is None else "no CUDA device") in err
     assert run.calls == []  # not even pip
+
+
+def test_gpu_install_does_nothing_when_every_kernel_imports(fake_gpu_stack, capsys):
+    run = Recorder()
+    assert gpu_install.main(["--constraint", str(ROOT / "constraints.txt")], run=run) == 0
+    assert run.calls == [] and "nothing to build" in capsys.readouterr().out
 
 
 @pytest.fixture
@@ -575,18 +584,20 @@ def test_gpu_install_builds_each_requirement_without_build_isolation_in_order(cu
 
 def test_make_gpu_check_refuses_on_a_cpu_machine_without_building(tmp_path):
     """`make gpu-check` with an installed venv (a stand-in python that logs its arguments): the install
-    step refuses at once, nothing is built, no stamp is written, and the checks never start."""
+    step refuses at once, nothing is built, no stamp is written, and the checks never start. No GPU is
+    visible to it (CUDA_VISIBLE_DEVICES=""), so this holds on a CUDA machine too."""
     import shutil
     import time
 
-    if torch.cuda.is_available() or shutil.which("make") is None:
-        pytest.skip("needs make and a machine without CUDA")
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
     venv, log = tmp_path / "venv", tmp_path / "python-calls.log"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {sys.executable} "$@"\n')
     (venv / "bin" / "python").chmod(0o755)
     (venv / ".looplab-installed").touch()  # `make install` done (newer than pyproject.toml / constraints.txt)
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    env = {k: v for k, v in env.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
 
     dry = subprocess.run(["make", "-s", "-n", "gpu-check", f"VENV={venv}"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60).stdout.splitlines()
@@ -598,6 +609,6 @@ def test_make_gpu_check_refuses_on_a_cpu_machine_without_building(tmp_path):
                           timeout=120)
     assert proc.returncode != 0 and time.monotonic() - t0 < 60
     assert "gpu-check refused: " in proc.stderr and "nothing was built, run or written" in proc.stderr
-    assert ("built without CUDA" if torch.version.cuda is None else "no CUDA device") in proc.stderr
+    assert ("built without CUDA" if torch.version.cuda is None else "no CUDA device is visible") in proc.stderr
     assert log.read_text().splitlines() == ["-m looplab.gpu_install --constraint constraints.txt"]  # no pip, no checks
     assert not (venv / ".looplab-gpu-installed").exists()
