@@ -4,12 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.looplab-installed
+GPU_STAMP := $(VENV)/.looplab-gpu-installed
 SCALE ?= tiny
 export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 
 .DEFAULT_GOAL := help
 TABLES := 1 2 3 4 5 6 7 8 9 10
-.PHONY: help install demo test test-fast bench gpu-check sync-wandb clean tables \
+.PHONY: help install demo test test-fast bench gpu-install gpu-check sync-wandb clean tables \
         $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
 
 help: ## list the targets
@@ -48,7 +49,20 @@ $(addsuffix -report,$(addprefix table,$(TABLES))): table%-report: $(STAMP)
 
 tables: $(addprefix table,$(TABLES)) ## run every table at SCALE (tiny: CPU hours; see README)
 
-gpu-check: $(STAMP) ## on a CUDA machine: kernel parity, 20-step runs, FSDP2, bench -> gpu-check.json (refuses on a CPU)
+# The gpu extra (mamba-ssm, causal-conv1d, triton) is built against the installed torch, pinned by
+# constraints.txt: pip --no-build-isolation, nvcc (no wheels for torch 2.13; minutes, once). The helper
+# refuses on a machine without CUDA, or names the missing nvcc/CUDA_HOME/compiler, before building.
+GPU_INSTALL := $(PY) -m looplab.gpu_install --constraint constraints.txt
+
+$(GPU_STAMP): $(STAMP)
+	$(GPU_INSTALL)
+	@touch $@
+
+gpu-install: $(STAMP) ## on a CUDA machine: build and install the gpu extra against the pinned torch (gpu-check does it once)
+	$(GPU_INSTALL)
+	@touch $(GPU_STAMP)
+
+gpu-check: $(GPU_STAMP) ## on a CUDA machine: kernel parity, 20-step runs, FSDP2, bench -> gpu-check.json (refuses on a CPU)
 	$(PY) -m looplab.gpu_check
 
 sync-wandb: $(STAMP) ## upload offline W&B runs (needs WANDB_API_KEY)

@@ -48,6 +48,9 @@ def test_checks_cover_parity_training_fsdp_and_bench(tmp_path):
         assert c.output.is_relative_to(tmp_path) and c.timeout_s <= gpu_check.DEFAULT_BUDGET_S
     compiled = [c for c in checks if c.info.get("compile")]
     assert len(compiled) == 3 and all("graph_breaks" in c.env["TORCH_LOGS"] for c in compiled)
+    for c in checks:  # every run with Mamba-2 layers must show causal-conv1d's kernel ran
+        if c.kind in ("train", "fsdp"):
+            assert c.info.get("expect_conv") == (None if c.info["backbone"] == "llama" else "causal_conv1d"), c.name
 
 
 @pytest.mark.parametrize("name", ["train-hybrid-compile", "train-llama-eager", "fsdp-hybrid"])
@@ -235,8 +238,8 @@ def test_dynamo_counters_callback_writes_counters(tmp_path):
     assert isinstance(cb, Callback)
     cb.on_train_end(SimpleNamespace(is_global_zero=True, default_root_dir=str(tmp_path)), None)
     data = json.loads((tmp_path / "dynamo_counters.json").read_text())
-    assert set(data) == {"graph_breaks", "graph_break_reasons", "unique_graphs", "mamba2_kernels"}
-    assert isinstance(data["graph_breaks"], int)
+    assert set(data) == {"graph_breaks", "graph_break_reasons", "unique_graphs", "mamba2_kernels", "conv_calls"}
+    assert isinstance(data["graph_breaks"], int) and isinstance(data["conv_calls"], dict)
 
 
 @pytest.mark.slow
@@ -250,11 +253,13 @@ def test_a_real_training_check_on_the_cpu(tmp_path):
             "dataset.test_size=64": "dataset.test_size=16"}
     check.cmd = [swap.get(a, a) for a in check.cmd]
     check.info["steps"] = 3
+    check.info["expect_conv"] = "torch"  # on the CPU the torch conv must have run, and causal_conv1d never
     check.timeout_s = 280
     check.env["OMP_NUM_THREADS"] = "1"
     r = run_check(check, tmp_path, gpu_check.time.monotonic() + 300)
     assert r["status"] == "pass", r
     assert r["global_step"] == 3 and r["graph_breaks"] == 0 and r["mamba2_kernels"].startswith("torch")
+    assert r["conv_calls"]["torch"] > 0 and "causal_conv1d" not in r["conv_calls"]
 
 
 def test_parity_worker_plumbing_on_the_cpu(tmp_path):
@@ -275,6 +280,7 @@ def test_parity_worker_plumbing_on_the_cpu(tmp_path):
     report = json.loads(out.read_text())
     cases = report["cases"]
     assert cases["small-fp32"]["status"] == "pass" and cases["small-fp32"]["forward"]["max_abs"] == 0
+    assert cases["small-fp32"]["conv"] == {"ran": "torch", "expected": "torch", "calls": {"torch": 1}}
     assert set(cases["small-fp32"]["grad"]) >= {"x", "A_log", "dt_bias", "D", "conv1d.weight"}
     assert cases["small-fp32"]["decode"]["vs_own_forward"]["max_rel"] <= 1e-4
     assert cases["small-bf16"]["status"] == "pass" and "bf16_noise_floor" in cases["small-bf16"]
@@ -291,3 +297,318 @@ def test_parity_worker_on_the_gpu(tmp_path):
     assert gpu_check.parity_worker(out) == 0
     report = json.loads(out.read_text())
     assert report["status"] == "pass", report.get("why") or report.get("error")
+
+
+# ----------------------------------------------------------------------------- which kernels import, which ran
+def _fake_module(name: str, **attrs):
+    import types
+
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+@pytest.fixture
+def fake_gpu_stack(monkeypatch):
+    """CUDA "works" and every kernel module imports (stand-ins in sys.modules); a test then breaks one."""
+    monkeypatch.setattr(gpu_check, "cuda_problems", lambda: [])
+    fakes = {"triton": {}, "mamba_ssm": {}, "mamba_ssm.ops": {}, "mamba_ssm.ops.triton": {},
+             "mamba_ssm.ops.triton.ssd_combined": {"mamba_chunk_scan_combined": object()},
+             "mamba_ssm.ops.triton.selective_state_update": {"selective_state_update": object()},
+             "causal_conv1d": {"causal_conv1d_fn": object(), "causal_conv1d_update": object()}}
+    for name, attrs in fakes.items():
+        monkeypatch.setitem(sys.modules, name, _fake_module(name, **attrs))
+    return monkeypatch
+
+
+def test_preflight_passes_only_when_every_kernel_imports(fake_gpu_stack, capsys):
+    assert gpu_check.preflight() == []
+    assert gpu_check.main(["--preflight"]) == 0
+    assert "every kernel import" in capsys.readouterr().out
+    fake_gpu_stack.setitem(sys.modules, "mamba_ssm.ops.triton.selective_state_update", _fake_module("x"))
+    [problem] = gpu_check.preflight()
+    assert problem.startswith("mamba_ssm selective state update (mamba_ssm.ops.triton.selective_state_update."
+                              "selective_state_update) does not import: AttributeError")
+
+
+def test_preflight_refuses_a_causal_conv1d_that_does_not_import(fake_gpu_stack, tmp_path, capsys):
+    fake_gpu_stack.setitem(sys.modules, "causal_conv1d", None)  # `import causal_conv1d` raises ImportError
+    problems = gpu_check.preflight()
+    assert [p.split(" (")[0] for p in problems] == ["causal_conv1d conv", "causal_conv1d conv update"]
+    assert all("does not import: ModuleNotFoundError: import of causal_conv1d halted" in p for p in problems)
+    out = tmp_path / "gpu-check.json"
+    assert gpu_check.main(["--out", str(out), "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu-check refused: causal_conv1d conv (causal_conv1d.causal_conv1d_fn) does not import")
+    assert "make gpu-install" in err and not out.exists() and not (tmp_path / "w").exists()
+
+
+def test_preflight_names_the_import_error_of_a_broken_causal_conv1d_build(fake_gpu_stack):
+    """The usual failure on a GPU machine: causal-conv1d is installed, but its extension was built against
+    another torch and does not load. A meta path finder raises that error for `import causal_conv1d`."""
+    import importlib.abc
+
+    symbol_error = "causal_conv1d_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
+
+    class BrokenBuild(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "causal_conv1d":
+                raise ImportError(symbol_error)
+            return None
+
+    fake_gpu_stack.delitem(sys.modules, "causal_conv1d")
+    fake_gpu_stack.setattr(sys, "meta_path", [BrokenBuild(), *sys.meta_path])
+    problems = gpu_check.preflight()
+    assert len(problems) == 2 and all(p.startswith("causal_conv1d conv") for p in problems)
+    assert all(p.endswith(f"does not import: ImportError: {symbol_error}") for p in problems)
+
+
+def test_mamba2_keeps_why_causal_conv1d_did_not_import(fake_gpu_stack, tmp_path):
+    from looplab.models import mamba2
+
+    fake_gpu_stack.setitem(sys.modules, "causal_conv1d", None)
+    fake_gpu_stack.setattr(mamba2, "_FUSED", None)
+    with pytest.warns(RuntimeWarning, match="causal_conv1d does not import .*use the torch conv"):
+        ops = mamba2.resolve_fused_ops()
+    assert isinstance(ops, mamba2.FusedOps) and ops.causal_conv1d is None
+    assert ops.causal_conv1d_error.startswith("ModuleNotFoundError: import of causal_conv1d halted")
+    data = gpu_check.write_dynamo_counters(tmp_path / "counters.json")
+    assert data["mamba2_kernels"] == f"mamba_ssm scan + torch conv (causal_conv1d: {ops.causal_conv1d_error})"
+
+
+def test_conv_calls_count_the_conv_that_ran():
+    """The torch conv is counted per call, with a cache apart; never inside a compiled graph."""
+    from looplab.models.mamba2 import CONV_CALLS, Mamba2Mixer
+
+    m = Mamba2Mixer(32, d_state=16, headdim=8, d_conv=4, kernel="torch").eval()
+    x = torch.randn(1, 5, 32)
+    CONV_CALLS.clear()
+    with torch.no_grad():
+        m(x)
+        cache = m.allocate_cache(1, 5, x.device, x.dtype)
+        m(x[:, :3], None, None, cache)
+        m(x[:, 3:4], None, None, cache)
+        assert dict(CONV_CALLS) == {"torch": 1, "torch_cached": 2}
+        torch._dynamo.reset()
+        torch.compile(m, backend="eager")(x)
+    assert dict(CONV_CALLS) == {"torch": 1, "torch_cached": 2}
+    torch._dynamo.reset()
+
+
+def _cpu_fused_ops(monkeypatch, conv_fn, conv_error=None):
+    """Make a kernel=mamba_ssm mixer on the CPU take the fused branch: the torch SSD behind mamba_ssm's
+    scan signature, and conv_fn as causal_conv1d_fn (None: it "did not import")."""
+    from looplab.models.mamba2 import FusedOps, Mamba2Mixer
+    from looplab.models.ops.ssd import ssd_chunked
+
+    def scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False):
+        return ssd_chunked(x, dt, A, B, C, chunk_size, D=D, initial_state=initial_states,
+                           return_final_state=return_final_states)
+
+    ops = FusedOps(scan, conv_fn, conv_error)
+    monkeypatch.setattr(Mamba2Mixer, "_fused_ops", lambda self, x: None if self.kernel == "torch" else ops)
+
+
+def _stand_in_causal_conv1d(x, weight, bias, activation):
+    """causal_conv1d_fn's contract: x (B, C, T) → SiLU(causal depthwise conv) in x's layout."""
+    import torch.nn.functional as F
+
+    y = F.silu(F.conv1d(x, weight[:, None], bias, padding=weight.shape[1] - 1, groups=x.shape[1])[..., : x.shape[2]])
+    return torch.empty_like(x).copy_(y)
+
+
+PARITY_KW = dict(d_model=32, d_state=16, headdim=8, ngroups=2, d_conv=4, chunk_size=8)
+
+
+def test_parity_fails_when_the_torch_conv_ran_instead_of_causal_conv1d(monkeypatch, tmp_path):
+    """The fused mixer falls back to the torch conv (causal_conv1d did not import): its numbers still match
+    the torch path, but the conv check, measured from the calls, fails the case and the report."""
+    error = "ImportError: causal_conv1d_cuda.so: undefined symbol: _ZN3c10"
+    _cpu_fused_ops(monkeypatch, None, error)
+    jobs = [("fallback", lambda: gpu_check.parity_case(PARITY_KW, "mamba_ssm", "fp32", device="cpu", length=20,
+                                                       prefill=12)),
+            ("fallback-compiled", lambda: gpu_check.compile_case(PARITY_KW, "mamba_ssm", device="cpu", length=20,
+                                                                 backend="eager"))]
+    out = tmp_path / "parity.json"
+    gpu_check.parity_worker(out, jobs)
+    report = json.loads(out.read_text())
+    case = report["cases"]["fallback"]
+    assert case["worst"]["forward"] <= 1e-5  # the numbers are fine: only the conv check can catch this
+    assert case["status"] == "fail" and case["conv"]["ran"] == "torch" and case["conv"]["expected"] == "causal_conv1d"
+    assert case["conv"]["calls"] == {"torch": 1} and "layout" not in case["conv"]
+    assert case["why"] == ("conv: the torch conv ran 1x, causal_conv1d ran 0x, expected causal_conv1d "
+                           f"(causal_conv1d: {error})")
+    compiled = report["cases"]["fallback-compiled"]  # compiled, the torch conv is not even counted: still a fail
+    assert compiled["status"] == "fail" and compiled["conv"]["ran"] == "none counted"
+    assert "no causal_conv1d call was counted" in compiled["why"]
+    assert report["status"] == "fail" and "expected causal_conv1d" in report["why"]
+
+
+def test_parity_passes_the_conv_check_when_causal_conv1d_ran(monkeypatch):
+    _cpu_fused_ops(monkeypatch, _stand_in_causal_conv1d)
+    case = gpu_check.parity_case(PARITY_KW, "mamba_ssm", "fp32", device="cpu", length=20, prefill=12)
+    assert case["status"] == "pass", case.get("why")
+    assert case["conv"] == {"ran": "causal_conv1d", "expected": "causal_conv1d", "calls": {"causal_conv1d": 1},
+                            "layout": "channel-last view (no copy)"}
+    compiled = gpu_check.compile_case(PARITY_KW, "mamba_ssm", device="cpu", length=20, backend="eager")
+    assert compiled["status"] == "pass" and compiled["conv"]["calls"] == {"causal_conv1d": 2}  # eager behind disable
+    torch._dynamo.reset()
+    # the d_conv 5 shape (kernel=auto): causal-conv1d has no such width, the torch conv is the right one
+    case = gpu_check.parity_case({**PARITY_KW, "d_conv": 5}, "auto", "fp32", device="cpu", length=20, prefill=12)
+    assert case["status"] == "pass" and case["conv"] == {"ran": "torch", "expected": "torch", "calls": {"torch": 1}}
+
+
+def test_training_check_fails_when_its_mamba2_layers_ran_the_torch_conv(tmp_path):
+    check = _train_check(tmp_path)
+    check.info["expect_conv"] = "causal_conv1d"
+    check.output.write_text(json.dumps(_results()))
+    counters = check.output.parent / "dynamo_counters.json"
+    kernels = "mamba_ssm scan + torch conv (causal_conv1d: ModuleNotFoundError: No module named 'causal_conv1d')"
+    counters.write_text(json.dumps({"graph_breaks": 0, "mamba2_kernels": kernels, "conv_calls": {"torch": 40}}))
+    r = gpu_check.parse_train(check, 0, "")
+    assert r["status"] == "fail" and r["why"].startswith("conv: the torch conv ran 40x, causal_conv1d ran 0x")
+    assert "No module named 'causal_conv1d'" in r["why"]
+    counters.write_text(json.dumps({"mamba2_kernels": "mamba_ssm scan + causal_conv1d conv",
+                                    "conv_calls": {"causal_conv1d": 40, "torch_cached": 3}}))
+    assert gpu_check.parse_train(check, 0, "")["status"] == "pass"
+    counters.unlink()  # no counts: the conv that ran is unknown, which is not a pass
+    assert "the conv that ran is unknown" in gpu_check.parse_train(check, 0, "")["why"]
+
+
+# ----------------------------------------------------------------------------- make gpu-install / gpu-check
+from looplab import gpu_install  # noqa: E402
+
+
+class Recorder:
+    """Stands in for subprocess.run in gpu_install.main: records each command, fails the ones asked."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.calls: list[tuple[list[str], dict]] = []
+        self.fail_on = fail_on
+
+    def __call__(self, cmd, env=None, **kw):
+        self.calls.append((list(cmd), dict(env or {})))
+        rc = 1 if self.fail_on and any(self.fail_on in a for a in cmd) else 0
+        return subprocess.CompletedProcess(cmd, rc)
+
+    def commands(self) -> list[str]:
+        return [" ".join(c[c.index("-m") + 1 :]) for c, _ in self.calls]
+
+
+def test_gpu_install_refuses_on_a_cpu_machine_before_installing_anything(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run = Recorder()
+    assert gpu_install.main(["--constraint", str(ROOT / "constraints.txt")], run=run) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu-check refused: ") and "nothing was built, run or written" in err
+    assert ("built without CUDA" if torch.version.cuda is None else "no CUDA device") in err
+    assert run.calls == []  # not even pip
+
+
+def test_gpu_install_does_nothing_when_every_kernel_imports(fake_gpu_stack, capsys):
+    run = Recorder()
+    assert gpu_install.main(["--constraint", str(ROOT / "constraints.txt")], run=run) == 0
+    assert run.calls == [] and "nothing to build" in capsys.readouterr().out
+
+
+@pytest.fixture
+def cuda_but_no_kernels(monkeypatch):
+    monkeypatch.setattr(gpu_check, "cuda_problems", lambda: [])
+    monkeypatch.setattr(gpu_check, "kernel_import_problems", lambda: ["causal_conv1d conv does not import"])
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    return monkeypatch
+
+
+def _toolkit(root: Path, release: str, headers: bool = True) -> Path:
+    """A stand-in CUDA toolkit: bin/nvcc printing `nvcc -V`'s release line, include/cuda_runtime.h."""
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+    nvcc.chmod(0o755)
+    if headers:
+        (root / "include").mkdir()
+        (root / "include" / "cuda_runtime.h").write_text("")
+    return root
+
+
+def test_gpu_install_names_a_missing_nvcc_and_builds_nothing(cuda_but_no_kernels, tmp_path, capsys):
+    cuda_but_no_kernels.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    run = Recorder()
+    assert gpu_install.main(["--constraint", str(ROOT / "constraints.txt")], run=run) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu-install refused before building anything: ")
+    assert f"nvcc not found at {tmp_path / 'no-cuda' / 'bin' / 'nvcc'} (CUDA_HOME={tmp_path / 'no-cuda'})" in err
+    assert run.commands() == ["pip install setuptools>=61 wheel packaging ninja"]  # prerequisites only
+
+
+def test_gpu_install_prerequisites_name_each_problem(tmp_path, monkeypatch):
+    env = {"PATH": str(tmp_path / "empty-bin"), "CUDA_HOME": str(_toolkit(tmp_path / "cuda12", "12.4"))}
+    problems = gpu_install.prerequisite_problems(env, "13.0")
+    assert any(p.startswith(f"nvcc at {tmp_path}/cuda12/bin/nvcc is CUDA 12.4 but torch was built with CUDA 13.0")
+               for p in problems), problems
+    assert any(p.startswith("no C++ compiler (c++) on PATH") for p in problems)
+    assert any(p.startswith("no ninja on PATH") for p in problems)
+    env["CUDA_HOME"] = str(_toolkit(tmp_path / "wrapper", "13.0", headers=False))
+    problems = gpu_install.prerequisite_problems(env, "13.0")
+    assert any(p.startswith(f"no CUDA headers at {tmp_path}/wrapper/include") for p in problems), problems
+    env = {"PATH": str(_toolkit(tmp_path / "cuda13", "13.0") / "bin")}  # found through nvcc on PATH, as torch does
+    assert gpu_install.find_cuda_home(env) == str(tmp_path / "cuda13")
+    assert not any("nvcc" in p or "CUDA" in p for p in gpu_install.prerequisite_problems(env, "13.0"))
+
+
+def test_gpu_install_builds_each_requirement_without_build_isolation_in_order(cuda_but_no_kernels, capsys):
+    cuda_but_no_kernels.setattr(gpu_install, "prerequisite_problems", lambda env, torch_cuda: [])
+    cuda_but_no_kernels.chdir(ROOT)  # where make runs it
+    run = Recorder()
+    assert gpu_install.main(["--constraint", "constraints.txt"], run=run) == 0
+    assert run.commands() == ["pip install setuptools>=61 wheel packaging ninja",
+                              "pip install --no-build-isolation triton>=3.0",
+                              "pip install --no-build-isolation causal-conv1d>=1.5.1",
+                              "pip install --no-build-isolation mamba-ssm>=2.2",
+                              "looplab.gpu_check --preflight"]
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert sorted(gpu_install.gpu_requirements()) == sorted(extra)
+    for cmd, env in run.calls:
+        assert cmd[0] == sys.executable
+        assert env["PIP_CONSTRAINT"] == str(Path("constraints.txt").resolve())  # torch stays at its pin
+        assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)  # pip's ninja, found by name
+
+    failing = Recorder(fail_on="causal-conv1d")
+    assert gpu_install.main(["--constraint", "none"], run=failing) == 1
+    assert "pip install --no-build-isolation 'causal-conv1d>=1.5.1'` exited with 1" in capsys.readouterr().err
+    assert not any("mamba-ssm" in c for c in failing.commands()) and "PIP_CONSTRAINT" not in failing.calls[0][1]
+
+
+def test_make_gpu_check_refuses_on_a_cpu_machine_without_building(tmp_path):
+    """`make gpu-check` with an installed venv (a stand-in python that logs its arguments): the install
+    step refuses at once, nothing is built, no stamp is written, and the checks never start. No GPU is
+    visible to it (CUDA_VISIBLE_DEVICES=""), so this holds on a CUDA machine too."""
+    import shutil
+    import time
+
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    venv, log = tmp_path / "venv", tmp_path / "python-calls.log"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {sys.executable} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".looplab-installed").touch()  # `make install` done (newer than pyproject.toml / constraints.txt)
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    env = {k: v for k, v in env.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
+
+    dry = subprocess.run(["make", "-s", "-n", "gpu-check", f"VENV={venv}"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60).stdout.splitlines()
+    assert [line.split(" -m ")[-1] for line in dry if " -m " in line] == [
+        "looplab.gpu_install --constraint constraints.txt", "looplab.gpu_check"]
+
+    t0 = time.monotonic()
+    proc = subprocess.run(["make", "gpu-check", f"VENV={venv}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    assert "gpu-check refused: " in proc.stderr and "nothing was built, run or written" in proc.stderr
+    assert ("built without CUDA" if torch.version.cuda is None else "no CUDA device is visible") in proc.stderr
+    assert log.read_text().splitlines() == ["-m looplab.gpu_install --constraint constraints.txt"]  # no pip, no checks
+    assert not (venv / ".looplab-gpu-installed").exists()

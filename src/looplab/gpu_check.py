@@ -7,7 +7,9 @@ minutes on one GPU, with the figures written to `gpu-check.json` and a table pri
   path, fp32 and bf16 autocast: forward, backward (input and parameter gradients), and prefill
   through the fused scan then step decoding; plus the fused mixer under `torch.compile` (graph
   breaks counted). One shape takes causal-conv1d's channel-last view, one needs the copy, one
-  has a width causal-conv1d lacks (d_conv 5, kernel=auto: torch conv, fused scan).
+  has a width causal-conv1d lacks (d_conv 5, kernel=auto: torch conv, fused scan). Which conv
+  ran is counted as it runs (mamba2.CONV_CALLS): the torch conv where causal-conv1d was due
+  fails the case, as it fails a mamba2/hybrid training check.
 * `train-{llama,mamba2,hybrid}-{eager,compile}`: `python -m looplab.train hardware=gpu` for
   20 steps, with and without `compile=true`; graph breaks and recompiles counted from Dynamo's
   counters (a callback the run gets through `+callbacks.gpu_check`) and from TORCH_LOGS lines.
@@ -19,8 +21,11 @@ Every check runs as its own subprocess (a CUDA fault in one cannot take the othe
 several at a time, each under a timeout inside one overall time budget; its output is kept in
 `<workdir>/<check>.log`. A check is `pass`, `fail` (it ran; a figure missed its criterion),
 `error` (it did not complete: the exception is recorded) or `skipped` (the budget ran out).
-Exit status: 0 all passed, 1 otherwise, 2 refused (no usable CUDA or mamba_ssm: nothing runs,
-nothing is written).
+Exit status: 0 all passed, 1 otherwise, 2 refused (no usable CUDA, or a kernel that does not
+import: nothing runs, nothing is written). `--preflight` only checks: every kernel the checks
+use must import (triton, mamba_ssm's chunked scan and selective state update, causal_conv1d's
+conv and conv update), and a refusal names the one that does not with its import error.
+`make gpu-check` first builds them once (`make gpu-install`, `looplab.gpu_install`).
 """
 
 from __future__ import annotations
@@ -109,10 +114,12 @@ def build_checks(workdir: Path, python: str = sys.executable, steps: int = STEPS
     compile_env = {**base_env, "TORCH_LOGS": "graph_breaks,recompiles"}
     def train_check(name: str, backbone: str, hardware: str, compile_: bool, timeout_s: int, env: dict) -> Check:
         run_dir = workdir / name
+        info = {"backbone": backbone, "compile": compile_, "steps": steps, "run_dir": str(run_dir)}
+        if backbone != "llama":  # d_conv 4 on CUDA: the Mamba-2 layers must run causal-conv1d's kernel
+            info["expect_conv"] = "causal_conv1d"
         return Check(name, "fsdp" if hardware == "fsdp" else "train",
                      [python, "-m", "looplab.train", *train_overrides(run_dir, backbone, hardware, compile_, steps)],
-                     timeout_s, run_dir / "results.json", env,
-                     {"backbone": backbone, "compile": compile_, "steps": steps, "run_dir": str(run_dir)})
+                     timeout_s, run_dir / "results.json", env, info)
 
     checks = [train_check(f"train-{b}-compile", b, "gpu", True, 240, compile_env) for b in BACKBONES]
     checks.append(Check("bench", "bench",
@@ -128,27 +135,61 @@ def build_checks(workdir: Path, python: str = sys.executable, steps: int = STEPS
 
 
 # ----------------------------------------------------------------------------- refusal
+# (what, module, attribute): every kernel the checks run, or that mamba_ssm's Mamba2 would, must import
+KERNEL_IMPORTS = (
+    ("triton", "triton", None),
+    ("mamba_ssm chunked scan", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+    ("mamba_ssm selective state update", "mamba_ssm.ops.triton.selective_state_update", "selective_state_update"),
+    ("causal_conv1d conv", "causal_conv1d", "causal_conv1d_fn"),
+    ("causal_conv1d conv update", "causal_conv1d", "causal_conv1d_update"),
+)
+GPU_PACKAGES = ("triton", "mamba_ssm", "causal_conv1d")  # import names of the gpu extra
+INSTALL_HINT = "`make gpu-install` (python -m looplab.gpu_install; README, GPU)"
+
+
+def cuda_problems() -> list[str]:
+    """Why torch cannot run CUDA kernels here; empty when it can."""
+    import torch
+
+    if torch.version.cuda is None:
+        return [f"torch {torch.__version__} is built without CUDA (install a CUDA wheel of torch)"]
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return ["no CUDA device is visible (driver, or CUDA_VISIBLE_DEVICES="
+                f"{visible!r})" if visible is not None else "no CUDA device is visible (driver?)"]
+    return []
+
+
+def kernel_import_problems() -> list[str]:
+    """Each kernel of KERNEL_IMPORTS that does not import, with the import error's text."""
+    import importlib
+
+    problems = []
+    for what, module, attr in KERNEL_IMPORTS:
+        try:
+            obj = importlib.import_module(module)
+            if attr is not None:
+                getattr(obj, attr)
+        except Exception as e:  # ImportError, an undefined symbol (ABI), a CUDA error at import time
+            where = f"{module}.{attr}" if attr else module
+            problems.append(f"{what} ({where}) does not import: {type(e).__name__}: {e}")
+    return problems
+
+
 def preflight() -> list[str]:
     """What is missing for the GPU checks; empty when they can run."""
     import importlib.util
 
-    import torch
+    missing = cuda_problems()
+    if missing:  # every released mamba_ssm needs CUDA just to import: only say what is not installed
+        missing += [f"{name} is not installed" for name in GPU_PACKAGES if importlib.util.find_spec(name) is None]
+        return missing
+    return kernel_import_problems()
 
-    missing = []
-    if torch.version.cuda is None:
-        missing.append(f"torch {torch.__version__} is built without CUDA (install a CUDA wheel of torch)")
-    elif not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        missing.append("no CUDA device is visible (driver, or CUDA_VISIBLE_DEVICES="
-                       f"{visible!r})" if visible is not None else "no CUDA device is visible (driver?)")
-    if importlib.util.find_spec("mamba_ssm") is None:
-        missing.append("mamba_ssm is not installed (pip install -e '.[gpu]')")
-    elif not missing:  # every released mamba_ssm needs CUDA just to import
-        try:
-            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined  # noqa: F401
-        except Exception as e:
-            missing.append(f"mamba_ssm is not importable: {type(e).__name__}: {e}")
-    return missing
+
+def refusal(missing: list[str], what: str = "nothing was run and nothing written") -> str:
+    return (f"gpu-check refused: {'; '.join(missing)}. It runs on a CUDA machine with looplab's gpu extra, "
+            f"built by {INSTALL_HINT}; {what}.")
 
 
 # ----------------------------------------------------------------------------- reading results
@@ -187,6 +228,7 @@ def parse_train(check: Check, rc: int, log: str) -> dict[str, Any]:
         out["graph_break_reasons"] = counters.get("graph_break_reasons")
         out["unique_graphs"] = counters.get("unique_graphs")
         out["mamba2_kernels"] = counters.get("mamba2_kernels")
+        out["conv_calls"] = counters.get("conv_calls")
     if res is None:
         return {**out, "status": "error", "error": f"no results.json (exit code {rc})", "log_tail": _tail(log)}
     if res.get("status") != "ok":
@@ -204,10 +246,29 @@ def parse_train(check: Check, rc: int, log: str) -> dict[str, Any]:
         why.append(f"compiled={tp.get('compiled')} but compile={check.info['compile']} was asked")
     if rc != 0:
         why.append(f"exit code {rc}")
+    if check.info.get("expect_conv"):
+        conv = conv_verdict(check.info["expect_conv"], counters.get("conv_calls"), counters.get("mamba2_kernels"))
+        if conv:
+            why.append(conv)
     out["status"] = "fail" if why else "pass"
     if why:
         out["why"] = "; ".join(why)
     return out
+
+
+def conv_verdict(expected: str, calls: dict | None, detail: str | None = None) -> str | None:
+    """Why the conv that ran (mamba2.CONV_CALLS, counted as it ran) is not the expected one; None if it is.
+    The CUDA kernel is always counted, the torch conv only outside compiled graphs: so causal_conv1d passes
+    on a positive count with no torch call, and torch passes on no causal_conv1d call."""
+    if calls is None:
+        return f"the conv that ran is unknown (no conv counts), expected {expected}"
+    fused, fallback = calls.get("causal_conv1d", 0), calls.get("torch", 0)
+    if expected == "causal_conv1d" and (fused == 0 or fallback > 0):
+        ran = f"the torch conv ran {fallback}x" if fallback else "no causal_conv1d call was counted"
+        return f"conv: {ran}, causal_conv1d ran {fused}x, expected causal_conv1d" + (f" ({detail})" if detail else "")
+    if expected == "torch" and fused > 0:
+        return f"conv: causal_conv1d ran {fused}x, expected the torch conv"
+    return None
 
 
 def parse_fsdp(check: Check, rc: int, log: str) -> dict[str, Any]:
@@ -444,13 +505,15 @@ def write_dynamo_counters(path: Path) -> dict:
     breaks = dict(counters.get("graph_break", {}))
     fused = mamba2._FUSED
     if isinstance(fused, mamba2.FusedOps):
-        kernels = "mamba_ssm scan + " + ("causal_conv1d conv" if fused.causal_conv1d is not None else "torch conv")
+        kernels = "mamba_ssm scan + " + ("causal_conv1d conv" if fused.causal_conv1d is not None
+                                         else f"torch conv (causal_conv1d: {fused.causal_conv1d_error})")
     else:
         kernels = "torch (fused kernels never resolved)" if fused is None else f"torch (mamba_ssm: {fused})"
     data = {"graph_breaks": sum(breaks.values()),
             "graph_break_reasons": {str(k)[:300]: v for k, v in sorted(breaks.items(), key=lambda kv: -kv[1])[:10]},
             "unique_graphs": dict(counters.get("stats", {})).get("unique_graphs", 0),
-            "mamba2_kernels": kernels}
+            "mamba2_kernels": kernels,
+            "conv_calls": dict(mamba2.CONV_CALLS)}  # which conv ran in this process, counted as it ran
     write_report(path, data)
     return data
 
@@ -482,6 +545,28 @@ def _conv_layout(mixer, x) -> str:
     if _conv_channel_last_ok(xBC.contiguous().transpose(1, 2)):
         return "channel-last copy"
     return "channel-first copy"
+
+
+def _conv_ran(mixer, x, calls: dict) -> dict[str, Any]:
+    """The conv the mixer's forward actually ran (calls: mamba2.CONV_CALLS over that forward) against
+    the one it should run; a fallback to the torch conv where causal_conv1d was due fails the case."""
+    from looplab.models.config import CAUSAL_CONV1D_WIDTHS
+    from looplab.models.mamba2 import FusedOps
+
+    expected = "causal_conv1d" if mixer.kernel != "torch" and mixer.d_conv in CAUSAL_CONV1D_WIDTHS else "torch"
+    ops = mixer._fused_ops(x)
+    error = ops.causal_conv1d_error if isinstance(ops, FusedOps) else None
+    fused, fallback = calls.get("causal_conv1d", 0), calls.get("torch", 0)
+    ran = " + ".join(k for k, n in (("causal_conv1d", fused), ("torch", fallback)) if n) or "none counted"
+    out: dict[str, Any] = {"ran": ran, "expected": expected, "calls": calls}
+    if fused:
+        out["layout"] = _conv_layout(mixer, x)
+    if error:
+        out["causal_conv1d_error"] = error
+    why = conv_verdict(expected, calls, f"causal_conv1d: {error}" if error else None)
+    if why:
+        out["why"] = why
+    return out
 
 
 def _mixer_pair(kw: dict, kernel: str, device: str = "cuda"):
@@ -534,8 +619,10 @@ def _decode(mixer, x, bf16: bool, prefill: int):
 
 def parity_case(kw: dict, kernel: str, precision: str, device: str = "cuda", length: int = PARITY_LEN,
                 prefill: int = PARITY_PREFILL) -> dict[str, Any]:
-    """Fused vs torch mixer, same weights: forward, gradients, prefill + step decoding."""
+    """Fused vs torch mixer, same weights: forward, gradients, prefill + step decoding, and which conv ran."""
     import torch
+
+    from looplab.models.mamba2 import CONV_CALLS
 
     ref, fused = _mixer_pair(kw, kernel, device)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -544,8 +631,10 @@ def parity_case(kw: dict, kernel: str, precision: str, device: str = "cuda", len
     bf16 = precision == "bf16"
     tol = dict(TOLERANCES[precision])
     yr, gr = _fwd_bwd(ref, x, g, bf16)
+    CONV_CALLS.clear()
     yf, gf = _fwd_bwd(fused, x, g, bf16)
-    out: dict[str, Any] = {"kernel": kernel, "precision": "bf16 autocast" if bf16 else "fp32", "conv": _conv_layout(fused, x)}
+    conv = _conv_ran(fused, x, dict(CONV_CALLS))
+    out: dict[str, Any] = {"kernel": kernel, "precision": "bf16 autocast" if bf16 else "fp32", "conv": conv}
     out["forward"] = _diff(yf, yr)
     out["grad"] = {n: _diff(gf[n], gr[n]) for n in gr}
     dec = _decode(fused, x, bf16, prefill)
@@ -561,6 +650,7 @@ def parity_case(kw: dict, kernel: str, precision: str, device: str = "cuda", len
              "decode": max(d["max_rel"] for d in out["decode"].values())}
     out["worst"] = worst
     bad = [f"{k} {v:.3g} > {tol[k]:.3g}" for k, v in worst.items() if not v <= tol[k]]
+    bad += [conv["why"]] if "why" in conv else []
     out["status"] = "fail" if bad else "pass"
     if bad:
         out["why"] = "; ".join(bad)
@@ -574,6 +664,8 @@ def compile_case(kw: dict, kernel: str = "mamba_ssm", device: str = "cuda", leng
     import torch
     import torch._dynamo.utils as dynamo_utils
 
+    from looplab.models.mamba2 import CONV_CALLS
+
     _, fused = _mixer_pair(kw, kernel, device)
     gen = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(PARITY_BATCH, length, kw["d_model"], device=device, generator=gen)
@@ -582,13 +674,17 @@ def compile_case(kw: dict, kernel: str = "mamba_ssm", device: str = "cuda", leng
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     compiled = torch.compile(fused, backend=backend)
+    CONV_CALLS.clear()
     _fwd_bwd(fused, x, g, True, call=compiled)
     yc, gc = _fwd_bwd(fused, x, g, True, call=compiled)  # the second call reuses the graphs
+    conv = _conv_ran(fused, x, dict(CONV_CALLS))
     breaks = dict(dynamo_utils.counters.get("graph_break", {}))
     tol = TOLERANCES["compile"]
     worst = {"forward": _rel(yc, ye), "grad": max(_rel(gc[n], ge[n]) for n in ge)}
     bad = [f"{k} {v:.3g} > {tol[k]:.3g}" for k, v in worst.items() if not v <= tol[k]]
+    bad += [conv["why"]] if "why" in conv else []
     out = {"status": "fail" if bad else "pass", "precision": "bf16 autocast", "worst": worst, "tolerance": tol,
+           "conv": conv,
            "graph_breaks": sum(breaks.values()), "graph_break_reasons": {str(k)[:300]: v for k, v in breaks.items()},
            "unique_graphs": dict(dynamo_utils.counters.get("stats", {})).get("unique_graphs", 0)}
     if bad:
@@ -646,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="overall time budget in seconds")
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per run (default 20)")
     ap.add_argument("--list", action="store_true", help="print the checks and their commands, run nothing")
+    ap.add_argument("--preflight", action="store_true", help="only check that CUDA works and every kernel imports")
     ap.add_argument("--worker", choices=("parity",), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -664,9 +761,11 @@ def main(argv: list[str] | None = None) -> int:
 
     missing = preflight()
     if missing:
-        print("gpu-check refused: " + "; ".join(missing) + ". It runs on a CUDA machine with looplab's gpu extra "
-              "(pip install -e '.[gpu]'); nothing was run and nothing written.", file=sys.stderr)
+        print(refusal(missing), file=sys.stderr)
         return 2
+    if args.preflight:
+        print("gpu-check preflight: CUDA and every kernel import (" + ", ".join(w for w, _, _ in KERNEL_IMPORTS) + ")")
+        return 0
     if args.worker == "parity":
         return parity_worker(Path(args.out))
 

@@ -17,6 +17,9 @@ CUDA is available, never while Dynamo traces (every released version needs CUDA 
 import, and an import inside a traced region is a graph break each time). The fused calls
 are wrapped in `torch.compiler.disable`: with `compile=true` Dynamo compiles the projections,
 gating and norm around them and runs the Triton/CUDA kernels eagerly (one graph break each).
+When causal-conv1d does not import, the layer keeps the torch conv, warns once and keeps the
+reason in `FusedOps.causal_conv1d_error`; `CONV_CALLS` counts which conv actually ran, so a
+check (`looplab.gpu_check`) can tell the CUDA conv from the fallback instead of assuming it.
 
 Decoding keeps an SSMCache per (loop, layer): the last d_conv−1 conv inputs and the
 (nheads, headdim, d_state) SSM state, both constant in sequence length. A call with
@@ -27,6 +30,8 @@ state; a call with one token runs the step recurrence. Both equal the full forwa
 from __future__ import annotations
 
 import math
+import warnings
+from collections import Counter
 from typing import Callable, NamedTuple
 
 import torch
@@ -43,10 +48,23 @@ _FP32_PARAMS = ("A_log", "dt_bias", "D")
 
 class FusedOps(NamedTuple):
     chunk_scan: Callable  # mamba_ssm's mamba_chunk_scan_combined
-    causal_conv1d: Callable | None  # causal_conv1d_fn; None when causal-conv1d is not installed
+    causal_conv1d: Callable | None  # causal_conv1d_fn; None when causal-conv1d does not import
+    causal_conv1d_error: str | None = None  # why it does not: the import error's text
 
 
 _FUSED: FusedOps | str | None = None  # resolved once: the ops, or why they are unavailable
+
+# Which depthwise conv ran, counted as it runs: "causal_conv1d" (the CUDA kernel), "torch" (the
+# fallback, no cache) and "torch_cached" (prefill/decoding with a cache, always the torch conv).
+# Counted in eager code only: a count inside a compiled graph would guard on the counter's value
+# and recompile every call, so a compiled torch conv goes uncounted (the CUDA kernel never is: it
+# runs eagerly behind torch.compiler.disable). Clear it before the calls you want to attribute.
+CONV_CALLS: Counter[str] = Counter()
+
+
+def _count_conv(path: str) -> None:
+    if not torch.compiler.is_compiling():
+        CONV_CALLS[path] += 1
 
 
 def resolve_fused_ops() -> FusedOps | str:
@@ -63,9 +81,13 @@ def resolve_fused_ops() -> FusedOps | str:
             return _FUSED
         try:
             from causal_conv1d import causal_conv1d_fn
-        except Exception:
-            causal_conv1d_fn = None  # the torch conv is a small part of the layer's cost
-        _FUSED = FusedOps(mamba_chunk_scan_combined, causal_conv1d_fn)
+
+            conv_error = None
+        except Exception as e:  # the torch conv still works (a small part of the layer's cost), but say so
+            causal_conv1d_fn, conv_error = None, f"{type(e).__name__}: {e}"
+            warnings.warn(f"causal_conv1d does not import ({conv_error}); Mamba-2 layers use the torch conv "
+                          "instead of its CUDA kernel (make gpu-install builds it)", RuntimeWarning, stacklevel=2)
+        _FUSED = FusedOps(mamba_chunk_scan_combined, causal_conv1d_fn, conv_error)
     return _FUSED
 
 
@@ -82,6 +104,7 @@ def _fused_chunk_scan(scan, xs, dt, A, Bm, Cm, chunk_size, D, init, want_state):
 def _fused_conv_silu(conv_fn, xBC, weight, bias):
     """causal_conv1d's CUDA kernel on xBC (B, T, C) → (B, T, C), run eagerly under torch.compile
     (the layout test reads the data pointer, which a traced tensor does not have)."""
+    CONV_CALLS["causal_conv1d"] += 1
     return conv_fn(_conv_input(xBC), weight, bias, activation="silu").transpose(1, 2)
 
 
@@ -286,8 +309,8 @@ class Mamba2Mixer(nn.Module):
         if self.kernel == "mamba_ssm":
             why = "the input is not on CUDA" if not x.is_cuda else f"mamba_ssm does not import ({ops})"
             raise RuntimeError(
-                f"backbone.kernel=mamba_ssm but {why}; install the gpu extra (pip install 'looplab[gpu]') "
-                "on a CUDA machine, or use backbone.kernel=auto / torch"
+                f"backbone.kernel=mamba_ssm but {why}; build the gpu extra on a CUDA machine (make gpu-install: "
+                "pip --no-build-isolation against this torch), or use backbone.kernel=auto / torch"
             )
         return None
 
@@ -350,7 +373,9 @@ class Mamba2Mixer(nn.Module):
         if cache is None:
             if ops is not None and ops.causal_conv1d is not None and self.d_conv in CAUSAL_CONV1D_WIDTHS:
                 return _fused_conv_silu(ops.causal_conv1d, xBC, w, self.conv1d.bias)
+            _count_conv("torch")
             return causal_conv_silu(xBC, w, self.conv1d.bias)
+        _count_conv("torch_cached")
         history = cache.conv_state.transpose(1, 2).to(xBC.dtype)  # (B, K-1, conv_dim)
         out = causal_conv_silu(xBC, w, self.conv1d.bias, history)
         window = torch.cat([history, xBC], dim=1)
