@@ -74,10 +74,15 @@ def _build(cfg: LoopedLMConfig, seed: int = 0) -> LoopedLM:
 
 
 @torch.no_grad()
-def _latency(models: dict[str, LoopedLM], contexts, warmup: int, repeats: int, recompute_repeats: int) -> dict:
+def _latency(models: dict[str, LoopedLM], contexts, warmup: int, repeats: int, recompute_repeats: int,
+             rounds: int = 1) -> dict:
+    """Per-token latency per context: the median over `repeats` timed tokens, every model's step k timed
+    before any model's step k + 1. `rounds_ms` splits the timed tokens into `rounds` consecutive blocks and
+    keeps each block's median per model: the repeated timings (one process, round-robin) that table 4's
+    findings pair, so that their intervals measure timing noise, not a difference between conditions."""
     V = DIMS["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    out: dict = {"per_token_ms": {}, "recompute_per_token_ms": {}, "_times": {}}
+    out: dict = {"per_token_ms": {}, "recompute_per_token_ms": {}, "rounds_ms": {}, "_times": {}}
     for ctx in contexts:
         prompt = torch.randint(0, V, (DIMS["batch"], ctx), generator=g)
         tok = prompt[:, -1:]
@@ -94,6 +99,10 @@ def _latency(models: dict[str, LoopedLM], contexts, warmup: int, repeats: int, r
                 if i >= warmup:
                     times[name].append(dt)
         out["per_token_ms"][str(ctx)] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        per_round = repeats // max(1, rounds)
+        if rounds > 1 and per_round >= 1:
+            out["rounds_ms"][str(ctx)] = {k: [1e3 * statistics.median(v[i * per_round:(i + 1) * per_round]) for i in range(rounds)]
+                                          for k, v in times.items()}
         out["_times"][str(ctx)] = times
         # recompute from scratch: a full forward over the prefix for one new token's logits
         ref = models.get("vanilla_R")
@@ -154,19 +163,20 @@ def run(threads: int = 2, quick: bool = False, exit_runs=None) -> dict:
     """Per-token decoding latency of every looped model side by side, the paper's ratios,
     cached-vs-recompute speed-up and the exit-gate skip_compute speed-up and quality."""
     contexts = (64, 512) if quick else (64, 256, 512)
-    warmup, repeats, recompute_repeats = (2, 8, 1) if quick else (3, 25, 3)
+    # rounds: repeated timings per context (table 4 pairs them; ≥ 5), each the median of repeats / rounds tokens
+    warmup, repeats, recompute_repeats, rounds = (2, 20, 1, 5) if quick else (3, 30, 3, 6)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         models = {k: _build(cfg) for k, cfg in candidates().items()}
         result: dict = {
             "machine": machine_info(threads),
-            "dims": DIMS, "threads": threads, "contexts": list(contexts), "warmup": warmup, "repeats": repeats,
+            "dims": DIMS, "threads": threads, "contexts": list(contexts), "warmup": warmup, "repeats": repeats, "rounds": rounds,
             "dtype": "float32", "mamba2_available": HAS_MAMBA2,
             "params": {k: m.num_parameters()["total"] for k, m in models.items()},
             "flops_per_token_512": {k: m.flops_per_token(512) for k, m in models.items()},
         }
-        result.update(_latency(models, contexts, warmup, repeats, recompute_repeats))
+        result.update(_latency(models, contexts, warmup, repeats, recompute_repeats, rounds))
         per, raw = result["per_token_ms"], result.pop("_times")
 
         def ratio(a, b):
