@@ -78,6 +78,15 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def node_names(n: int) -> list[str]:
+    """This machine's host name, then `HOST-2`, `HOST-3`, ... Jobs use node names as addresses (Lightning's
+    MASTER_ADDR is the first node of SLURM_NODELIST): the first resolves (slurmctld checks it is this host);
+    the others do not, so a multi-node job here sets MASTER_ADDR=127.0.0.1 (a real cluster's names resolve).
+    (`localhost` is no way out: slurm renames a node called so to the host name.)"""
+    host = socket.gethostname().split(".")[0]
+    return [host] + [f"{host}-{i}" for i in range(2, n + 1)]
+
+
 def _memory_mb() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -96,7 +105,7 @@ class SlurmCluster:
     def __init__(self, root: str | os.PathLike | None = None, nodes: int = 1, cpus: int | None = None,
                  cred_expire: int = 10, partition: str = "debug"):
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="looplab-slurm-"))
-        self.nodes = [f"n{i + 1}" for i in range(nodes)]
+        self.nodes = node_names(nodes)
         self.cpus = cpus or max(4, os.cpu_count() or 1)
         self.cred_expire = cred_expire
         self.partition = partition
@@ -160,7 +169,7 @@ class SlurmCluster:
             "MessageTimeout=20",
         ]
         for name, port in zip(self.nodes, node_ports):
-            lines.append(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} "
+            lines.append(f"NodeName={name} NodeHostname=looplab-{name} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} "
                          f"RealMemory={_memory_mb()} State=UNKNOWN")
         lines.append(f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO")
         self.conf.write_text("\n".join(lines) + "\n")
@@ -250,8 +259,11 @@ class SlurmCluster:
         self.stop()
 
     # ---- client helpers (for tests)
-    def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        proc = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout)
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        """A client command (sbatch, srun, scontrol, ...) against this cluster; `env` adds to the environment
+        (sbatch hands the whole environment to the job)."""
+        proc = subprocess.run(list(cmd), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode:
             raise RuntimeError(f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
         return proc
