@@ -228,12 +228,22 @@ class SlurmRequeue(L.Callback):
     def _handler(self, signum, frame) -> None:
         self.signalled = True  # nothing else here: the save happens at a step boundary, on every rank
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage == "fit" and threading.current_thread() is threading.main_thread():
+    def on_train_start(self, trainer, pl_module) -> None:
+        # not in setup(): Lightning snapshots every handler after setup and puts the snapshot back at its teardown
+        if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(self.signum, self._handler)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if stage == "fit" and self._previous is not None and threading.current_thread() is threading.main_thread():
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()  # Lightning calls no teardown hook when fit raises (Requeued included)
+
+    def _restore(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(self.signum, self._previous)
             self._previous = None
 
