@@ -1,7 +1,8 @@
 """looplab on a real SLURM cluster: slurmctld + two slurmds on this machine (the `slurm_cluster` fixture,
 looplab/testing/slurm_cluster.py), jobs submitted with sbatch as a user submits them.
 
-* a 2-rank FSDP2 job under `srun --ntasks-per-node=2` (Lightning refuses a plain `--ntasks=2`);
+* a 2-rank FSDP2 job under `srun --ntasks-per-node=2` (Lightning refuses a plain `--ntasks=2`), and one on
+  two nodes (the cluster's two slurmds) of one task each;
 * preemption while training, both ways a cluster does it — `scancel --signal=USR1` (what `#SBATCH
   --signal=USR1@T` sends before the time limit; looplab saves last.ckpt at a step boundary on every rank and
   requeues) and `scontrol requeue` (SIGTERM, then SIGKILL; the job restarts from the periodic last.ckpt) —
@@ -9,7 +10,7 @@ looplab/testing/slurm_cluster.py), jobs submitted with sbatch as a user submits 
   `python -m looplab.eval` on the final last.ckpt, no hpc_ckpt anywhere, and the wall time of both attempts;
 * `-m hardware=slurm` through hydra-submitit-launcher: every job of the sweep submitted with sbatch.
 
-The three FSDP jobs are submitted at once (the `fsdp_jobs` fixture) and preempted from a thread as soon as
+The FSDP jobs are submitted at once (the `fsdp_jobs` fixture) and preempted from a thread as soon as
 they reach step 4, so that their start-up costs overlap on a 2-core machine.
 """
 
@@ -45,13 +46,16 @@ def job_env() -> dict[str, str]:
     return {"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
 
 
-def submit(cluster, folder: Path, args: list[str]) -> str:
-    """sbatch a 2-rank FSDP training job (one node, `--ntasks-per-node=2`, requeueable) → its job id."""
+def submit(cluster, folder: Path, args: list[str], nodes: int = 1) -> str:
+    """sbatch a 2-rank FSDP training job (requeueable; one node with `--ntasks-per-node=2`, or two nodes with one
+    task each) → its job id."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "job.sh"
     script.write_text("\n".join([
         "#!/bin/bash",
-        "#SBATCH --requeue --open-mode=append --nodes=1 --ntasks-per-node=2 --cpus-per-task=1",
+        f"#SBATCH --requeue --open-mode=append --nodes={nodes} --ntasks-per-node={2 // nodes} --cpus-per-task=1",
+        # the second node's name does not resolve here (looplab/testing/slurm_cluster.py node_names)
+        *(["export MASTER_ADDR=127.0.0.1"] if nodes > 1 else []),
         'echo "attempt ${SLURM_RESTART_COUNT:-0}"',
         f"exec srun {sys.executable} -m looplab.train " + " ".join(f"'{a}'" for a in args),
     ]) + "\n")
@@ -78,13 +82,16 @@ def preempt_when_held(cluster, job: str, folder: Path, action: list[str], errors
 
 @pytest.fixture(scope="module")
 def fsdp_jobs(slurm_cluster, tmp_path_factory):
-    """Three 2-rank FSDP jobs of one config: uninterrupted, preempted by SIGUSR1, preempted by scontrol requeue."""
+    """Four 2-rank FSDP jobs of one config: uninterrupted, preempted by SIGUSR1, preempted by scontrol requeue,
+    and uninterrupted on two nodes of one task each."""
     root = tmp_path_factory.mktemp("slurm_jobs")
     hold = lambda d: ["+callbacks.hold._target_=slurm_helpers.HoldAtStep", f"+callbacks.hold.step={HOLD_STEP}",
                       f"+callbacks.hold.marker={d}/held", f"+callbacks.hold.release={d}/release"]
-    runs = {name: root / name for name in ("straight", "usr1", "requeue")}
-    jobs = {name: submit(slurm_cluster, d, [*TINY, *FSDP, f"hydra.run.dir={d}/run", *(hold(d) if name != "straight" else [])])
-            for name, d in runs.items()}
+    runs = {name: root / name for name in ("straight", "usr1", "requeue", "two_nodes")}
+    extra = {"usr1": hold(runs["usr1"]), "requeue": hold(runs["requeue"]),
+             "two_nodes": ["trainer.devices=1", "trainer.num_nodes=2"]}
+    jobs = {name: submit(slurm_cluster, d, [*TINY, *FSDP, f"hydra.run.dir={d}/run", *extra.get(name, [])],
+                         nodes=2 if name == "two_nodes" else 1) for name, d in runs.items()}
     errors: list[str] = []
     actions = {"usr1": ["scancel", "--signal=USR1", "JOB"], "requeue": ["scontrol", "requeue", "JOB"]}
     threads = [threading.Thread(target=preempt_when_held, args=(slurm_cluster, jobs[n], runs[n], a, errors), daemon=True)
@@ -133,6 +140,18 @@ def test_fsdp_two_ranks_under_srun(fsdp_jobs, tmp_path):
     assert "MEMBER: 2/2" in job["log"] + log and "SLURM auto-requeueing enabled" not in job["log"] + log
     attempts = json.loads((run / "attempts.json").read_text())["attempts"]
     assert [a["slurm_job_id"] for a in attempts] == [job["job"]]
+
+
+def test_fsdp_two_nodes_one_task_each(fsdp_jobs, tmp_path):
+    """The second slurmd as a second node: 2 nodes x 1 task train like 1 node x 2 tasks."""
+    job = fsdp_jobs["two_nodes"]
+    assert job["info"]["JobState"] == "COMPLETED" and job["info"]["NodeList"] != fsdp_jobs["straight"]["info"]["NodeList"]
+    assert job["info"]["NumNodes"] == "2", job["info"]
+    run = job["run"]
+    assert_results_are_the_final_weights(run, tmp_path)
+    ref, got = weights(fsdp_jobs["straight"]["run"]), weights(run)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"2 nodes vs 1: {k}: {m}")
 
 
 def test_lightning_refuses_plain_ntasks(slurm_cluster, tmp_path, monkeypatch):

@@ -238,7 +238,16 @@ class SlurmCluster:
         return " ".join(out)[-3000:]
 
     def stop(self, grace: float = 10.0) -> None:
-        """Ends the daemons (slurmd first, munged last): SIGTERM, then SIGKILL after `grace` seconds, by PID."""
+        """Cancels the jobs still queued or running (their tasks would outlive slurmd), then ends the daemons
+        (slurmd first, munged last): SIGTERM, then SIGKILL after `grace` seconds, by PID."""
+        if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
+            jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True).stdout.split()
+            if jobs:
+                subprocess.run(["scancel", *jobs], env=self.env, capture_output=True)
+                deadline = time.monotonic() + grace
+                while time.monotonic() < deadline and subprocess.run(
+                        ["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True).stdout.strip():
+                    time.sleep(0.5)
         order = [k for k in self.procs if k.startswith("slurmd")] + [k for k in ("slurmctld", "munged") if k in self.procs]
         for name in order:
             proc = self.procs[name]
