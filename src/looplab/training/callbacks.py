@@ -248,6 +248,8 @@ class SlurmRequeue(L.Callback):
             self._previous = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):
+            return  # mid-accumulation: a checkpoint cannot hold the partial gradients; wait for the optimizer step
         flag = torch.tensor(1.0 if self.signalled else 0.0, device=pl_module.device)
         if float(trainer.strategy.reduce(flag, reduce_op="sum")) == 0.0:
             return
