@@ -57,3 +57,20 @@ def tiny_overrides(tmp_path):
         "backbone.n_heads=2",
         "backbone.ffn_hidden=64",
     ]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real SLURM cluster on this machine for the whole session (looplab/testing/slurm_cluster.py): munged,
+    slurmctld and two slurmds on 127.0.0.1, apt-installed when missing (root only). Skips, saying why, where
+    it cannot start (not root, no apt-get, a daemon that does not come up)."""
+    from looplab.testing.slurm_cluster import ClusterUnavailable, SlurmCluster
+
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus=16)
+    try:
+        cluster.start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no SLURM cluster here: {e}")
+    print(f"\nSLURM cluster up in {cluster.startup_s:.1f} s ({cluster.root})")
+    yield cluster
+    cluster.stop()

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from looplab import stats
-from looplab.stats import Rule, adjusted_verdict, decisive_p, holm, judge, t_quantile
+from looplab.stats import Rule, adjusted_verdict, decisive_p, holm, judge
 from looplab.tables import report, spec
 
 

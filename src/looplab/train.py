@@ -104,11 +104,10 @@ def load_warm_start(model, path: str) -> list[str]:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, RichProgressBar, ThroughputMonitor
 
     from looplab.checkpoint import check_compatible, read_checkpoint_meta
-    from looplab.training.callbacks import AtomicCheckpointIO, PlainProgress, ThroughputRecord
+    from looplab.training.callbacks import AtomicCheckpointIO, AttemptClock, PlainProgress, Requeued, ThroughputRecord
     from looplab.training.distributed import recover_checkpoint, trainer_overrides
 
     start = time.time()
@@ -122,8 +121,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # ---- everything that can be wrong is checked before any training starts
     run = build_run(cfg)
     dm, model_cfg, objective, depth, eval_loops, module = run.dm, run.model_cfg, run.objective, run.depth, run.eval_loops, run.module
-    use_compile, compile_why = run.use_compile, run.compile_why
+    compile_why = run.compile_why
     recover_checkpoint(ckpt_dir / "last.ckpt")  # a sharded save killed between its two renames
+    set_aside_hpc_checkpoints(out_dir, ckpt_dir)  # last.ckpt is the one resume source
     ckpt_path = None
     if cfg.resume == "auto":
         if (ckpt_dir / "last.ckpt").exists():
@@ -154,11 +154,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_name = f"{cfg.task_name}-{out_dir.name}" if not ctx["multirun"] else f"{cfg.task_name}-{out_dir.parent.name}-{out_dir.name}"
     loggers = build_loggers(cfg, out_dir, run_name)
     throughput = ThroughputRecord()
+    clock = AttemptClock(out_dir / "attempts.json", start)  # wall time of every attempt (preempted ones too)
     checkpointing = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=0,
                                     every_n_train_steps=int(cfg.checkpoint_every_n_steps), auto_insert_metric_name=False)
     callbacks = [
         checkpointing,
         throughput,
+        clock,
         ThroughputMonitor(batch_size_fn=lambda b: b["input_ids"].shape[0], length_fn=lambda b: b["input_ids"].numel()),
     ]
     callbacks += [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
@@ -167,6 +169,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.trainer.get("enable_model_summary", True) is not False:
         callbacks.append(ModelSummary(max_depth=2))  # shows block / state / exit_gate sizes separately
     overrides = trainer_overrides(cfg)  # precision auto, strategy fsdp
+    plugins, requeue = [AtomicCheckpointIO()], slurm_requeue(ckpt_dir / "last.ckpt", clock)
+    if requeue:
+        callbacks.append(requeue)
+        plugins.append(requeue.environment)
     if cfg.trainer.get("enable_progress_bar", True) is not False:
         if sys.stdout.isatty():
             callbacks.append(RichProgressBar(leave=True))
@@ -174,7 +180,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             callbacks.append(PlainProgress(every=int(cfg.trainer.get("log_every_n_steps") or 25)))
             overrides["enable_progress_bar"] = False
     trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins,
         default_root_dir=str(out_dir), _convert_="partial", **overrides,
     )
     # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted)
@@ -184,14 +190,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
              f"{model_cfg.coda_layers}) {model_cfg.state_mode} gate={model_cfg.exit_gate}",
              f"{params['total']:,}", 100 * params["state_branch"] / max(1, params["total"] - params["state_branch"]), flops_fwd)
 
-    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    except Requeued as e:  # SIGUSR1 under SLURM: the next attempt resumes from last.ckpt; nothing to test now
+        log.info("preempted: %s", e)
+        return {"status": "requeued", "global_step": trainer.global_step, "output_dir": str(out_dir)}
     if not cfg.trainer.get("fast_dev_run") and checkpointing._last_global_step_saved != trainer.global_step:
         # max_steps off the checkpoint interval: last.ckpt must be the model that results.json describes
         trainer.save_checkpoint(ckpt_dir / "last.ckpt")
     val_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     test_metrics: dict[str, float] = {}
     if cfg.get("test_after_fit", True) and not cfg.trainer.get("fast_dev_run"):
-        trainer.test(module, datamodule=dm, verbose=False)
+        run_test_stage(trainer, module, dm)
         test_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
     depth_metrics = evaluate_depths(trainer, module, dm, eval_loops) if eval_loops and not cfg.trainer.get("fast_dev_run") else {}
 
@@ -200,8 +210,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if hasattr(dm, "unigram_perplexity") and trainer.is_global_zero:
         results["unigram_perplexity"] = dm.unigram_perplexity()  # the bar an LM arm must pass (findings' preconditions)
     if ckpt_path:
-        carry_over_timing(results, out_dir / "results.json")
+        carry_over_throughput(results, out_dir / "results.json")
     if trainer.is_global_zero:
+        results["wall_time_total_s"] = clock.save(results["wall_time_s"], global_step=trainer.global_step, ended="ok")
         write_json_atomic(out_dir / "results.json", results)
         if depth_metrics:
             from looplab.tables.plots import plot_eval_loops
@@ -212,18 +223,51 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
-def carry_over_timing(results: dict[str, Any], previous: Path) -> None:
-    """A resumed run: `wall_time_total_s` adds this invocation's wall time to every earlier one's (a crashed
-    attempt's too), and a run that trained no step now (a finished run re-tested) keeps the throughput
-    of the invocation that trained it, instead of reporting a re-test as its training speed."""
+def carry_over_throughput(results: dict[str, Any], previous: Path) -> None:
+    """A run that trained no step now (a finished run re-tested) keeps the throughput of the invocation that
+    trained it, instead of reporting a re-test as its training speed. (Wall time: AttemptClock.)"""
     try:
         prev = json.loads(previous.read_text())
     except (OSError, ValueError):
         return
-    before = prev.get("wall_time_total_s", prev.get("wall_time_s")) or 0.0
-    results["wall_time_total_s"] = float(before) + results["wall_time_s"]
     if not results["throughput"].get("tokens") and (prev.get("throughput") or {}).get("tokens"):
         results["throughput"] = prev["throughput"]
+
+
+def set_aside_hpc_checkpoints(out_dir: Path, ckpt_dir: Path) -> None:
+    """One resume source of truth: checkpoints/last.ckpt. Lightning resumes (fit) and *tests* from the newest
+    `hpc_ckpt_N.ckpt` in the run folder whenever it runs under SLURM and is given no ckpt_path
+    (`_CheckpointConnector._parse_ckpt_path`); looplab never writes one (SlurmRequeue saves last.ckpt), so one
+    found here is from older code: moved into checkpoints/, where Lightning does not look, and named in the log."""
+    for f in sorted(out_dir.glob("hpc_ckpt_*.ckpt")):
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        dest = ckpt_dir / f"ignored-{f.name}"
+        try:
+            os.replace(f, dest)
+        except FileNotFoundError:  # another rank of this job moved it
+            continue
+        log.warning("%s is not a resume source (last.ckpt is); moved to %s", f, dest)
+
+
+def slurm_requeue(last_ckpt: Path, clock):
+    """Under SLURM: looplab's SIGUSR1 requeue (callbacks.SlurmRequeue) with Lightning's own auto-requeue off;
+    None elsewhere."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from looplab.training.callbacks import SlurmRequeue
+
+    if not SLURMEnvironment.detect():
+        return None
+    return SlurmRequeue(last_ckpt, clock)  # .environment: SLURMEnvironment(auto_requeue=False)
+
+
+def run_test_stage(trainer, module, dm) -> None:
+    """trainer.test on the weights in memory — the final ones, which last.ckpt holds. A restore here (Lightning
+    picks an hpc checkpoint when given no ckpt_path under SLURM) would score other weights than the ones
+    results.json names, so it is an error."""
+    trainer.test(module, datamodule=dm, verbose=False)
+    if trainer.ckpt_path is not None:
+        raise RuntimeError(f"the test stage restored {trainer.ckpt_path} instead of testing the final weights")
 
 
 def evaluate_depths(trainer, module, dm, depths: list[int]) -> dict[str, dict[str, float]]:
@@ -233,7 +277,7 @@ def evaluate_depths(trainer, module, dm, depths: list[int]) -> dict[str, dict[st
     try:
         for d in depths:
             module.eval_depth = d
-            trainer.test(module, datamodule=dm, verbose=False)
+            run_test_stage(trainer, module, dm)
             split = module.test_split
             out[str(d)] = {new: float(trainer.callback_metrics[f"{split}/{old}"]) for old, new in names.items()
                            if f"{split}/{old}" in trainer.callback_metrics}
@@ -297,7 +341,7 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
                        "compiled": module.model.is_compiled},
         "global_step": trainer.global_step,
         "wall_time_s": wall,
-        "wall_time_total_s": wall,  # a resumed run adds its earlier invocations' (carry_over_timing)
+        "wall_time_total_s": wall,  # every attempt's (AttemptClock, attempts.json), set by train()
         "git_commit": git_commit(),
         "overrides": ctx["overrides"],
         "output_dir": str(ctx["output_dir"]),

@@ -1,16 +1,29 @@
-"""Callbacks and plugins: atomic checkpoints, the throughput record that goes into results.json, and
-the plain progress lines for logs that are not a terminal."""
+"""Callbacks and plugins: atomic checkpoints, the throughput record that goes into results.json, the
+plain progress lines for logs that are not a terminal, the wall clock of every attempt of a run, and
+SLURM's preemption signal handled at a step boundary."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import signal
+import subprocess
+import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from looplab.training.run_utils import write_json_atomic
+
+log = logging.getLogger("looplab")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -39,8 +52,14 @@ class ThroughputRecord(L.Callback):
         self._t0: float | None = None
         self._val_t0: float | None = None
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
+        # from the first step on: timed from the epoch start alone, an attempt resumed mid-epoch (SLURM
+        # requeue) reported 0.003 s of training for its 4 steps — 320k tokens/s instead of ~1k
         self._t0 = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.tokens += int(batch["input_ids"].numel()) * trainer.world_size
@@ -123,3 +142,138 @@ def format_seconds(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
+
+
+class AttemptClock(L.Callback):
+    """The wall time of every attempt of one run — a crash, a preemption, a requeue, a re-run of a finished
+    job — in `<run>/attempts.json`, so that results.json's `wall_time_total_s` counts them all.
+
+    An attempt that ends without writing results.json (killed, requeued) is known only from this file:
+    rank 0 rewrites its own entry every `every_s` seconds of training, on an exception (Lightning raises
+    one on SIGTERM, which is how SLURM ends a requeued or cancelled job) and at a requeue, so at most
+    `every_s` seconds of a hard-killed attempt go uncounted. A run folder from before this file keeps
+    its results.json total as the first entry.
+    """
+
+    def __init__(self, path: str | os.PathLike, start: float, every_s: float = 10.0) -> None:
+        self.path = Path(path)
+        self.start = start
+        self.every_s = every_s
+        self.earlier = self._read_earlier()
+        self.entry = {"started": datetime.fromtimestamp(start, timezone.utc).isoformat(timespec="seconds"),
+                      "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                      "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0), "wall_time_s": 0.0}
+        self._saved_at = 0.0
+
+    def _read_earlier(self) -> list[dict[str, Any]]:
+        try:
+            return list(json.loads(self.path.read_text())["attempts"])
+        except (OSError, ValueError, KeyError):
+            pass
+        try:  # a run folder from before attempts.json
+            prev = json.loads((self.path.parent / "results.json").read_text())
+        except (OSError, ValueError):
+            return []
+        before = prev.get("wall_time_total_s", prev.get("wall_time_s"))
+        return [{"started": None, "from": "results.json", "wall_time_s": float(before)}] if before else []
+
+    def save(self, wall: float | None = None, **extra: Any) -> float:
+        """Record this attempt's wall time (now, or `wall`); returns the total over every attempt. Rank 0 calls it."""
+        self.entry.update(extra, wall_time_s=time.time() - self.start if wall is None else wall)
+        write_json_atomic(self.path, {"attempts": [*self.earlier, self.entry]})
+        self._saved_at = time.monotonic()
+        return self.total(self.entry["wall_time_s"])
+
+    def total(self, wall: float) -> float:
+        return sum(float(a.get("wall_time_s") or 0.0) for a in self.earlier) + wall
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero and time.monotonic() - self._saved_at >= self.every_s:
+            self.save(global_step=trainer.global_step)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if trainer.is_global_zero:
+            self.save(global_step=trainer.global_step, ended=type(exception).__name__)
+
+
+class Requeued(Exception):
+    """Raised on every rank after a preemption signal was handled: last.ckpt is saved and the job requeued."""
+
+
+class SlurmRequeue(L.Callback):
+    """SLURM preemption: on `signum` (SIGUSR1 — `#SBATCH --signal=USR1@SECONDS` before the time limit, or
+    `scancel --signal=USR1 JOB`), save `last.ckpt`, requeue the job with `scontrol requeue`, and stop.
+
+    Replaces Lightning's auto-requeue (the Trainer gets `self.environment`, auto_requeue=False), which
+    (1) saved `hpc_ckpt_N.ckpt` beside last.ckpt — a second resume source that the next attempt ignored
+    (it resumes from last.ckpt) but the final `trainer.test()` restored, so results.json paired the final
+    step with stale weights' metrics; and (2) saved from inside the signal handler, at whatever point each
+    rank was interrupted — under FSDP2 one rank's save ran into the other's collectives and crashed
+    (`setStorage: sizes ... out of bounds`). Here the handler only sets a flag; at the next batch end the
+    ranks agree on it (an all-reduce: SLURM may signal only some of them), all save last.ckpt through the
+    project's checkpoint path (atomic; sharded under FSDP2) at the same step, then rank 0 requeues and
+    every rank raises `Requeued`, which train.py turns into a quiet exit without testing.
+    """
+
+    def __init__(self, last_ckpt: str | os.PathLike, clock: AttemptClock | None = None,
+                 signum: int = signal.SIGUSR1) -> None:
+        self.last_ckpt = Path(last_ckpt)
+        self.clock = clock
+        self.signum = signum
+        self.signalled = False
+        self._previous: Any = None
+        # the cluster environment to pass to the Trainer: Lightning's without its own SIGUSR1 handler
+        self.environment = SLURMEnvironment(auto_requeue=False)
+
+    def _handler(self, signum, frame) -> None:
+        self.signalled = True  # nothing else here: the save happens at a step boundary, on every rank
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # not in setup(): Lightning snapshots every handler after setup and puts the snapshot back at its teardown
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._handler)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()  # Lightning calls no teardown hook when fit raises (Requeued included)
+
+    def _restore(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):
+            return  # mid-accumulation: a checkpoint cannot hold the partial gradients; wait for the optimizer step
+        flag = torch.tensor(1.0 if self.signalled else 0.0, device=pl_module.device)
+        if float(trainer.strategy.reduce(flag, reduce_op="sum")) == 0.0:
+            return
+        step = trainer.global_step
+        job = job_id()
+        if trainer.is_global_zero:
+            log.info("%s at step %d: saving %s, then requeueing SLURM job %s", signal.Signals(self.signum).name, step,
+                     self.last_ckpt, job)
+        trainer.save_checkpoint(self.last_ckpt)  # every rank: a collective under FSDP2
+        trainer.strategy.barrier("looplab_requeue_saved")
+        if trainer.is_global_zero:
+            if self.clock is not None:
+                self.clock.save(global_step=step, ended="requeued")
+            proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            if proc.returncode:
+                log.warning("`scontrol requeue %s` failed (%s): the run stops here; resubmit it to continue from %s",
+                            job, (proc.stderr or proc.stdout).strip(), self.last_ckpt)
+        raise Requeued(f"step {step} saved to {self.last_ckpt}; SLURM job {job} requeued")
+
+
+def job_id() -> str:
+    """This SLURM job's id as scontrol names it (`ARRAYJOB_TASK` for an array task)."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        raise RuntimeError(f"SLURM job id {job!r} is not one (SLURM_JOB_ID / SLURM_ARRAY_JOB_ID unset?)")
+    return job
