@@ -3,7 +3,7 @@
   run N [--scale tiny|paper] [--dry-run] [--extra KEY=VALUE ...] [--seeds 1,2,3] [--logger csv|wandb|none]
         [--hardware fsdp|slurm|...] [--out-root outputs/tables] [--table-dir experiments/tables]
       every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report;
-      seeds default to 1,2,3 at tiny scale (the experiment's own seed at paper scale)
+      seeds default to 1,2,3 at tiny scale (table 2: 1..5; the experiment's own seed at paper scale)
   report N [--scale ...] [--seeds 1,2,3]   only aggregate the existing results.json files into
       experiments/tables/tableN.{md,csv,png,findings.json} and regenerate the verdict summary README.md
   summary [--table-dir ...] [--rebuild [--scale ...]]   regenerate experiments/tables/README.md (all tables'
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     common(r)
     r.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
     r.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides appended to every command")
-    r.add_argument("--seeds", default=None, help="comma-separated seeds (default: 1,2,3 at tiny scale, the experiment's "
+    r.add_argument("--seeds", default=None, help="comma-separated seeds (default: 1,2,3 at tiny scale (table 2: 1..5), the experiment's "
                    "seed at paper scale); rows show mean ± 95%% t-interval over them")
     r.add_argument("--logger", default=None, help="csv (tiny default), wandb (paper default) or none")
     r.add_argument("--hardware", default=None, help="e.g. slurm on a cluster (default: the experiment's own)")

@@ -639,10 +639,14 @@ class Table:
         out += [f"- {m}" for m in self.missing]
         out += ["", f"Failed runs ({len(self.failed)}): " + ("none" if not self.failed else "")]
         out += [f"- {f['config']} — {f['error']} ({f['path']})" for f in self.failed]
+        judged = sum(v.family is not None for v in self.verdicts)
         out += ["", "## Findings", "", "The papers' claims (experiments/README.md), each checked as a paired difference "
-                "A − B with its 95% interval: **reproduced** = the interval excludes 0 on the paper's side, "
-                "**contradicted** = it excludes 0 on the other side, **inconclusive** = it contains 0 (or could not "
-                "be computed).", ""]
+                "A − B with its 95% interval (arms with common random numbers: the same initial values of every shared "
+                "parameter and the same batches). Sign claims: **reproduced** = the interval excludes 0 on the paper's "
+                "side, **contradicted** = on the other side, **inconclusive** = it contains 0 (or could not be computed); "
+                "claims of a size are judged against it (at most X: the whole interval ≤ X; about X ± δ: inside the band); "
+                "**not tested** = an arm missed the finding's precondition (named with its figure). Holm: the verdict "
+                f"after Holm's adjustment over this table's {judged} judged line(s).", ""]
         out += [v.line() for v in self.verdicts] or ["(this table checks no finding)"]
         return "\n".join(out) + "\n"
 
@@ -1203,7 +1207,7 @@ def build(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, s
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is unknown; choose one of {SCALES}")
     spec = get(number)
-    seeds = list(seeds) if seeds else default_seeds(scale)
+    seeds = list(seeds) if seeds else default_seeds(scale, number)
     return BUILDERS[spec.kind](spec, scale, Path(out_root), seeds=seeds, **kwargs)
 
 

@@ -184,7 +184,7 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
     """
     jobs = (default_jobs(scale) if jobs is None else jobs) if scale == "tiny" else 1
     spec = get(number)
-    seeds = list(seeds) if seeds else default_seeds(scale)
+    seeds = list(seeds) if seeds else default_seeds(scale, number)
     logger = logger or default_logger(scale)
     extra = list(extra or [])
     if spec.kind == "decode":
@@ -244,7 +244,7 @@ def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: s
     Returns one record per command: argv, returncode (None when skipped or dry), seconds.
     """
     spec = get(number)
-    seeds = list(seeds) if seeds else default_seeds(scale)
+    seeds = list(seeds) if seeds else default_seeds(scale, number)
     cmds = plan(number, scale, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware,
                 decode_json=decode_json, dry_run=True, zeroshot=zeroshot, jobs=jobs)
     records = []
