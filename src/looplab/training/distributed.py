@@ -64,13 +64,14 @@ class LoopedFSDPStrategy(ModelParallelStrategy):
     """
 
     def __init__(self, param_dtype: Any = None, reduce_dtype: Any = "float32", reshard_after_forward: bool = True,
-                 sharded_checkpoint: bool = True, **kwargs):
+                 sharded_checkpoint: bool = True, gather_once: bool = True, **kwargs):
         super().__init__(save_distributed_checkpoint=bool(sharded_checkpoint), **kwargs)
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         self.mp_policy = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
                                               reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
         self.reshard_after_forward = bool(reshard_after_forward)
+        self.gather_once = bool(gather_once)  # see shard_looped_model
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's "auto" sizes mean data-parallel across nodes and tensor-parallel
@@ -137,9 +138,10 @@ def shard_looped_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshar
     being the same layer classes), then the root (embedding, state branch, exit gate, final norm and
     head). Idempotent.
 
-    gather_once (default): the layers used at every loop (block and coda) are all-gathered once per
-    optimizer step, whatever R (`GatherOncePerStep`); the prelude and the root follow
-    `reshard_after_forward` as given. False: FSDP2's own schedule, an all-gather before each of a
+    gather_once (default; `hardware.fsdp.gather_once`): the layers used at every loop (block and coda)
+    are all-gathered once per optimizer step, whatever R (`GatherOncePerStep`), and stay gathered from
+    forward to backward whatever `reshard_after_forward` says; the prelude and the root follow
+    `reshard_after_forward`. False: FSDP2's own schedule, an all-gather before each of a
     layer's R uses in forward and another before each in backward (2R per layer and step). Either
     way a layer's gradient is reduce-scattered once per step (bench/fsdp_traffic.py measures both).
     """

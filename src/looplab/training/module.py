@@ -129,7 +129,7 @@ class LoopedLMModule(L.LightningModule):
             mesh = self.device_mesh
             mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
             shard_looped_model(self.model, mesh, getattr(strategy, "mp_policy", None),
-                               getattr(strategy, "reshard_after_forward", True))
+                               getattr(strategy, "reshard_after_forward", True), getattr(strategy, "gather_once", True))
         if self.compile_block:
             self.model.compile_block()  # each layer compiled once; the R loops reuse the compiled code
         self._configured = True
