@@ -42,13 +42,14 @@ def loss_of(model, ids):
     return F.cross_entropy(model(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
-def _run(R: int, gather_once: bool, rank: int) -> dict:
+def _run(R: int, gather_once: bool, rank: int, checkpoint_loops: bool = False) -> dict:
     from torch.distributed.tensor import DTensor
 
     from looplab.bench.fsdp_traffic import count_collectives, summarize
     from looplab.training.distributed import shard_looped_model
 
     model = make_model(R)
+    model.checkpoint_loops = checkpoint_loops  # hardware.activation_checkpointing: each loop recomputed in backward
     shard_looped_model(model, gather_once=gather_once)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     local = [ids[rank * B // WORLD:(rank + 1) * B // WORLD] for ids in batches()]
@@ -80,6 +81,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             except Exception as e:  # recorded: the test fails with it
                 res[R, gather_once] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             dist.barrier()
+    try:
+        res[2, "checkpoint_loops"] = _run(2, True, rank, checkpoint_loops=True)
+    except Exception as e:
+        res[2, "checkpoint_loops"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     if rank == 0:
         torch.save(res, os.path.join(out_dir, "traffic.pt"))
     dist.destroy_process_group()
@@ -132,3 +137,14 @@ def test_gather_once_gradients_equal_one_process(traffic, R):
         grads = traffic[R, gather_once]["grads"]
         for n, p in model.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"R={R} {gather_once} {n}: {m}")
+
+
+def test_gather_once_with_activation_checkpointing(traffic):
+    """Per-loop checkpointing recomputes each loop in backward: the block is still gathered there (no extra
+    all-gather) and the gradients are one process's."""
+    res = traffic[2, "checkpoint_loops"]
+    assert res["step"] == traffic[1, True]["step"] and res["sharded_after_step"]
+    model = make_model(2)
+    loss_of(model, batches()[0]).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(res["grads"][n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
