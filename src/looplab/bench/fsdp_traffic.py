@@ -8,7 +8,8 @@ reduce_scatter_single in torch 2.13's _fully_shard/_fsdp_collectives.py), so `co
 wraps those module functions and counts calls and bytes (an all-gather's gathered output, a
 reduce-scatter's unsharded input). Per rank and per optimizer step (forward, backward, AdamW step)
 of a plain training loop, after one warm-up step (FSDP2's lazy initialisation); step time is the
-median over the timed steps and peak memory each rank's maximum resident set size.
+median over the timed steps and peak memory each rank's maximum resident set size (one spawn per
+depth and policy, so that it is that configuration's).
 
 Policies (looplab.training.distributed.shard_looped_model): `per_use` is FSDP2's own schedule
 (gather_once=False), `gather_once` looplab's default (one gather and one reduction per loop-shared
@@ -160,10 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     res = {}
-    for policy in a.policy:  # one spawn per policy: maxrss is a per-process high-water mark
-        got = measure(a.loops, [policy], a.world, a.d_model, a.layers, 256, a.batch, a.seq, a.steps)
-        for rank, figs in got.items():
-            res.setdefault(rank, {}).update(figs)
+    for R in a.loops:  # one spawn per (R, policy): maxrss is a per-process high-water mark; policies interleaved
+        for policy in a.policy:
+            got = measure([R], [policy], a.world, a.d_model, a.layers, 256, a.batch, a.seq, a.steps)
+            for rank, figs in got.items():
+                res.setdefault(rank, {}).update(figs)
     print(f"{'policy/R':<16}{'all-gathers':>12}{'AG MB':>9}{'reduce-scat':>12}{'RS MB':>9}{'all-reduce':>11}"
           f"{'step ms':>9}{'maxrss MB':>10}   (rank 0, per optimizer step)")
     for key, f in res["rank0"].items():
