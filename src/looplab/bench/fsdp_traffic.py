@@ -14,6 +14,16 @@ depth and policy, so that it is that configuration's).
 Policies (looplab.training.distributed.shard_looped_model): `per_use` is FSDP2's own schedule
 (gather_once=False), `gather_once` looplab's default (one gather and one reduction per loop-shared
 layer and step).
+
+Measured 2026-12-01 (2 gloo ranks on a shared 2-core VM at load 6-10, so times are rough; 2⊗R llama,
+d 512, 2 × 32 tokens per rank, rank 0, per step; `--d-model 512 --seq 32 --batch 2 --steps 5`):
+
+    R   all-gathers (MB)       reduce-scatters (MB)   step ms            maxrss MB
+        per_use   gather_once  both                   per_use  g_once    per_use  g_once
+    1    6 ( 66)   4 (34)      3 (33)                 1036     374        802     742
+    2   10 (130)   4 (34)      3 (33)                 1278    1029        903     736
+    4   18 (258)   4 (34)      3 (33)                 1941    1315       1059     755
+    8   34 (514)   4 (34)      3 (33)                 3672    2463       1259     803
 """
 
 from __future__ import annotations
