@@ -294,7 +294,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
 
         handling = resolve_handling(skip_compute)
         if handling is None:
-            raise ValueError(f"exit_steps needs skip_compute (kv_copy, ssm_skip or ssm_propagate), got skip_compute={skip_compute!r}")
+            raise ValueError(f"exit_steps needs skip_compute (kv_copy, ssm_skip or ssm_propagate), "
+                             f"got skip_compute={skip_compute!r}")
         bad = [k for k, v in unsupported.items() if v not in (None, False)]
         if bad:
             raise ValueError(f"skip_compute={skip_compute!r} runs the cache-free exit reference, which does not take "
