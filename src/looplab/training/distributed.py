@@ -194,10 +194,11 @@ class GatherOncePerStep:
     def __init__(self, root: torch.nn.Module, units: list[torch.nn.Module]):
         self.units = units
         self.armed: set[int] = set()  # id of each unit whose last backward use carries the hook
-        root.register_forward_pre_hook(self._root_pre_forward)
-        root.register_forward_hook(self._root_post_forward)
+        no_trace = torch._dynamo.disable  # as FSDP2's own hooks: plain Python around compiled layers (compile_block)
+        root.register_forward_pre_hook(no_trace(self._root_pre_forward))
+        root.register_forward_hook(no_trace(self._root_post_forward))
         for unit in units:
-            unit.register_forward_hook(self._unit_post_forward)
+            unit.register_forward_hook(no_trace(self._unit_post_forward))
 
     def _root_pre_forward(self, root, args) -> None:
         if _in_backward():
