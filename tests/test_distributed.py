@@ -23,7 +23,7 @@ from looplab.models import LoopedLM, LoopedLMConfig
 
 pytestmark = pytest.mark.slow
 WORLD, B, T, V = 2, 4, 12, 37
-STRATEGIES = ("ddp", "fsdp2")
+STRATEGIES = ("ddp", "fsdp2", "fsdp2_exit_aware")
 
 
 def make_model(seed: int = 0) -> LoopedLM:
@@ -42,6 +42,16 @@ def global_batch() -> torch.Tensor:
 
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
+
+
+def exit_steps() -> torch.Tensor:
+    """(B, T) exit steps of the global batch for the exit-aware forward (1..R, every depth present)."""
+    return torch.randint(1, 4, (B, T), generator=torch.Generator().manual_seed(2))
+
+
+def exit_aware_loss_of(model, ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1], skip_compute="kv_copy", exit_steps=steps).logits
     return F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
 
 
@@ -68,13 +78,24 @@ def _grads_fsdp2(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {_clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
+def _grads_fsdp2_exit_aware(rank: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Exit-aware fine-tuning's forward (forward_with_exits through LoopedLM.forward) on the sharded model."""
+    from looplab.training.distributed import shard_looped_model
+
+    model = make_model()
+    shard_looped_model(model)
+    steps = exit_steps()[rank * B // WORLD:(rank + 1) * B // WORLD]
+    exit_aware_loss_of(model, ids, steps).backward()
+    return {_clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     ids = global_batch()
     local = ids[rank * B // WORLD:(rank + 1) * B // WORLD]  # each rank its half of the same global batch
-    for name, fn in (("ddp", _grads_ddp), ("fsdp2", _grads_fsdp2)):
+    for name, fn in (("ddp", _grads_ddp), ("fsdp2", _grads_fsdp2), ("fsdp2_exit_aware", _grads_fsdp2_exit_aware)):
         try:
             res = {"grads": fn(rank, local)}
         except Exception as e:  # recorded: the test fails with it
@@ -98,7 +119,10 @@ def distributed_grads(tmp_path_factory):
     model = make_model()
     loss_of(model, global_batch()).backward()
     reference = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return reference, {s: torch.load(out / f"{s}.pt", weights_only=False) for s in STRATEGIES}
+    model = make_model()
+    exit_aware_loss_of(model, global_batch(), exit_steps()).backward()
+    reference_exit = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return reference, reference_exit, {s: torch.load(out / f"{s}.pt", weights_only=False) for s in STRATEGIES}
 
 
 def _compare(reference, res, strategy):
@@ -110,16 +134,41 @@ def _compare(reference, res, strategy):
 
 
 def test_ddp_two_processes_equal_one_process(distributed_grads):
-    reference, results = distributed_grads
+    reference, _, results = distributed_grads
     assert "error" not in results["ddp"], results["ddp"].get("traceback")
     _compare(reference, results["ddp"], "ddp")
 
 
 def test_fsdp2_fully_shard_looped_block_equals_one_process(distributed_grads):
-    """FSDP2 (fully_shard per backbone layer): each layer is all-gathered at each of its R uses."""
-    reference, results = distributed_grads
+    """FSDP2 (fully_shard per backbone layer; the block gathered once per step, tests/test_fsdp_traffic.py)."""
+    reference, _, results = distributed_grads
     assert "error" not in results["fsdp2"], results["fsdp2"].get("traceback")
     _compare(reference, results["fsdp2"], "FSDP2 fully_shard")
+
+
+def test_fsdp2_exit_aware_forward_equals_one_process(distributed_grads):
+    """The exit-aware forward (skip_compute with per-token exit steps) under FSDP2: it goes through the sharded
+    root's forward, so the embedding, norms and head are gathered, and its gradients are one process's."""
+    _, reference_exit, results = distributed_grads
+    assert "error" not in results["fsdp2_exit_aware"], results["fsdp2_exit_aware"].get("traceback")
+    _compare(reference_exit, results["fsdp2_exit_aware"], "FSDP2 exit-aware")
+
+
+def test_exit_aware_model_forward_is_the_reference_bit_for_bit():
+    """model(ids, skip_compute=H, exit_steps=S) is exit_compute.forward_with_exits, bit for bit, gradients too."""
+    from looplab.models.exit_compute import forward_with_exits
+
+    ids, steps = global_batch()[:, :-1], exit_steps()
+    a, b = make_model(), make_model()
+    want, got = forward_with_exits(a, ids, steps, "kv_copy"), b(ids, skip_compute="kv_copy", exit_steps=steps)
+    assert torch.equal(want.logits, got.logits) and torch.equal(want.loop_logits, got.loop_logits)
+    want.logits.sum().backward()
+    got.logits.sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    with pytest.raises(ValueError, match="needs skip_compute"):
+        b(ids, exit_steps=steps)
+    with pytest.raises(ValueError, match="backprop_loops"):
+        b(ids, skip_compute="kv_copy", exit_steps=steps, backprop_loops=1)
 
 
 # ----------------------------------------------------------------------------- Hydra multirun + DDP

@@ -38,7 +38,9 @@ SINGLE = ["hardware=cpu"]
 
 
 def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, check: bool = True, wait: bool = True):
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", **(env or {})}
+    # this checkout's src first: an editable install may point at another checkout (a git worktree's tests test the worktree)
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "looplab.train", *args]
     if not wait:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -139,6 +141,24 @@ def test_fsdp_lm_tiny_equals_single_process(tmp_path):
     res = json.loads((tmp_path / "fsdp" / "results.json").read_text())
     ref = json.loads((tmp_path / "single" / "results.json").read_text())
     assert res["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-4)
+
+
+def test_fsdp_exit_aware_fine_tuning_equals_single_process(tmp_path):
+    """exit_gate.skip_train_prob under FSDP2: the exit-aware forward runs through the sharded root (its
+    embedding, norms and head gathered by the root's hooks), each rank draws its shard of the global
+    batch's exits, and losses and weights equal one process's (p-hop, 2⊗3, kv_copy)."""
+    aware = ["loop_depth=2x3", "exit_gate.skip_train_prob=0.5", "exit_gate.skip_compute=kv_copy",
+             "trainer.max_steps=4", "checkpoint_every_n_steps=4", "trainer.val_check_interval=4"]
+    run([*PHOP, *aware, *SINGLE, f"hydra.run.dir={tmp_path}/single"], tmp_path)
+    run([*PHOP, *aware, *FSDP, f"hydra.run.dir={tmp_path}/fsdp"], tmp_path)
+    single, fsdp = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp")
+    assert sorted(single) == sorted(fsdp) and len(single) == 4
+    for step in single:
+        assert fsdp[step] == pytest.approx(single[step], rel=1e-4), step
+    assert_same_weights(weights(tmp_path / "fsdp"), weights(tmp_path / "single"), rtol=1e-4, atol=1e-5, what="exit-aware fsdp")
+    with open(tmp_path / "fsdp" / "csv" / "metrics.csv") as f:  # tokens really exited early
+        early = [float(r["train/exit_early_frac"]) for r in csv.DictReader(f) if r.get("train/exit_early_frac")]
+    assert early and 0.2 < min(early) and max(early) < 0.8
 
 
 def _free_port() -> int:

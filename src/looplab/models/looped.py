@@ -225,7 +225,17 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         return_diagnostics: bool = False,
         n_loops: int | None = None,
         backprop_loops: int | None = None,
+        skip_compute: bool | str | None = None,
+        exit_steps: torch.Tensor | None = None,  # (B, T), 1-based, with skip_compute
     ) -> LoopedLMOutput:
+        if skip_compute not in (None, False, "none") or exit_steps is not None:
+            # the exit-aware reference (models/exit_compute.py) is a forward of the model itself, so
+            # whatever wraps forward (FSDP2's root all-gather, DDP) wraps it too
+            return self._forward_with_exits(input_ids, attention_mask, skip_compute, exit_steps, exit_rule,
+                                            exit_threshold, exit_min_loops, n_loops,
+                                            cache=cache, exit_at_step=exit_at_step,
+                                            expected_exit=expected_exit, return_diagnostics=return_diagnostics,
+                                            backprop_loops=backprop_loops)
         cfg = self.config
         B, T = input_ids.shape
         R = self.loops(n_loops)
@@ -288,6 +298,24 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         if out.exit_steps is not None:
             out.logits = logits_at_depth(loop_logits, out.exit_steps)
         return out
+
+    def _forward_with_exits(self, input_ids, attention_mask, skip_compute, exit_steps, rule, threshold, min_loops,
+                            n_loops, **unsupported) -> LoopedLMOutput:
+        """forward(..., skip_compute=HANDLING, exit_steps=steps | exit_rule/exit_threshold): each token stops
+        running loops after its exit step (exit_compute.forward_with_exits, the reference of skip_compute decoding);
+        the output always holds every loop's logits."""
+        from looplab.models.exit_compute import forward_with_exits, resolve_handling
+
+        handling = resolve_handling(skip_compute)
+        if handling is None:
+            raise ValueError(f"exit_steps needs skip_compute (kv_copy, ssm_skip or ssm_propagate), "
+                             f"got skip_compute={skip_compute!r}")
+        bad = [k for k, v in unsupported.items() if v not in (None, False)]
+        if bad:
+            raise ValueError(f"skip_compute={skip_compute!r} runs the cache-free exit reference, which does not take "
+                             f"{', '.join(bad)}; call the model without them")
+        return forward_with_exits(self, input_ids, exit_steps, handling, attention_mask, rule=rule, threshold=threshold,
+                                  min_loops=min_loops, n_loops=n_loops)
 
     @staticmethod
     def _no_grad_loops(R: int, backprop_loops: int | None) -> int:

@@ -12,13 +12,14 @@ Lightning's FSDPStrategy (FSDP1), which looplab used before:
 * FSDP1 `bf16-mixed` all-gathers parameters and reduces gradients in bf16; here the policy is
   the DDP recipe: fp32 sharded master weights, bf16 compute under Lightning's autocast,
   fp32 gradient reduction (`MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`).
-* FSDP1 kept a reused block layer unsharded with a full gradient from loop R's backward to
-  loop 1's; FSDP2 all-gathers a layer at each of its R uses and reshards after each.
 * FSDP1 does not run on a CPU in torch 2.13; FSDP2 does (gloo), so `make test` executes it.
 
-A looped block calls each sharded layer R times per forward: FSDP2 gathers it before each call
-and frees it after (`reshard_after_forward`), and the R gradient contributions accumulate in
-the sharded gradient (tests/test_distributed.py checks them against one process).
+A looped block calls each sharded layer R times per forward. Left to itself FSDP2 all-gathers
+the layer before each call and again before each call's backward (2R all-gathers per layer and
+step); `GatherOncePerStep` keeps the block's layers gathered from their first call to the
+backward of that call, so traffic does not grow with R: one all-gather and one reduce-scatter
+of each layer per step, its gradient the sum of the R uses (tests/test_fsdp_traffic.py counts
+the collectives, tests/test_distributed.py checks the gradients against one process).
 """
 
 from __future__ import annotations
@@ -65,13 +66,14 @@ class LoopedFSDPStrategy(ModelParallelStrategy):
     """
 
     def __init__(self, param_dtype: Any = None, reduce_dtype: Any = "float32", reshard_after_forward: bool = True,
-                 sharded_checkpoint: bool = True, **kwargs):
+                 sharded_checkpoint: bool = True, gather_once: bool = True, **kwargs):
         super().__init__(save_distributed_checkpoint=bool(sharded_checkpoint), **kwargs)
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         self.mp_policy = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
                                               reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
         self.reshard_after_forward = bool(reshard_after_forward)
+        self.gather_once = bool(gather_once)  # see shard_looped_model
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's "auto" sizes mean data-parallel across nodes and tensor-parallel
@@ -203,20 +205,101 @@ def recover_checkpoint(path: str | os.PathLike, timeout_s: float = RECOVER_TIMEO
     return False
 
 
-def shard_looped_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> None:
-    """FSDP2: `fully_shard` each backbone layer (a unit gathered at each of its R uses; the prelude and
-    coda layers are units of their own too, being the same layer classes), then the root (embedding,
-    state branch, exit gate, final norm and head). Idempotent."""
+def shard_looped_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshard_after_forward: bool = True,
+                       gather_once: bool = True) -> None:
+    """FSDP2: `fully_shard` each backbone layer (the prelude and coda layers are units of their own too,
+    being the same layer classes), then the root (embedding, state branch, exit gate, final norm and
+    head). Idempotent.
+
+    gather_once (default; `hardware.fsdp.gather_once`): the layers used at every loop (block and coda)
+    are all-gathered once per optimizer step, whatever R (`GatherOncePerStep`), and stay gathered from
+    forward to backward whatever `reshard_after_forward` says; the prelude and the root follow
+    `reshard_after_forward`. False: FSDP2's own schedule, an all-gather before each of a
+    layer's R uses in forward and another before each in backward (2R per layer and step). Either
+    way a layer's gradient is reduce-scattered once per step (bench/fsdp_traffic.py measures both).
+    """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
         return
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(reduce_dtype=torch.float32)}
     classes = tuple(block_layer_classes())
+    reused = {id(m) for m in (*model.block, *model.coda)} if gather_once else set()
+    units = []
     for module in model.modules():
         if isinstance(module, classes):
-            fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
+            keep = id(module) in reused
+            fully_shard(module, reshard_after_forward=reshard_after_forward and not keep, **kwargs)
+            if keep:
+                units.append(module)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    if units:
+        GatherOncePerStep(model, units)
+
+
+def _in_backward() -> bool:
+    """Inside an autograd backward (e.g. an activation-checkpoint recomputation): no new step starts there."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class GatherOncePerStep:
+    """One all-gather per loop-shared layer per training step (forward and backward together), whatever R.
+
+    FSDP2 treats each of a layer's R calls as its own use: it all-gathers before each call and frees
+    after it (`reshard_after_forward`), and all-gathers again before each call's backward and frees
+    after it (`reshard_after_backward`): 2R all-gathers per layer and step (bench/fsdp_traffic.py:
+    34 for a 2-layer block at R = 8 against 6 at R = 1). Its reduce-scatter is already once per step:
+    the R uses of a parameter feed one autograd accumulator, which fires once, with their sum, in the
+    backward of the first use, so the post-backward of the R − 1 later uses finds no gradient yet.
+
+    Here each such layer is sharded with `reshard_after_forward=False`, so its first call gathers it
+    and the R − 1 others find it gathered; at the root's forward it is told not to reshard after
+    backward, so the backward of its R − 1 later calls finds it gathered too; and a hook on the output
+    of its first call with a graph switches resharding back on before that call's backward — the last
+    of the layer's backward — which reduce-scatters the summed gradient and frees the layer.
+
+    A forward without a graph (evaluation) or in which no call had a graph (a frozen block) frees the
+    layers at the root's forward end: one all-gather per layer and forward there too. The memory price
+    is the block's gathered parameters held for the whole step instead of one layer at a time: N
+    layers, what DDP holds for the block (yet the measured peak resident memory was lower than under
+    the per-use schedule, 803 against 1,259 MB a rank at d 512, R = 8: bench/fsdp_traffic.py).
+    Another forward with a graph before the backward of the first frees the layers; FSDP2 then
+    gathers them again in backward where needed (correct, only more traffic).
+    """
+
+    def __init__(self, root: torch.nn.Module, units: list[torch.nn.Module]):
+        self.units = units
+        self.armed: set[int] = set()  # id of each unit whose last backward use carries the hook
+        no_trace = torch._dynamo.disable  # as FSDP2's own hooks: plain Python around compiled layers (compile_block)
+        root.register_forward_pre_hook(no_trace(self._root_pre_forward))
+        root.register_forward_hook(no_trace(self._root_post_forward))
+        for unit in units:
+            unit.register_forward_hook(no_trace(self._unit_post_forward))
+
+    def _root_pre_forward(self, root, args) -> None:
+        if _in_backward():
+            return
+        self.armed.clear()
+        for unit in self.units:
+            unit.reshard()  # a no-op unless a forward with a graph was never backpropagated
+            unit.set_reshard_after_backward(not torch.is_grad_enabled(), recurse=False)
+
+    def _unit_post_forward(self, unit, args, output) -> None:
+        if _in_backward() or not torch.is_grad_enabled() or id(unit) in self.armed:
+            return
+        out = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if out is None:
+            return
+        self.armed.add(id(unit))
+        out.register_hook(lambda grad, unit=unit: unit.set_reshard_after_backward(True, recurse=False))
+
+    def _root_post_forward(self, root, args, output) -> None:
+        if _in_backward():
+            return
+        for unit in self.units:
+            if id(unit) not in self.armed:  # no backward will run through it: free it now
+                unit.set_reshard_after_backward(True, recurse=False)
+                unit.reshard()
 
 
 def build_strategy(strategy: Any, fsdp_options: dict[str, Any] | None = None) -> Any:

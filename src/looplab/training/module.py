@@ -129,7 +129,7 @@ class LoopedLMModule(L.LightningModule):
             mesh = self.device_mesh
             mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
             shard_looped_model(self.model, mesh, getattr(strategy, "mp_policy", None),
-                               getattr(strategy, "reshard_after_forward", True))
+                               getattr(strategy, "reshard_after_forward", True), getattr(strategy, "gather_once", True))
         if self.compile_block:
             self.model.compile_block()  # each layer compiled once; the R loops reuse the compiled code
         self._configured = True
@@ -146,7 +146,7 @@ class LoopedLMModule(L.LightningModule):
         if self.depth.active:
             self.log("train/loops", float(depth["n_loops"]))
         if self.objective.get("skip_train_prob", 0.0) > 0:
-            loss = self.exit_aware_loss(ids, targets)
+            loss = self.exit_aware_loss(ids, targets, batch_idx)
         elif stage is None:
             out = self.model(ids, **depth)
             loss = per_token_loss(out.logits, targets).mean()
@@ -164,21 +164,34 @@ class LoopedLMModule(L.LightningModule):
         self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=True)
         return loss
 
-    def sample_exit_steps(self, ids: torch.Tensor) -> torch.Tensor:
+    def sample_exit_steps(self, ids: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         """(B, T) exit steps for exit-aware fine-tuning: with probability skip_train_prob a token exits at a
-        loop drawn uniformly from 1..R−1, else it runs all R loops."""
-        early = torch.rand(ids.shape, device=ids.device) < self.objective["skip_train_prob"]
-        depth = torch.randint(1, max(self.R, 2), ids.shape, device=ids.device)
-        return torch.where(early & (self.R > 1), depth, torch.full_like(depth, self.R))
+        loop drawn uniformly from 1..R−1, else it runs all R loops.
 
-    def exit_aware_loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        Drawn for the whole global batch from a generator seeded by (run seed, optimizer step, micro-batch
+        of the step), and this rank's contiguous shard of it kept (the layout of data/sampler.py), so that a
+        sample's exits depend neither on the number of ranks (2 FSDP/DDP processes train as one process does)
+        nor on a resume."""
+        import numpy as np
+
+        trainer = self._trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        micro = batch_idx % trainer.accumulate_grad_batches if trainer is not None else 0
+        B, T = ids.shape
+        seed = self.depth.seed
+        rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, int(self.global_step), micro, 0x5C1F])
+        early = rng.random((B * world, T))[rank * B:(rank + 1) * B] < self.objective["skip_train_prob"]
+        depth = rng.integers(1, max(self.R, 2), (B * world, T))[rank * B:(rank + 1) * B]
+        steps = np.where(early & (self.R > 1), depth, self.R)
+        return torch.from_numpy(steps).to(device=ids.device, dtype=torch.long)
+
+    def exit_aware_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         """Next-token loss of the reference exit forward (models/exit_compute.py) at sampled exits: the deeper
         loops learn to read what exited tokens leave under the handling decoding will use, and each token is
-        scored at its exit, as skip_compute decoding reads it."""
-        from looplab.models.exit_compute import forward_with_exits
-
-        steps = self.sample_exit_steps(ids)
-        out = forward_with_exits(self.model, ids, steps, self.objective["skip_handling"])
+        scored at its exit, as skip_compute decoding reads it. It runs as a forward of the model (not of its
+        parts), so FSDP2's root hooks gather the embedding, norms and head for it."""
+        steps = self.sample_exit_steps(ids, batch_idx)
+        out = self.model(ids, exit_steps=steps, skip_compute=self.objective["skip_handling"])
         self.log("train/exit_early_frac", (steps < self.R).float().mean())
         return per_token_loss(out.logits, targets).mean()
 
