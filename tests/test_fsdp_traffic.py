@@ -12,7 +12,6 @@ uses of a parameter feed one autograd accumulator, already one reduce-scatter. O
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from test_distributed import _free_port
 
 pytestmark = pytest.mark.slow
 WORLD, B, T, V, N = 2, 4, 8, 30, 2  # even sizes: no shard padding, so bytes are the parameters' own
@@ -88,12 +88,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     if rank == 0:
         torch.save(res, os.path.join(out_dir, "traffic.pt"))
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
