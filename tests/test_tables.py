@@ -442,7 +442,7 @@ def test_pairing_by_seed_missing_seed_and_gap_growth(tmp_path):
             write_run(table_root(tmp_path, 2, sw) / f"{combo['arm']}{R}_{s}",
                       fake_result(sw, {**combo, "seed": str(s)}, loops=R, ppl=ppl, seed=s,
                                   state=combo["arm"].replace("looped", "vanilla")))
-    t = report.build(2, "tiny", tmp_path)
+    t = report.build(2, "tiny", tmp_path, seeds=[1, 2, 3])  # table 2 defaults to 5 seeds
     assert t.missing == ["stateloop_depth_tiny arm=looped loop_depth.loops=4 seed=3"]
     per_r = [v for v in t.verdicts if v.finding.label == "StateLoop − Vanilla Looped"]
     loops = [int(r) for r in sw.grid_params()["loop_depth.loops"]]
