@@ -304,7 +304,8 @@ TABLES: dict[int, TableSpec] = {
                         "paper": "4⊗4 on the Pile (accuracy = next-token accuracy)"}),
     9: TableSpec(9, "Depth extrapolation: accuracy at test-time depth R′ = 1..2R per training recipe", "extrapolation",
                  {"tiny": (sweep("depth_extrapolation_tiny"),), "paper": (sweep("depth_extrapolation"),)}, "accuracy",
-                 notes={"tiny": "p-hop (n 32, p 3) llama 1⊗4 d 64, 800 steps; fixed depth, randomized depth "
+                 notes={"tiny": "p-hop (n 32, p 3) llama 1⊗4 d 64, 3,200 steps (4× the other p-hop tables: the randomized arms learn p-hop "
+                                "only past 2,000, experiments/README.md); fixed depth, randomized depth "
                                 "(poisson_lognormal, mean ≈ R, clamped to 1..2R) and randomized depth with backprop through "
                                 "the last 2 loops, each without and with `add` injection; the final model tested at R′ = 1..8",
                         "paper": "llama 4⊗4 at 410M on the Pile, the same recipes, perplexity at R′ = 1..8"}),
