@@ -4,17 +4,20 @@ Keys: ckpt (required), prompt, max_new_tokens (64), temperature (0 = greedy), to
 exit_threshold (the gate's q, or the threshold of exit_rule), exit_rule (gate | kl | entropy |
 hidden_delta | argmax_stable; zero-shot rules need no gate), exit_min_loops (1), skip_compute
 (false | kv_copy (= true; attention-only models) | ssm_skip | ssm_propagate; models/exit_compute.py),
-seed (0), device (cpu).
+seed (0), device (cpu), speculative_loops (none; k in 1..R−1: loops 1..k draft, the full depth
+verifies, greedy output unchanged; models/speculative.py), draft_tokens (4, or auto).
 
 Language-model checkpoints stream decoded text as tokens arrive (the tokenizer named in the
 checkpoint's dataset config). Synthetic-task checkpoints (p-hop, Mano) take the prompt as
 space-separated token names or ids (e.g. prompt="a b a c <query>") and print ids and names.
-With exit_threshold, the mean exit depth is reported at the end.
+With exit_threshold, the mean exit depth is reported at the end; with speculative_loops, the
+acceptance rate and the decoding speed (tokens/s after the prompt's prefill, per row).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from looplab.models.generation import stream
 DEFAULTS: dict[str, Any] = {
     "ckpt": None, "prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": None, "top_p": None,
     "exit_threshold": None, "exit_rule": None, "exit_min_loops": 1, "skip_compute": False, "seed": 0, "device": "cpu",
+    "speculative_loops": None, "draft_tokens": 4,
 }
 
 
@@ -36,6 +40,8 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             raise SystemExit(f"bad argument {a!r}: use key=value with key in {sorted(DEFAULTS)}")
         if key in ("ckpt", "prompt", "device"):
             args[key] = val
+        elif key == "draft_tokens" and val.lower() == "auto":
+            args[key] = "auto"
         elif key == "exit_rule":
             args[key] = val if val.lower() not in ("none", "null", "") else None
         elif key == "skip_compute":
@@ -44,7 +50,7 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
         elif val.lower() in ("none", "null", ""):
             args[key] = None
         else:
-            args[key] = int(val) if key in ("max_new_tokens", "top_k", "seed", "exit_min_loops") else float(val)
+            args[key] = int(val) if key in ("max_new_tokens", "top_k", "seed", "exit_min_loops", "speculative_loops", "draft_tokens") else float(val)
     if not args["ckpt"]:
         raise SystemExit("ckpt=PATH is required (a looplab training checkpoint)")
     return args
@@ -97,14 +103,19 @@ def main(argv: list[str] | None = None) -> None:
         model, input_ids, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"],
         top_p=args["top_p"], eos_token_id=tok.eos_id, exit_threshold=args["exit_threshold"],
         skip_compute=args["skip_compute"], generator=gen, exit_rule=args["exit_rule"],
-        exit_min_loops=args["exit_min_loops"],
+        exit_min_loops=args["exit_min_loops"], speculative_loops=args["speculative_loops"],
+        draft_tokens=args["draft_tokens"],
     )
-    new, depths = [], []
+    new, depths, speculation = [], [], None
     if is_task:
         print("prompt:", " ".join(tok.name(i) for i in ids))
     else:
         print(args["prompt"], end="", flush=True)
+    start = None
     for step in steps:
+        if start is None:  # the first token comes with the prompt's prefill: time the decoding after it
+            start = time.perf_counter()
+        speculation = step.speculation
         t = int(step.tokens[0])
         new.append(t)
         if step.exit_steps is not None:
@@ -118,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
             print(text[len(prev):], end="", flush=True)
     if not is_task:
         print()
+    if speculation is not None:
+        elapsed = time.perf_counter() - start
+        rate = (len(new) - 1) / elapsed if len(new) > 1 and elapsed > 0 else float("nan")
+        print(f"[speculative_loops={args['speculative_loops']} draft_tokens={args['draft_tokens']}: "
+              f"{speculation.summary()}; {rate:.1f} tokens/s after the prefill]", file=sys.stderr)
     if depths:
         R = model.config.n_loops
         print(f"[mean exit depth {sum(depths) / len(depths):.2f} of {R} over {len(depths)} tokens]", file=sys.stderr)

@@ -3,6 +3,7 @@
 Registered with lm-eval as model `looplab` when `looplab.eval` is imported:
 
     lm_eval --model looplab --model_args checkpoint=PATH,batch_size=16,device=cuda --tasks piqa
+    (generation tasks: speculative_loops=k,draft_tokens=γ decode greedily by self-speculation, same text)
     lm_eval.simple_evaluate(model="looplab", model_args="checkpoint=PATH", tasks=[...])
 
 The tokenizer is rebuilt from the dataset config stored in the checkpoint
@@ -60,6 +61,8 @@ class LooplabLM(LM):
         exit_rule: str | None = None,
         exit_min_loops: int = 1,
         n_loops: int | None = None,
+        speculative_loops: int | None = None,
+        draft_tokens: int | str = 4,
         max_gen_toks: int = 256,
         tokenizer: str | LMTokenizer | None = None,
         model: torch.nn.Module | None = None,
@@ -114,6 +117,14 @@ class LooplabLM(LM):
             if (self.exit_rule or "gate") == "gate" and getattr(model, "exit_gate", None) is None:
                 raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot exit_rule")
             check_rule(self.exit_rule or "gate", self.exit_threshold, self.exit_min_loops, depth)
+        # self-speculative greedy generation (models/speculative.py): same text, generate_until only
+        self.speculative_loops = None if speculative_loops in (None, "", "None") else _as_int(speculative_loops, 0)
+        self.draft_tokens = draft_tokens if draft_tokens == "auto" else _as_int(draft_tokens, 4)
+        if self.speculative_loops is not None:
+            from looplab.models.speculative import check_speculation
+
+            check_speculation(model, depth, self.speculative_loops, self.draft_tokens,
+                              exit_threshold=self.exit_threshold, exit_rule=self.exit_rule)
         self.max_gen_toks = int(max_gen_toks)
         self.checkpoint = checkpoint
 
@@ -262,6 +273,8 @@ class LooplabLM(LM):
         ids, mask = ids.to(self._device), mask.to(self._device)
         try:
             kw = self._exit_kwargs()
+            if self.speculative_loops is not None:
+                kw.update(speculative_loops=self.speculative_loops, draft_tokens=self.draft_tokens)
             seq = self.model.generate(ids, n_new, temperature=0.0, eos_token_id=self.eot_token_id,
                                       attention_mask=mask if not bool(mask.all()) else None, **kw)
             new = seq[:, T:]

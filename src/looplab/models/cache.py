@@ -5,6 +5,15 @@ different input, so one cache entry is kept per (loop, layer) — not per layer
 as in an ordinary decoder. StateLoop mixers are shared across loops too and get
 entries keyed (loop, "state").
 
+Every entry, and the LoopCache holding them, has one rollback interface for decoders that
+write tokens they may take back (self-speculation, models/speculative.py):
+`checkpoint()` marks the current length; `rollback(keep)` forgets everything written after
+the first `keep` tokens since the mark. KVCache: the length moves back (the stale rows are
+overwritten by the next write, as in gpt-fast). SSMCache: the state is not a prefix of
+anything, so between checkpoint() and rollback() the Mamba-2 mixer records the state after
+every position it writes (`trail`; references to tensors the step computes anyway, plus one
+copy of the state at the mark) and rollback copies the state of the last kept position back.
+
 The StateLoop per-token state s_r itself needs no cache across tokens: it is
 carried along the loops of one token and reset to s_0 at the next token, so
 after a token's R loops nothing of it is needed again (only the mixer, which
@@ -27,6 +36,7 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
+        self.mark = 0  # length at checkpoint()
 
     @property
     def max_len(self) -> int:
@@ -41,6 +51,13 @@ class KVCache:
         self.v[:, :, start:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def checkpoint(self) -> None:
+        self.mark = self.length
+
+    def rollback(self, keep: int) -> None:
+        """Forget what was written after the first `keep` tokens since checkpoint()."""
+        self.length = min(self.length, self.mark + keep)
 
     def copy_position_from(self, other: "KVCache", pos: int, rows: torch.Tensor | None = None) -> None:
         """Reuse another entry's key/values at one position (exit-gate skip_compute)."""
@@ -67,6 +84,34 @@ class SSMCache:
     # token's deeper loops reuse them instead of projecting again (Mamba2Mixer.step_from)
     last_xBC: torch.Tensor | None = None
     last_dt_raw: torch.Tensor | None = None
+    # between checkpoint() and rollback(): per written call, the conv window (B, K-1+T, conv_dim)
+    # and the SSM state after each of its T positions (Mamba2Mixer.forward appends)
+    trail: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+    mark: tuple[int, torch.Tensor, torch.Tensor] | None = None  # length, conv and SSM state at checkpoint()
+
+    def checkpoint(self) -> None:
+        self.trail = []
+        self.mark = (self.length, self.conv_state.clone(), self.ssm_state.clone())
+
+    def rollback(self, keep: int) -> None:
+        """Restore the state after the first `keep` positions written since checkpoint(); stop recording."""
+        start, conv0, ssm0 = self.mark
+        written = sum(len(states) for _, states in self.trail)
+        if keep == 0 and written:
+            self.conv_state.copy_(conv0)
+            self.ssm_state.copy_(ssm0)
+        elif keep < written:
+            i = keep  # 1-based index of the last kept position inside the call that wrote it
+            for window, states in self.trail:
+                if i <= len(states):
+                    # the conv history after position i-1 of this call: its window's rows i .. i+K-2
+                    K1 = self.conv_state.shape[-1]
+                    self.conv_state.copy_(window[:, i : i + K1].transpose(1, 2))
+                    self.ssm_state.copy_(states[i - 1])
+                    break
+                i -= len(states)
+        self.length = min(self.length, start + keep)
+        self.trail = self.mark = None
 
     def nbytes(self, used_only: bool = True) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))
@@ -82,6 +127,7 @@ class LoopCache:
         self.valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.has_padding = False
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.mark: tuple[int, torch.Tensor] | None = None  # length and next positions at checkpoint()
 
     def __getitem__(self, key: tuple[int, Hashable]):
         return self.entries[key]
@@ -91,6 +137,25 @@ class LoopCache:
 
     def nbytes(self) -> int:
         return sum(e.nbytes() for e in self.entries.values())
+
+    def checkpoint(self) -> None:
+        """Mark the current length of every entry; tokens written after it can be taken back."""
+        self.mark = (self.length, self.next_pos.clone())
+        for entry in self.entries.values():
+            entry.checkpoint()
+
+    def rollback(self, keep: int) -> None:
+        """Keep the first `keep` tokens written since checkpoint() in every entry, forget the rest.
+        Only for tokens registered without a new attention mask (decoding steps): the padding mask
+        of the dropped columns is left as it was (all valid)."""
+        start, next_pos = self.mark
+        if not 0 <= keep <= self.length - start:
+            raise ValueError(f"rollback(keep={keep}): only {self.length - start} tokens were written since checkpoint()")
+        for entry in self.entries.values():
+            entry.rollback(keep)
+        self.length = start + keep
+        self.next_pos = next_pos + keep
+        self.mark = None
 
     def advance(self, attention_mask: torch.Tensor | None, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Register T new tokens; return their positions (B|1, T) and the key-validity mask (or None)."""

@@ -42,6 +42,7 @@ import torch
 from looplab.models.cache import KVCache, LoopCache, SSMCache
 from looplab.models.exit_gate import logits_at_depth
 from looplab.models.exit_rules import check_rule, stops_at
+from looplab.models.outputs import LoopedLMOutput
 
 HANDLINGS = ("kv_copy", "ssm_skip", "ssm_propagate")
 
@@ -140,8 +141,6 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
     ordinary, the deeper ones meaningless — logits (B, T, V) read at each token's exit step, and exit_steps.
     n_loops: the depth R′ to run (test-time depth; default the configured R).
     """
-    from looplab.models.looped import LoopedLMOutput
-
     if handling not in HANDLINGS:
         raise ValueError(f"handling={handling!r} is unknown; choose one of {HANDLINGS}")
     R = model.loops(n_loops)

@@ -1,14 +1,18 @@
-"""Cached decoding (SPEC §7) and exit-gate skip_compute decoding (SPEC §4).
+"""Cached decoding (SPEC §7): plain, exit rules with skip handling (SPEC §4), self-speculation.
 
-    prefill:  one forward pass over the (left-padded) prompt fills every (loop, layer) cache
-    decode:   one token at a time, each step a T = 1 forward through the R loops
+    prefill:  one pass over the (left-padded) prompt fills every (loop, layer) cache
+    decode:   a strategy over the same LoopCache, producing the next token(s)
 
-`generate` collects what `stream` yields step by step (the CLI prints from
-`stream` as tokens arrive). `decode_step` is the one place where a step is
-computed: an ordinary cached forward, or — with `skip_compute` — the
-early-exit step of models/exit_compute.py, which stops running loops for a
-token once its exit rule fires and fills the deeper loops' caches by the
-chosen handling (kv_copy, ssm_skip, ssm_propagate).
+The strategies are siblings, each a function over the model and its cache:
+    plain / exit rule   `decode_step`: a T = 1 cached forward through the R loops (with
+                        exit_threshold, the logits of each token's exit depth)
+    skip handling       `exit_compute.skip_compute_step`: stops running loops for a token once its
+                        exit rule fires and fills the deeper loops' caches (kv_copy, ssm_skip,
+                        ssm_propagate); `decode_step` calls it when skip_compute is set
+    speculation         `speculative.speculative_round`: loops 1..k draft γ tokens, loops k+1..R
+                        verify them in one call, the cache rolls back what was rejected
+`stream` runs one of them and yields one StepOutput per token (the CLI prints from it as tokens
+arrive); `generate` collects what `stream` yields.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from looplab.models.cache import LoopCache
 from looplab.models.exit_compute import resolve_handling, skip_compute_step, skip_compute_unsupported
 from looplab.models.exit_rules import check_rule
+from looplab.models.speculative import DraftSchedule, SpeculationStats, check_speculation, prefill, speculative_round
 
 __all__ = ["decode_step", "generate", "sample_next", "skip_compute_unsupported", "stream"]
 
@@ -30,6 +35,7 @@ class StepOutput:
     tokens: torch.Tensor  # (B,) the token chosen at this step (eos for finished rows)
     logits: torch.Tensor  # (B, V) the logits it was chosen from (threshold-selected depth if any)
     exit_steps: torch.Tensor | None = None  # (B,) 1-based depth used, when exit_threshold is set
+    speculation: SpeculationStats | None = None  # the running counts, with speculative_loops
 
 
 @dataclass
@@ -37,6 +43,12 @@ class GenerationOutput:
     sequences: torch.Tensor  # (B, T + n): prompt (with its padding) followed by n new tokens
     logits: torch.Tensor  # (B, n, V)
     exit_steps: torch.Tensor | None = None  # (B, n)
+    speculation: SpeculationStats | None = None  # with speculative_loops: drafted / accepted tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept draft tokens / proposed draft tokens (speculative_loops), else None."""
+        return self.speculation.acceptance_rate if self.speculation is not None else None
 
 
 # ------------------------------------------------------------------- sampling
@@ -130,8 +142,12 @@ def stream(
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
     n_loops: int | None = None,
+    speculative_loops: int | None = None,
+    draft_tokens: int | str = 4,
 ) -> Iterator[StepOutput]:
-    """Yield one StepOutput per generated token; stops early once every row has emitted eos."""
+    """Yield one StepOutput per generated token; stops early once every row has emitted eos.
+    speculative_loops=k: self-speculative greedy decoding, loops 1..k drafting draft_tokens
+    tokens per round (an int, or "auto"; models/speculative.py), output identical to plain greedy."""
     cfg = model.config
     R = model.loops(n_loops)  # test-time depth R′ (default: the configured R)
     if input_ids.dim() == 1:
@@ -146,6 +162,9 @@ def stream(
             f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={cfg.max_seq_len}; "
             "shorten the prompt or lower max_new_tokens"
         )
+    if speculative_loops is not None:
+        check_speculation(model, R, speculative_loops, draft_tokens, temperature, exit_threshold, exit_rule,
+                          skip_compute)
     handling = resolve_handling(skip_compute)
     if handling is not None:
         _check_skip(cfg, handling, exit_rule, exit_threshold)
@@ -163,6 +182,10 @@ def stream(
         eos = torch.tensor(eos_ids, device=input_ids.device)
 
     cache = model.allocate_cache(B, T + max_new_tokens, n_loops=R)
+    if speculative_loops is not None:
+        yield from _stream_speculative(model, input_ids, attention_mask, cache, max_new_tokens, eos,
+                                       speculative_loops, draft_tokens, R)
+        return
     # prefill is parallel over the prompt, so it runs every loop even under skip_compute
     out = model(input_ids, attention_mask=attention_mask, cache=cache, exit_threshold=exit_threshold,
                 exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R)
@@ -183,6 +206,39 @@ def stream(
         )
 
 
+def _stream_speculative(model, input_ids, attention_mask, cache: LoopCache, max_new_tokens: int,
+                        eos: torch.Tensor | None, k: int, draft_tokens: int | str, R: int) -> Iterator[StepOutput]:
+    """Greedy decoding by draft-verify rounds (models/speculative.py); eos as in plain decoding."""
+    B = input_ids.shape[0]
+    stats = SpeculationStats(agreed=torch.zeros(B, dtype=torch.long, device=input_ids.device))
+    schedule = DraftSchedule(draft_tokens)
+    logits = prefill(model, input_ids, attention_mask, cache, k, R)
+    pending = [(logits.argmax(-1), logits)]  # tokens chosen but not yet yielded, with their logits
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    emitted = 0
+    while True:
+        for tokens, lg in pending:
+            last = tokens  # the next round starts from the full depth's own token (a finished row's is never read)
+            if eos is not None:
+                tokens = torch.where(finished, eos[0], tokens)
+                finished |= torch.isin(tokens, eos)
+            emitted += 1
+            yield StepOutput(tokens, lg, None, stats)
+            if emitted == max_new_tokens or (eos is not None and bool(finished.all())):
+                return
+        # the round emits at most gamma + 1 tokens, and never runs past max_new_tokens
+        gamma = min(schedule.gamma, max_new_tokens - emitted - 1)
+        new, new_logits, agreed = speculative_round(model, last[:, None], cache, k, gamma, R, running=~finished)
+        kept = new.shape[1] - 1
+        stats.rounds += 1
+        stats.drafted += gamma
+        stats.accepted += kept
+        stats.agreed += agreed
+        stats.draft_sizes.append(gamma)
+        schedule.update(gamma, kept)
+        pending = [(new[:, i], new_logits[:, i]) for i in range(new.shape[1])]
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -200,13 +256,17 @@ def generate(
     exit_rule: str | None = None,
     exit_min_loops: int = 1,
     n_loops: int | None = None,
+    speculative_loops: int | None = None,
+    draft_tokens: int | str = 4,
 ) -> torch.Tensor | GenerationOutput:
     """Cached generation. Returns (B, T + n) sequences, or a GenerationOutput with return_logits.
 
     Batched prompts are left-padded with attention_mask (1 = token, 0 = padding); each row
     then gets the tokens it would get alone. Rows that emit eos keep emitting eos; generation
     stops early (n < max_new_tokens) once every row has finished. n_loops=R′ decodes at a test-time
-    depth (any R′ ≥ 1, caches sized for R′; skip_compute included).
+    depth (any R′ ≥ 1, caches sized for R′; skip_compute included). speculative_loops=k (1..R′−1)
+    decodes greedily by self-speculation (loops 1..k draft `draft_tokens` tokens a round, an int or
+    "auto"; models/speculative.py) with the same output; GenerationOutput.acceptance_rate reports it.
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -214,6 +274,7 @@ def generate(
         stream(
             model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
             attention_mask, exit_threshold, skip_compute, generator, exit_rule, exit_min_loops, n_loops=n_loops,
+            speculative_loops=speculative_loops, draft_tokens=draft_tokens,
         )
     )
     B = input_ids.shape[0]
@@ -224,4 +285,5 @@ def generate(
     V = model.config.vocab_size
     logits = torch.stack([s.logits for s in steps], 1) if steps else input_ids.new_zeros(B, 0, V, dtype=torch.float)
     exit_steps = torch.stack([s.exit_steps for s in steps], 1) if steps and steps[0].exit_steps is not None else None
-    return GenerationOutput(sequences, logits, exit_steps)
+    speculation = steps[-1].speculation if steps else None
+    return GenerationOutput(sequences, logits, exit_steps, speculation)

@@ -48,18 +48,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from looplab.models.cache import LoopCache
 from looplab.models.config import LoopedLMConfig
+from looplab.models.exit_compute import forward_with_exits, resolve_handling
 from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth
 from looplab.models.exit_rules import EXIT_RULES, first_exit
+from looplab.models.generation import decode_step, generate
 from looplab.models.hub import LoopedHubMixin
 from looplab.models.injection import build_injection
 from looplab.models.llama import AttentionLayer, RMSNorm
+from looplab.models.outputs import LoopedLMOutput
 from looplab.models.rng import draw_init_seed, named_generator
 from looplab.models.state import StateBranch
 
@@ -72,17 +74,6 @@ def build_layer(kind: str, cfg: LoopedLMConfig) -> nn.Module:
 
         return Mamba2Layer(cfg)
     raise ValueError(f"unknown layer kind {kind!r}")
-
-
-@dataclass
-class LoopedLMOutput:
-    logits: torch.Tensor  # (B, T, V)
-    loop_logits: torch.Tensor | None = None  # (R, B, T, V)
-    loop_hidden: torch.Tensor | None = None  # (R, B, T, d), after the shared final norm
-    exit_probs: torch.Tensor | None = None  # (B, T, R)
-    exit_gate_logits: torch.Tensor | None = None  # (B, T, R): logit of λ_t
-    exit_steps: torch.Tensor | None = None  # (B, T), 1-based depth used per token
-    diagnostics: dict[str, list[float]] = field(default_factory=dict)
 
 
 class LoopedLM(nn.Module, LoopedHubMixin):
@@ -236,7 +227,6 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                                             cache=cache, exit_at_step=exit_at_step,
                                             expected_exit=expected_exit, return_diagnostics=return_diagnostics,
                                             backprop_loops=backprop_loops)
-        cfg = self.config
         B, T = input_ids.shape
         R = self.loops(n_loops)
         self._check_cache_depth(cache, R)
@@ -249,20 +239,13 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         for r in range(R):
             # truncated backprop: the loops before the last k run without a graph (their output is a constant)
             with torch.no_grad() if r < no_grad_loops else contextlib.nullcontext():
-                if self.inject is not None and r > 0:
-                    x = self.inject(x, e)
-                h = self._run_block(x, r, positions, valid, cache)
-                if self.state is not None:
-                    s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
-                    readouts.append(x if cfg.state_in_output else h)
-                    if return_diagnostics:
-                        with torch.no_grad():
-                            diag["retention"].append(a.mean().item())
-                            diag["state_norm"].append(s.norm(dim=-1).mean().item())
-                            diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
-                else:
-                    x = h
-                    readouts.append(h)
+                h, x, s, a = self.loop_step(x, s, e, r, positions, valid, cache)
+                readouts.append(self.readout(h, x))
+                if return_diagnostics and a is not None:
+                    with torch.no_grad():
+                        diag["retention"].append(a.mean().item())
+                        diag["state_norm"].append(s.norm(dim=-1).mean().item())
+                        diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
 
         diagnostics = {k: v for k, v in diag.items() if v}
         if exit_rule is not None and exit_threshold is None:
@@ -304,8 +287,6 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         """forward(..., skip_compute=HANDLING, exit_steps=steps | exit_rule/exit_threshold): each token stops
         running loops after its exit step (exit_compute.forward_with_exits, the reference of skip_compute decoding);
         the output always holds every loop's logits."""
-        from looplab.models.exit_compute import forward_with_exits, resolve_handling
-
         handling = resolve_handling(skip_compute)
         if handling is None:
             raise ValueError(f"exit_steps needs skip_compute (kv_copy, ssm_skip or ssm_propagate), "
@@ -334,6 +315,27 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         if cached != R:
             raise ValueError(f"this call runs n_loops={R} but the cache was allocated for {cached} loops; "
                              f"allocate_cache(..., n_loops={R}) and decode every step at that depth")
+
+    def loop_step(self, x, s, e, r: int, positions, valid, cache):
+        """Loop r (0-based): re-inject e (r > 0), apply the block, update the state branch.
+        → (h_r, x_{r+1}, s_r, retention a_r or None); the readout is x_{r+1} under StateLoop with
+        state_in_output, else h_r (`readout`). Cached decoders (models/generation.py,
+        models/speculative.py) run loops through this one function, as forward does."""
+        if self.inject is not None and r > 0:
+            x = self.inject(x, e)
+        h = self._run_block(x, r, positions, valid, cache)
+        if self.state is None:
+            return h, h, None, None
+        s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
+        return h, x, s, a
+
+    def readout(self, h, x):
+        """What loop r's prediction reads: h_r + W_o s_r under StateLoop (state_in_output), else h_r."""
+        return x if self.state is not None and self.config.state_in_output else h
+
+    def logits_at(self, z, r: int, positions, valid, cache):
+        """Head(FinalNorm(Coda(readout))) of loop r's readout z (B, T, d), with depth r's coda caches."""
+        return self.head(self.final_norm(self._coda(z, r, positions, valid, cache)))
 
     def _run_block(self, x, r, positions, valid, cache):
         """One application of the shared block (loop r); per-loop activation checkpointing trades
@@ -397,14 +399,10 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *args, **kwargs):
         """Cached generation; see looplab.models.generation.generate for the options."""
-        from looplab.models.generation import generate
-
         return generate(self, input_ids, max_new_tokens, *args, **kwargs)
 
     @torch.no_grad()
     def decode_step(self, input_ids: torch.Tensor, cache: LoopCache, **kwargs):
         """One cached T = 1 step → (logits (B, V), exit_steps or None); exit_threshold=q,
         skip_compute=True skips the loops after each token's exit (attention backbones)."""
-        from looplab.models.generation import decode_step
-
         return decode_step(self, input_ids, cache, **kwargs)

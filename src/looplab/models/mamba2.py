@@ -349,9 +349,21 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
 
+        states = None  # the state after each position, when the cache records them for a rollback
         if cache is not None and T == 1:
             y, state = ssd_step(cache.ssm_state, xs[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], D)
-            y = y[:, None]
+            y, states = y[:, None], [state]
+        elif cache is not None and cache.trail is not None:
+            # a speculative verify (models/speculative.py) may keep any prefix of these T tokens, so it
+            # needs the state after each one: the step recurrence gives them, with the arithmetic of
+            # one-token decoding, on every device (the fused chunk scan returns the final state only).
+            # Cost: T small steps instead of one chunked scan, T ≤ draft_tokens + 1.
+            ys, states, state = [], [], cache.ssm_state
+            for t in range(T):
+                y_t, state = ssd_step(state, xs[:, t], dt[:, t], A, Bm[:, t], Cm[:, t], D)
+                ys.append(y_t)
+                states.append(state)
+            y = torch.stack(ys, 1)
         else:
             init = cache.ssm_state if cache is not None and cache.length > 0 else None
             want_state = cache is not None
@@ -363,6 +375,8 @@ class Mamba2Mixer(nn.Module):
         if cache is not None:
             cache.ssm_state.copy_(state)
             cache.length += T
+            if cache.trail is not None:
+                cache.trail[-1][1].extend(states)  # the window was appended by _conv
 
         y = self.norm(y.flatten(-2), z)
         return self.out_proj(y.to(x.dtype))
@@ -379,7 +393,9 @@ class Mamba2Mixer(nn.Module):
         history = cache.conv_state.transpose(1, 2).to(xBC.dtype)  # (B, K-1, conv_dim)
         out = causal_conv_silu(xBC, w, self.conv1d.bias, history)
         window = torch.cat([history, xBC], dim=1)
-        cache.conv_state.copy_(window[:, -(self.d_conv - 1) :].transpose(1, 2))
+        cache.conv_state.copy_(window[:, window.shape[1] - (self.d_conv - 1) :].transpose(1, 2))
+        if cache.trail is not None:  # the conv history after every position of this call lies in it
+            cache.trail.append((window, []))
         return out
 
     # ------------------------------------------------------------------ exited tokens

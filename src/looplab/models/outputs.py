@@ -1,0 +1,21 @@
+"""What a LoopedLM forward returns. Its own module, so that the decoders and the exit reference
+(models/exit_compute.py), which the model calls, can build one without importing the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LoopedLMOutput"]
+
+
+@dataclass
+class LoopedLMOutput:
+    logits: torch.Tensor  # (B, T, V)
+    loop_logits: torch.Tensor | None = None  # (R, B, T, V)
+    loop_hidden: torch.Tensor | None = None  # (R, B, T, d), after the shared final norm
+    exit_probs: torch.Tensor | None = None  # (B, T, R)
+    exit_gate_logits: torch.Tensor | None = None  # (B, T, R): logit of λ_t
+    exit_steps: torch.Tensor | None = None  # (B, T), 1-based depth used per token
+    diagnostics: dict[str, list[float]] = field(default_factory=dict)
