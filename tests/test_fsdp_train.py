@@ -50,6 +50,14 @@ def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, check: bo
     return proc
 
 
+def run_together(*arg_lists: list[str], cwd: Path) -> None:
+    """Start the runs at once and wait for all: their start-up (imports, data, process group) overlaps."""
+    procs = [run(args, cwd, wait=False) for args in arg_lists]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+
+
 def train_losses(run_dir: Path) -> dict[int, float]:
     with open(run_dir / "csv" / "metrics.csv") as f:
         return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
@@ -70,8 +78,7 @@ def assert_same_weights(a: dict, b: dict, rtol: float, atol: float, what: str) -
 def phop_runs(tmp_path_factory):
     """One single-process run and one FSDP run of the same p-hop job, shared by the tests below."""
     root = tmp_path_factory.mktemp("fsdp_phop")
-    run([*PHOP, *SINGLE, f"hydra.run.dir={root}/single"], root)
-    run([*PHOP, *FSDP, f"hydra.run.dir={root}/fsdp"], root)
+    run_together([*PHOP, *SINGLE, f"hydra.run.dir={root}/single"], [*PHOP, *FSDP, f"hydra.run.dir={root}/fsdp"], cwd=root)
     return root
 
 
@@ -131,8 +138,8 @@ def test_fsdp_stage2_warm_start_loads_into_the_sharded_model(phop_runs, tmp_path
 
 def test_fsdp_lm_tiny_equals_single_process(tmp_path):
     """A StateLoop LM on the embedded corpus: FSDP's losses and weights equal one process's."""
-    run([*LM, *SINGLE, f"hydra.run.dir={tmp_path}/single"], tmp_path)
-    run([*LM, *FSDP, f"hydra.run.dir={tmp_path}/fsdp"], tmp_path)
+    run_together([*LM, *SINGLE, f"hydra.run.dir={tmp_path}/single"], [*LM, *FSDP, f"hydra.run.dir={tmp_path}/fsdp"],
+                 cwd=tmp_path)
     single, fsdp = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp")
     assert sorted(single) == sorted(fsdp)
     for step in single:
@@ -149,8 +156,8 @@ def test_fsdp_exit_aware_fine_tuning_equals_single_process(tmp_path):
     batch's exits, and losses and weights equal one process's (p-hop, 2⊗3, kv_copy)."""
     aware = ["loop_depth=2x3", "exit_gate.skip_train_prob=0.5", "exit_gate.skip_compute=kv_copy",
              "trainer.max_steps=4", "checkpoint_every_n_steps=4", "trainer.val_check_interval=4"]
-    run([*PHOP, *aware, *SINGLE, f"hydra.run.dir={tmp_path}/single"], tmp_path)
-    run([*PHOP, *aware, *FSDP, f"hydra.run.dir={tmp_path}/fsdp"], tmp_path)
+    run_together([*PHOP, *aware, *SINGLE, f"hydra.run.dir={tmp_path}/single"],
+                 [*PHOP, *aware, *FSDP, f"hydra.run.dir={tmp_path}/fsdp"], cwd=tmp_path)
     single, fsdp = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp")
     assert sorted(single) == sorted(fsdp) and len(single) == 4
     for step in single:
