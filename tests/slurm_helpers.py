@@ -14,6 +14,13 @@ def first_attempt() -> bool:
     return int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0
 
 
+def scontrol_job_id() -> str | None:
+    """The name scontrol and scancel take for this job: `ARRAYJOB_TASK` for a task of a job array (submitit's
+    sweeps), whose bare SLURM_JOB_ID would be read as the id of a whole array when it equals the array's."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID")
+
+
 def hydra_job_num() -> int | None:
     """This job's number in a Hydra multirun (`hydra.job.num`), None outside one."""
     from hydra.core.hydra_config import HydraConfig
@@ -32,8 +39,8 @@ def _wait(release: Path, timeout: float) -> None:
 
 class HoldAtStep(L.Callback):
     """In a job's first attempt only (SLURM_RESTART_COUNT unset or 0): once `step` optimizer steps are done,
-    rank 0 writes `marker` (the step and SLURM_JOB_ID, as JSON) and every rank waits (at most `timeout` s) for
-    the file `release` — so that a test preempts training at a known step. A signal that arrives meanwhile is
+    rank 0 writes `marker` (the step, SLURM_JOB_ID and the job's name for scontrol, as JSON) and every rank
+    waits (at most `timeout` s) for the file `release` — so that a test preempts training at a known step. A signal that arrives meanwhile is
     handled as usual. `job_num`: in a Hydra multirun, only the job of that number holds."""
 
     def __init__(self, step: int, marker: str, release: str, timeout: float = 300.0, job_num: int | None = None):
@@ -46,7 +53,8 @@ class HoldAtStep(L.Callback):
         if self.job_num is not None and hydra_job_num() != self.job_num:
             return
         if trainer.is_global_zero:
-            self.marker.write_text(json.dumps({"step": trainer.global_step, "slurm_job_id": os.environ.get("SLURM_JOB_ID")}))
+            self.marker.write_text(json.dumps({"step": trainer.global_step, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                                               "job": scontrol_job_id()}))
         _wait(self.release, self.timeout)
 
 
