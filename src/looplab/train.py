@@ -194,6 +194,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except Requeued as e:  # SIGUSR1 under SLURM: the next attempt resumes from last.ckpt; nothing to test now
         log.info("preempted: %s", e)
+        end_requeued_submitit_attempt()
         return {"status": "requeued", "global_step": trainer.global_step, "output_dir": str(out_dir)}
     if not cfg.trainer.get("fast_dev_run") and checkpointing._last_global_step_saved != trainer.global_step:
         # max_steps off the checkpoint interval: last.ckpt must be the model that results.json describes
@@ -250,15 +251,28 @@ def set_aside_hpc_checkpoints(out_dir: Path, ckpt_dir: Path) -> None:
 
 
 def slurm_requeue(last_ckpt: Path, clock):
-    """Under SLURM: looplab's SIGUSR1 requeue (callbacks.SlurmRequeue) with Lightning's own auto-requeue off;
-    None elsewhere."""
+    """Under SLURM: looplab's SIGUSR1 requeue (callbacks.SlurmRequeue; under submitit its preemption signal too)
+    with Lightning's own auto-requeue off; None elsewhere."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from looplab.training.callbacks import SlurmRequeue
+    from looplab.training.callbacks import SlurmRequeue, preemption_signals
 
     if not SLURMEnvironment.detect():
         return None
-    return SlurmRequeue(last_ckpt, clock)  # .environment: SLURMEnvironment(auto_requeue=False)
+    return SlurmRequeue(last_ckpt, clock, preemption_signals())  # .environment: SLURMEnvironment(auto_requeue=False)
+
+
+def end_requeued_submitit_attempt() -> None:
+    """A submitit job (hardware=slurm) whose attempt was requeued ends here with SystemExit, not with a return:
+    submitit pickles whatever the job function returns as the job's result, and its launcher, which waits for
+    that file, would then take the sweep job as done while SLURM runs it again. SystemExit passes through Hydra
+    and submitit (they catch Exception), so no result is written and the launcher waits for the attempt that
+    finishes (the same as after `scontrol requeue`, where Lightning raises SIGTERMException, a SystemExit)."""
+    from looplab.training.callbacks import under_submitit
+
+    if under_submitit():
+        log.info("submitit job requeued: ending this attempt without a result; the launcher waits for the next one")
+        raise SystemExit(0)
 
 
 def run_test_stage(trainer, module, dm) -> None:

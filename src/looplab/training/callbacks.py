@@ -201,8 +201,9 @@ class Requeued(Exception):
 
 
 class SlurmRequeue(L.Callback):
-    """SLURM preemption: on `signum` (SIGUSR1 — `#SBATCH --signal=USR1@SECONDS` before the time limit, or
-    `scancel --signal=USR1 JOB`), save `last.ckpt`, requeue the job with `scontrol requeue`, and stop.
+    """SLURM preemption: on one of `signums` (SIGUSR1 — `#SBATCH --signal=USR1@SECONDS` before the time limit, or
+    `scancel --signal=USR1 JOB`; under submitit also the signal it asks SLURM for, see `preemption_signals`),
+    save `last.ckpt`, requeue the job with `scontrol requeue`, and stop.
 
     Replaces Lightning's auto-requeue (the Trainer gets `self.environment`, auto_requeue=False), which
     (1) saved `hpc_ckpt_N.ckpt` beside last.ckpt — a second resume source that the next attempt ignored
@@ -216,22 +217,23 @@ class SlurmRequeue(L.Callback):
     """
 
     def __init__(self, last_ckpt: str | os.PathLike, clock: AttemptClock | None = None,
-                 signum: int = signal.SIGUSR1) -> None:
+                 signums: int | tuple[int, ...] = signal.SIGUSR1) -> None:
         self.last_ckpt = Path(last_ckpt)
         self.clock = clock
-        self.signum = signum
-        self.signalled = False
-        self._previous: Any = None
+        self.signums = tuple(dict.fromkeys((signums,) if isinstance(signums, int) else signums))
+        self.signalled: int | None = None  # the signal this rank received
+        self._previous: dict[int, Any] = {}
         # the cluster environment to pass to the Trainer: Lightning's without its own SIGUSR1 handler
         self.environment = SLURMEnvironment(auto_requeue=False)
 
     def _handler(self, signum, frame) -> None:
-        self.signalled = True  # nothing else here: the save happens at a step boundary, on every rank
+        self.signalled = signum  # nothing else here: the save happens at a step boundary, on every rank
 
     def on_train_start(self, trainer, pl_module) -> None:
         # not in setup(): Lightning snapshots every handler after setup and puts the snapshot back at its teardown
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(self.signum, self._handler)
+            for signum in self.signums:  # under submitit this replaces its own handler for the fit (put back after)
+                self._previous[signum] = signal.signal(signum, self._handler)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore()
@@ -243,9 +245,10 @@ class SlurmRequeue(L.Callback):
         self._restore()  # Lightning calls no teardown hook when fit raises (Requeued included)
 
     def _restore(self) -> None:
-        if self._previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(self.signum, self._previous)
-            self._previous = None
+        if self._previous and threading.current_thread() is threading.main_thread():
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+            self._previous = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):
@@ -256,8 +259,9 @@ class SlurmRequeue(L.Callback):
         step = trainer.global_step
         job = job_id()
         if trainer.is_global_zero:
-            log.info("%s at step %d: saving %s, then requeueing SLURM job %s", signal.Signals(self.signum).name, step,
-                     self.last_ckpt, job)
+            log.info("%s at step %d: saving %s, then requeueing SLURM job %s",
+                     signal.Signals(self.signalled).name if self.signalled else "a preemption signal (on another rank)",
+                     step, self.last_ckpt, job)
         trainer.save_checkpoint(self.last_ckpt)  # every rank: a collective under FSDP2
         trainer.strategy.barrier("looplab_requeue_saved")
         if trainer.is_global_zero:
@@ -268,6 +272,27 @@ class SlurmRequeue(L.Callback):
                 log.warning("`scontrol requeue %s` failed (%s): the run stops here; resubmit it to continue from %s",
                             job, (proc.stderr or proc.stdout).strip(), self.last_ckpt)
         raise Requeued(f"step {step} saved to {self.last_ckpt}; SLURM job {job} requeued")
+
+
+def under_submitit() -> bool:
+    """Whether this process is a job that submitit started on SLURM (`hardware=slurm`, hydra-submitit-launcher):
+    its sbatch script exports SUBMITIT_EXECUTOR=slurm."""
+    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+
+
+def preemption_signals() -> tuple[int, ...]:
+    """The signals SlurmRequeue handles: SIGUSR1, and under submitit also the one submitit asks SLURM to send
+    before the time limit (`--signal=USR2@signal_delay_s`; SUBMITIT_PREEMPT_SIGNAL, read as submitit reads it).
+    Left to submitit, that signal checkpoints the *launcher* and calls sys.exit() from inside the handler,
+    wherever training is (under FSDP2 on rank 0 alone), losing every step since the last periodic save; and
+    when submitit counts the job as timed out too often (hydra-submitit's default max_num_timeout=0) it
+    raises an error there instead of requeueing. README (SLURM) describes the one behaviour looplab keeps."""
+    sigs = [signal.SIGUSR1]
+    if under_submitit():
+        sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+        if isinstance(sig, signal.Signals):
+            sigs.append(sig)
+    return tuple(dict.fromkeys(sigs))
 
 
 def job_id() -> str:
