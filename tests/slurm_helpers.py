@@ -9,16 +9,11 @@ from pathlib import Path
 
 import lightning as L
 
+from looplab.training.callbacks import job_id  # the name scontrol takes (ARRAYJOB_TASK in a sweep)
+
 
 def first_attempt() -> bool:
     return int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0
-
-
-def scontrol_job_id() -> str | None:
-    """The name scontrol and scancel take for this job: `ARRAYJOB_TASK` for a task of a job array (submitit's
-    sweeps), whose bare SLURM_JOB_ID would be read as the id of a whole array when it equals the array's."""
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID")
 
 
 def hydra_job_num() -> int | None:
@@ -54,7 +49,7 @@ class HoldAtStep(L.Callback):
             return
         if trainer.is_global_zero:
             self.marker.write_text(json.dumps({"step": trainer.global_step, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                                               "job": scontrol_job_id()}))
+                                               "job": job_id()}))
         _wait(self.release, self.timeout)
 
 

@@ -119,9 +119,7 @@ def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, fro
     h = x
     if model.state is not None:
         s, x, _ = model.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None, frozen=frozen)
-        readout = x if model.config.state_in_output else h
-    else:
-        readout = h
+    readout = model.readout(h, x)
     for l, layer in enumerate(model.coda):
         key = ("coda", l)
         readout = frozen.call(layer, key, readout, positions, valid, cache[r, key] if cache is not None else None)

@@ -24,6 +24,12 @@ import numpy as np
 SAMPLERS = ("fixed", "uniform", "poisson_lognormal")
 
 
+def step_rng(seed: int, step: int, *keys: int) -> np.random.Generator:
+    """A generator that is a function of (run seed, optimizer step, keys) alone: every rank draws the same
+    numbers with nothing to synchronise, and a resumed run draws what the original run drew."""
+    return np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, int(step), *keys])
+
+
 @dataclass(frozen=True)
 class DepthSampler:
     loops: int  # R, the configured depth (validation/test run it)
@@ -72,7 +78,7 @@ class DepthSampler:
         """The depth of optimizer step `step`: a function of (seed, step) alone."""
         if self.sampler == "fixed":
             return self.loops
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32 & 0xFFFFFFFF, int(step)])
+        rng = step_rng(self.seed, step)
         if self.sampler == "uniform":
             return int(rng.integers(self.min_loops, self.hi + 1))
         tau = rng.normal(math.log(self.loops) - self.sigma ** 2 / 2, self.sigma)

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
@@ -28,7 +29,7 @@ from torchmetrics import MeanMetric
 from looplab.checkpoint import looplab_meta
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.exit_gate import logits_at_depth, stage1_loss, stage2_loss, threshold_exit_steps
-from looplab.training.depth import DepthSampler
+from looplab.training.depth import DepthSampler, step_rng
 
 IGNORE = -100
 
@@ -172,14 +173,11 @@ class LoopedLMModule(L.LightningModule):
         of the step), and this rank's contiguous shard of it kept (the layout of data/sampler.py), so that a
         sample's exits depend neither on the number of ranks (2 FSDP/DDP processes train as one process does)
         nor on a resume."""
-        import numpy as np
-
         trainer = self._trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         micro = batch_idx % trainer.accumulate_grad_batches if trainer is not None else 0
         B, T = ids.shape
-        seed = self.depth.seed
-        rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, int(self.global_step), micro, 0x5C1F])
+        rng = step_rng(self.depth.seed, self.global_step, micro, 0x5C1F)
         early = rng.random((B * world, T))[rank * B:(rank + 1) * B] < self.objective["skip_train_prob"]
         depth = rng.integers(1, max(self.R, 2), (B * world, T))[rank * B:(rank + 1) * B]
         steps = np.where(early & (self.R > 1), depth, self.R)
