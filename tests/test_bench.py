@@ -106,3 +106,20 @@ def test_quick_run_on_cuda(tmp_path):
     tr = json.loads(out.read_text())["train"]
     assert tr["status"] == "ok", tr
     assert tr["dtype"] == "bf16 autocast" and _positive_finite(tr["mfu"]) and _positive_finite(tr["peak_memory_mb"])
+
+
+def test_overhead_part_measures_plain_transformers_and_skip(tmp_path):
+    """`make bench`'s decoding-overhead part: plain cached decoding against transformers' generate on the
+    same weights (which decodes the same tokens) and skip decoding in which no token exits."""
+    out = tmp_path / "results.json"
+    runner.main(["--quick", "--threads", "1", "--only", "overhead", "--out", str(out)])
+    o = json.loads(out.read_text())["overhead"]
+    assert o["status"] == "ok", o
+    w = o["widths"]["64"]
+    assert w["transformers_agree"] == 1.0  # the unrolled model is the same model
+    for k in ("tokens_per_s", "ratio_vs_transformers", "per_loop_ms"):
+        assert _positive_finite(w[k]), (k, w)
+    for k in ("plain", "plain_depth1", "gate_plain", "skip_no_exit", "transformers"):
+        assert _positive_finite(w["ms_per_token"][k]), k
+    assert w["skip_overhead"] > -1 and math.isfinite(w["outside_loops_share"]) and w["outside_loops_share"] < 1
+    assert o["skip_overhead"] == w["skip_overhead"] and o["ratio_vs_transformers"] == w["ratio_vs_transformers"]

@@ -417,3 +417,11 @@ def test_exit_decoding_of_a_checkpoint_matches_full_forward_passes(tmp_path):
     summary = exit_decode.run([tmp_path / "late.ckpt", tmp_path / "early.ckpt"], n_sequences=4)
     s = summary["groups"]["vanilla"]["summary"]
     assert s["mean_exit_step"]["n"] == 2 and s["mean_exit_step"]["mean"] == pytest.approx(2.0)
+
+
+def test_cache_longer_than_max_seq_len_is_refused():
+    """RoPE trusts a cache's positions (no per-layer bound check), so a cache may not outgrow the tables."""
+    model = LoopedLM(LoopedLMConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=1, n_loops=2, max_seq_len=8))
+    model.allocate_cache(1, 8)
+    with pytest.raises(ValueError, match="max_len=9.*max_seq_len=8"):
+        model.allocate_cache(1, 9)

@@ -492,9 +492,9 @@ def unmap_state_dict(fam: Family, ours: dict[str, torch.Tensor], theirs: dict[st
     return out
 
 
-def to_transformers(model: LoopedLM, out: str | os.PathLike, tokenizer=None, tolerance: float = TOLERANCE, log=print):
-    """Write a vanilla N⊗R LoopedLM as a transformers folder (its P + N·R + C layers unrolled, so the
-    shared weights are stored R times), checked like from-hf; returns the max relative difference."""
+def unrolled_transformers(model: LoopedLM):
+    """The vanilla N⊗R LoopedLM as an fp32 transformers model in memory, P + N·R + C layers unrolled
+    (the shared weights copied R times), in eval mode; not checked (to_transformers checks)."""
     from transformers import AutoModelForCausalLM
 
     cfg = model.config
@@ -503,8 +503,15 @@ def to_transformers(model: LoopedLM, out: str | os.PathLike, tokenizer=None, tol
     hf_model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     sd = unmap_state_dict(fam, {k: v.float() for k, v in model.state_dict().items()}, hf_model.state_dict(), cfg)
     hf_model.load_state_dict(sd, strict=True)
-    hf_model.eval()
-    diff = max_relative_logit_diff(model.float(), hf_model, fam.model_type)
+    return hf_model.eval()
+
+
+def to_transformers(model: LoopedLM, out: str | os.PathLike, tokenizer=None, tolerance: float = TOLERANCE, log=print):
+    """Write a vanilla N⊗R LoopedLM as a transformers folder (its P + N·R + C layers unrolled, so the
+    shared weights are stored R times), checked like from-hf; returns the max relative difference."""
+    cfg = model.config
+    hf_model = unrolled_transformers(model)
+    diff = max_relative_logit_diff(model.float(), hf_model, hf_model.config.model_type)
     log(f"equivalence check vs the exported {unrolled_depth(cfg)}-layer transformers model: "
         f"max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
     if not diff <= tolerance:

@@ -1,4 +1,4 @@
-"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,data] [--device cpu|cuda] [--out PATH]`
+"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,data] [--device cpu|cuda] [--out PATH]`
 
 Runs the benchmarks (fp32, CPU unless a part says otherwise), writes `bench/results.json`
 and prints a short table. Parts written by other modules (`mamba2`, `decode`) are imported
@@ -20,12 +20,14 @@ import traceback
 
 from looplab.bench import common
 
-PARTS = ("train", "mamba2", "decode", "data")
+PARTS = ("train", "mamba2", "decode", "overhead", "data")
+MODULES = {"overhead": "decode_overhead"}  # part → module, where they differ
 HEADLINE = {  # the figures SPEC §8 names, per part, and how to print them
     "train": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_cpu_time", "ratio_vs_unlooped", "mfu",
               "transformers_mfu", "matmul_gflops", "matmul_gflops_range", "peak_memory_mb", "peak_memory_ratio_vs_transformers"),
     "mamba2": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_compiled"),
     "decode": ("state_overhead", "ratio_vs_vanilla_r_plus_1", "cached_speedup_512"),
+    "overhead": ("ratio_vs_transformers", "skip_overhead", "outside_loops_share"),
     "data": ("min_ratio_vs_train_step", "train_steps_per_s"),
 }
 
@@ -43,9 +45,9 @@ def _finite(obj):
 
 def run_part(name: str, threads: int, quick: bool, results: dict, train_opts: dict) -> dict:
     try:
-        mod = importlib.import_module(f"looplab.bench.{name}")
+        mod = importlib.import_module(f"looplab.bench.{MODULES.get(name, name)}")
     except ImportError as e:
-        if getattr(e, "name", None) == f"looplab.bench.{name}":
+        if getattr(e, "name", None) == f"looplab.bench.{MODULES.get(name, name)}":
             return {"status": "pending", "reason": f"looplab.bench.{name} has not landed yet"}
         return {"status": "error", "error": f"{type(e).__name__}: {e}"}
     t0 = time.perf_counter()
@@ -107,6 +109,10 @@ def table(results: dict) -> str:
         for k, o in r.get("memory_mb", {}).items():
             if "peak_mb" in o:
                 lines.append(f"  {part:<8} {'peak MB ' + k:<36} {o['peak_mb']:,.0f}")
+        for w, o in r.get("widths", {}).items():
+            lines.append(f"  {part:<8} {'d ' + w + ' tokens/s (× transformers)':<36} {_fmt(o['tokens_per_s'])} "
+                         f"({_fmt(o.get('ratio_vs_transformers'))}×) · skip, no exit {o['skip_overhead']:+.1%} · "
+                         f"outside loops {o['outside_loops_share']:.0%}")
         for k in ("lm", "tasks"):
             if isinstance(r.get(k), dict) and "batches_per_s" in r[k]:
                 lines.append(f"  {part:<8} {k + ' batches/s (× train step)':<36} "

@@ -25,8 +25,11 @@ from looplab.models.config import LoopedLMConfig
 
 def _hand_autograd(x: torch.Tensor) -> bool:
     # under torch.compile the plain ops are better: inductor fuses them, while a custom
-    # autograd.Function splits the layer's graph around itself
-    return x.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+    # autograd.Function splits the layer's graph around itself. Without a graph (decoding,
+    # evaluation) there is no backward to hand-write, and Function.apply costs more than the
+    # one-token op it wraps.
+    return (x.device.type == "cpu" and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -70,11 +73,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B or 1, T) → cos, sin of shape (B or 1, 1, T, hd/2)."""
+    def forward(self, positions: torch.Tensor, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B or 1, T) → cos, sin of shape (B or 1, 1, T, hd/2). checked: the caller
+        guarantees positions < max_seq_len (a decoding cache, sized at most max_seq_len)."""
         # the bound check syncs on a data-dependent value: skipped under torch.compile, where it
-        # would split every layer's graph in two (an out-of-range index still fails there)
-        if not torch.compiler.is_compiling() and int(positions.max()) >= self.cos.shape[0]:
+        # would split every layer's graph in two (an out-of-range index still fails there), and
+        # with a cache, which every layer of every loop would otherwise check again
+        if not checked and not torch.compiler.is_compiling() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} exceeds max_seq_len={self.cos.shape[0]}; "
                 "raise backbone.max_seq_len"
@@ -86,6 +91,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if _hand_autograd(x):
         return _RoPEFn.apply(x, cos, sin)
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _rotate(x, cos, sin)  # the same arithmetic, written in place (no graph to keep)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -151,7 +158,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, Hkv, hd).transpose(1, 2)
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, checked=cache is not None)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, L, hd), L = cached + T

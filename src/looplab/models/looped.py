@@ -177,7 +177,11 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     # ----------------------------------------------------------------- cache
     def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None) -> LoopCache:
         """Caches for decoding at depth n_loops (default R): one entry per (loop, layer), one per
-        prelude layer ("prelude", l) and one per (loop, coda layer) (r, ("coda", l))."""
+        prelude layer ("prelude", l) and one per (loop, coda layer) (r, ("coda", l)). max_len is at
+        most max_seq_len, so the positions a cache hands out need no bound check (RoPE skips it)."""
+        if max_len > self.config.max_seq_len:
+            raise ValueError(f"allocate_cache(max_len={max_len}) exceeds max_seq_len={self.config.max_seq_len}; "
+                             "decode fewer tokens or raise backbone.max_seq_len")
         p = self.head.weight
         device, dtype = device or p.device, dtype or p.dtype
         entries = {("prelude", l): layer.allocate_cache(batch_size, max_len, device, dtype)
