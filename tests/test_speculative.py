@@ -235,3 +235,22 @@ def test_lm_eval_generate_until_takes_the_speculation_args():
     assert spec == plain
     with pytest.raises(ValueError, match="speculative_loops=3"):
         LooplabLM.from_model(model, "shakespeare-bpe-4096", speculative_loops=3)
+
+
+def test_bench_measures_every_cell_against_plain_decoding():
+    """bench/speculative.py (table 11): every (k, γ) cell decodes plain greedy decoding's tokens and reports its
+    tokens/s over plain's, its acceptance and the draft cost (depth-k decoding over full-depth decoding)."""
+    from looplab.bench.speculative import best_cell, measure
+
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=1, n_loops=3, max_seq_len=64)).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    res = measure(model, ids, ks=[1, 2], gammas=[2, "auto"], new_tokens=6, repeats=1)
+    assert res["plain_tokens_per_s"] > 0 and [(c["k"], c["gamma"]) for c in res["cells"]] == [
+        (1, 2), (1, "auto"), (2, 2), (2, "auto")]
+    for c in res["cells"]:
+        assert c["speedup"] > 0 and 0 <= c["acceptance"] <= 1 and 0 < c["draft_cost"] and c["rounds"] >= 1
+        # the batch keeps the shortest agreeing prefix of its rows (no eos here: every row runs to the end)
+        assert c["row_acceptance_min"] >= c["acceptance"] - 1e-9
+    run = {"checkpoint": "m", "backbone": "llama", "state_mode": "vanilla", "d_model": 32, "batches": {"1": res}}
+    assert best_cell([run])["speedup"] == max(c["speedup"] for c in res["cells"])

@@ -70,14 +70,15 @@ def test_every_table_spec_composes(number, scale):
     t = spec.get(number)
     for scale in [scale]:
         sweeps = t.sweeps_for(scale)
-        assert sweeps or t.kind == "decode" or (t.kind == "exitgrid" and scale == "paper")
+        assert sweeps or t.kind == "decode" or (t.kind in ("exitgrid", "speculation") and scale == "paper")
         for sw in sweeps:
             assert sw.experiment_file().exists(), sw.experiment
             grid = sw.grid()
             assert grid and len(grid) == len({tuple(c.items()) for c in grid})
             for combo in grid:
                 # Hydra's multirun puts the experiment's own sweep params (e.g. +arm=...) before +experiment=...
-                over = [*sw.combo_overrides(combo), f"+experiment={sw.experiment}", *sw.fixed]
+                fixed = [f.replace("{out_root}", "outputs/tables") for f in sw.fixed]  # as the runner fills it in
+                over = [*sw.combo_overrides(combo), f"+experiment={sw.experiment}", *fixed]
                 if sw.init_from:
                     over.append("exit_gate.init_from=some.ckpt")
                 cfg = compose(over)
@@ -97,8 +98,11 @@ def test_every_table_spec_composes(number, scale):
                 if combo.get("arm") in depth_arms:  # table 9: the arm decides the training depth recipe
                     assert (cfg.loop_depth.sampler, cfg.loop_depth.backprop_loops) == depth_arms[combo["arm"]], combo
                     assert cfg.loop_depth.injection == combo["loop_depth.injection"]
-                if "exit_gate.skip_train_prob" in " ".join(sw.fixed):  # table 10's exit-aware arm
-                    assert cfg.exit_gate.skip_train_prob > 0 and cfg.exit_gate.skip_compute == "ssm_skip"
+                if "exit_gate.skip_train_prob" in " ".join(sw.fixed):  # tables 10 and 11's exit-aware arms
+                    assert cfg.exit_gate.skip_train_prob > 0
+                    assert f"exit_gate.skip_compute={cfg.exit_gate.skip_compute}" in sw.fixed
+                if sw.folder == "speculation_tiny_retrofit":  # table 11's d 512 model: 1⊗4 with prelude and coda
+                    assert (mc.d_model, mc.n_layers, mc.n_loops, mc.prelude_layers, mc.coda_layers) == (512, 1, 4, 1, 1)
                 if number == 8 and scale == "tiny" and combo.get("exit_gate") == "ouro":  # stage 1 trains twice as long
                     assert cfg.trainer.max_steps == spec.STAGE1_STEPS_TINY == 2 * compose([f"+experiment={sw.experiment}"]).trainer.max_steps
 
@@ -580,13 +584,15 @@ def test_decode_json_without_repeats_gives_no_interval(tmp_path):
 
 def test_every_table_has_findings_and_the_summary_gathers_them(tmp_path):
     for n, t in spec.TABLES.items():
-        assert t.findings or t.kind == "exitgrid", n  # table 10 asks looplab's own question (issue 16's target)
+        # tables 10 and 11 ask looplab's own questions (issues 16 and 27: a speed target, measured)
+        assert t.findings or t.kind in ("exitgrid", "speculation"), n
         for f in t.findings:
             assert f.sign in (-1, 1) and f.claim and f.metric in ("perplexity", "accuracy", "accuracy at 2R", "zero-shot",
                                                                   "exit fraction", "latency")
     _table3_runs(tmp_path / "out", [0.4, 0.5, 0.6])
     for n in spec.TABLES:
         kwargs = {"decode_json": tmp_path / "none.json"} if n == 4 else {}
+        kwargs = {"speculation_json": tmp_path / "none.json"} if n == 11 else kwargs
         report.write(report.build(n, "tiny", tmp_path / "out", **kwargs), tmp_path / "tables", plot=False)
     readme = (tmp_path / "tables" / "README.md").read_text()
     assert "not built yet" not in readme and "do not edit by hand" in readme
@@ -779,3 +785,62 @@ def test_table9_rows_per_recipe_and_depth_and_its_findings(tmp_path):
     assert inj.diffs == pytest.approx([0.02] * 3) and inj.verdict == "inconclusive"  # within the examples' noise
     paths = report.write(t, tmp_path / "tables")
     assert (tmp_path / "tables" / "table9.png").exists()
+
+
+def test_table11_plans_retrofit_training_then_measurement_and_reports_every_cell(tmp_path):
+    from looplab.tables import retrofit
+
+    cmds = runner.plan(11, "tiny", tmp_path, dry_run=True, jobs=2)
+    assert cmds[0].argv[1:] == ["-m", "looplab.tables.retrofit", str(tmp_path / "table11" / "tiny" / "retrofit")]
+    train = cmds[1:-1]
+    assert len(train) == 6 and all("+experiment=speculation_tiny" in c.argv for c in train)
+    assert f"init_from={tmp_path}/table11/tiny/retrofit/looped" in train[-1].argv  # the folder cmds[0] writes
+    assert "exit_gate.skip_compute=ssm_skip" in train[4].argv and "backbone=hybrid_tiny" in train[4].argv
+    measure = cmds[-1].argv
+    assert measure[1:3] == ["-m", "looplab.bench.speculative"] and measure[-2:] == ["--out", "bench/speculation.json"]
+    assert all(str(tmp_path / "table11" / "tiny" / sw.folder) in measure for sw in spec.get(11).sweeps_for("tiny"))
+    with pytest.raises(ValueError, match="tiny scale only"):
+        runner.plan(11, "paper", tmp_path)
+
+    def run(name, training, speedups, acceptance, **over):
+        cells = [{"k": k, "gamma": g, "tokens_per_s": 100.0 * speedups[k - 1], "speedup": speedups[k - 1],
+                  "acceptance": acceptance[k - 1], "draft_cost": 0.3 * k} for k in (1, 2, 3) for g in (2, 4)]
+        return {"checkpoint": f"/x/{name}/0/checkpoints/last.ckpt", "backbone": "llama", "state_mode": "vanilla",
+                "n_layers": 2, "n_loops": 4, "d_model": 128, "prelude_layers": 0, "coda_layers": 0, "seed": 1,
+                "training": training, "perplexity": 40.0, **over,
+                "batches": {"1": {"plain_tokens_per_s": 100.0, "cells": cells},
+                            "8": {"plain_tokens_per_s": 500.0, "cells": cells}}}
+
+    aware = "exit-aware (kv_copy, p=0.5)"
+    best = {"k": 1, "gamma": 4, "speedup": 1.6, "acceptance": 0.9, "draft_cost": 0.3,
+            "checkpoint": "/x/aware/0/checkpoints/last.ckpt", "training": aware}
+    data = {"new_tokens": 64, "prompt": 32, "batches": [1, 8], "gammas": [2, 4], "repeats": 3, "threads": 1,
+            "target_speedup": 1.5, "best_batch1": best,
+            "runs": [run("std", "standard", [0.8, 0.9, 0.95], [0.3, 0.6, 0.8]),
+                     run("aware", aware, [1.6, 1.2, 1.0], [0.9, 0.95, 0.97])]}
+    (tmp_path / "spec.json").write_text(json.dumps(data))
+    t = report.build(11, "tiny", tmp_path, speculation_json=tmp_path / "spec.json")
+    assert len(t.rows) == 2 * 2 * 3 * 2  # models × batches × k × γ: every cell
+    assert {r["target"] for r in t.rows if r["batch"] == 8} == {""}  # the target is batch 1's
+    assert [r["target"] for r in t.rows if r["batch"] == 1 and r["speed-up"] >= 1.5] == ["met", "met"]
+    (line,) = [v for k, v in t.summary.items() if k.startswith("target")]
+    assert line.startswith("**met**: best cell llama vanilla 2⊗4 d 128") and "k = 1, γ = 4: 1.60×" in line
+    (aware_line,) = [v for k, v in t.summary.items() if "exit-aware − standard" in k]
+    assert aware_line == "k 1: +0.60, k 2: +0.35, k 3: +0.17"
+    paths = report.write(t, tmp_path / "tables")
+    assert (tmp_path / "tables" / "table11.png").exists() and "| 1 | 1 | 4 |" in paths[0].read_text()
+    t2 = report.build(11, "tiny", tmp_path, speculation_json=tmp_path / "none.json")
+    assert any("make table11" in m for m in t2.missing) and not t2.rows
+
+
+def test_retrofit_overrides_are_what_convert_gives_for_the_converted_folder():
+    from transformers import LlamaConfig
+
+    from looplab.convert import llama_config, train_overrides
+    from looplab.models import LoopedLMConfig
+    from looplab.tables import retrofit
+
+    base = llama_config(LlamaConfig(**retrofit.SOURCE_SHAPE, rms_norm_eps=1e-5, tie_word_embeddings=False))
+    cfg = LoopedLMConfig.from_dict({**base.to_dict(), "n_layers": 1, "n_loops": retrofit.LOOPS,
+                                    "prelude_layers": retrofit.PRELUDE, "coda_layers": retrofit.CODA})
+    assert ["dataset=lm_tiny", *retrofit.looped_overrides("/f")] == train_overrides(cfg, "/f")  # the experiment sets lm_tiny

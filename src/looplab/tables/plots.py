@@ -157,6 +157,22 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def plot_speculation(table: "Table", ax) -> None:
+    """Table 11: speed-up over plain decoding against γ at batch 1, one line per model and k (identical output)."""
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in table.rows:
+        if r["batch"] == 1:
+            lines.setdefault(f"{r['model']} {r['training'][:10]} k={r['k']}", []).append((r["γ"], r["speed-up"]))
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.5, color="r", lw=0.8, ls="--")  # issue 27's target
+    ax.set_xlabel("draft tokens γ")
+    ax.set_ylabel("tokens/s ÷ plain (batch 1)")
+    ax.legend(fontsize=5, ncol=2)
+
+
 def plot_table(table: "Table", path: Path) -> Path | None:
     """Draw the table's figure into `path` (PNG); None when the table kind has no plot (decode)."""
     kind = table.spec.kind
@@ -173,6 +189,8 @@ def plot_table(table: "Table", path: Path) -> Path | None:
         plot_extrapolation(table, ax)
     elif kind == "task":
         plot_task(table, ax)
+    elif kind == "speculation":
+        plot_speculation(table, ax)
     else:
         plot_bars(table, ax, "perplexity")
     ax.set_title(f"Table {table.spec.number}: {table.spec.title} ({table.scale})", fontsize=9)

@@ -25,7 +25,8 @@ from looplab.stats import (  # noqa: F401  (t_quantile, z_quantile: part of the 
     LEVEL, Stat, adjusted_verdict, decisive_p, eval_batches, holm, judge, t_interval, t_quantile, wilson_interval,
     z_quantile,
 )
-from looplab.tables.spec import DEFAULT_EXITS_JSON, SCALES, Finding, Sweep, TableSpec, default_seeds, get
+from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_SPECULATION_JSON, SCALES, Finding, Sweep, TableSpec,
+                                 default_seeds, get)
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_TABLE_DIR = Path("experiments/tables")
@@ -1193,7 +1194,88 @@ def _exit_aware_training(table: Table, groups: dict[tuple, list[tuple[dict, dict
                       f"(paired over {len(seeds)} seeds; mean exit step {exits.mean:+.2f}) — **{verdict}**"] = diff
 
 
-BUILDERS = {"exitgrid": build_exitgrid, "extrapolation": build_extrapolation, "lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,
+def _model_label(run: dict[str, Any]) -> str:
+    """'llama vanilla 2⊗4 d 128' (+ 'P1 C1' with a prelude / coda)."""
+    pc = " ".join(f"{k}{run.get(f'{n}_layers')}" for k, n in (("P", "prelude"), ("C", "coda")) if run.get(f"{n}_layers"))
+    return (f"{run['backbone']} {run['state_mode']} {run['n_layers']}⊗{run['n_loops']}" + (f" {pc}" if pc else "")
+            + f" d {run['d_model']}" + (" (retrofitted)" if run.get("init_from") else ""))
+
+
+def build_speculation(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None,
+                      speculation_json: Path | None = None) -> Table:
+    """Table 11 from bench/speculative.py's JSON: one row per trained model × batch × k × γ; the target
+    (≥ 1.5× at batch 1, identical output) is judged on the best cell, and exit-aware training's effect on
+    acceptance is read off the pairs of models trained both ways."""
+    table, _ = _build_runs(spec, scale, out_root, seeds)  # the training sweeps: missing / failed runs
+    table.method = ("each cell: the median over repeats of tokens/s (prefill included) of speculative decoding ÷ plain "
+                    "cached greedy decoding of the same prompts in the same process, timed round-robin; every "
+                    "speculative run gave plain decoding's tokens exactly (checked); acceptance = kept draft tokens / "
+                    "drafted; draft cost = plain decoding at depth k ÷ at depth R, per token")
+    path = Path(speculation_json or DEFAULT_SPECULATION_JSON)
+    if not path.exists():
+        table.missing.append(f"{path}: not found — `make table11` trains the models and measures them")
+        return table
+    data = json.loads(path.read_text())
+    runs = data.get("runs", [])
+    for run in runs:
+        for b, res in sorted(run["batches"].items(), key=lambda kv: int(kv[0])):
+            for c in res["cells"]:
+                table.rows.append({
+                    "model": _model_label(run), "training": run.get("training") or "—", "seed": run.get("seed"),
+                    "perplexity": run.get("perplexity"), "batch": int(b), "k": c["k"], "γ": c["gamma"],
+                    "plain tokens/s": res["plain_tokens_per_s"], "speculative tokens/s": c["tokens_per_s"],
+                    "speed-up": c["speedup"], "acceptance": c["acceptance"], "draft cost": c.get("draft_cost"),
+                    "target": "met" if int(b) == 1 and c["speedup"] >= data.get("target_speedup", 1.5) else ""})
+    table.columns = ["model", "training", "seed", "perplexity", "batch", "k", "γ", "plain tokens/s",
+                     "speculative tokens/s", "speed-up", "acceptance", "draft cost", "target"]
+    target = data.get("target_speedup", 1.5)
+    best = data.get("best_batch1")
+    if best:
+        label = next((_model_label(r) for r in runs if r["checkpoint"] == best["checkpoint"]), best["checkpoint"])
+        table.summary[f"target (issue 27): ≥ {target}× tokens/s at identical output at batch 1 on some trained model"] = (
+            f"**{'met' if best['speedup'] >= target else 'not met'}**: best cell {label} ({best.get('training')}), "
+            f"k = {best['k']}, γ = {best['gamma']}: {best['speedup']:.2f}× plain, acceptance {best['acceptance']:.2f}, "
+            f"draft cost {best.get('draft_cost', float('nan')):.2f}")
+    for run in runs:
+        for b, res in sorted(run["batches"].items(), key=lambda kv: int(kv[0])):
+            if not res["cells"]:
+                continue
+            c = max(res["cells"], key=lambda c: c["speedup"])
+            acc = {k: statistics.fmean(x["acceptance"] for x in res["cells"] if x["k"] == k)
+                   for k in sorted({x["k"] for x in res["cells"]})}
+            table.summary[f"{_model_label(run)} ({run.get('training')}), batch {b}: best k = {c['k']}, γ = {c['gamma']} "
+                          f"at {c['speedup']:.2f}× ({res['plain_tokens_per_s']:.0f} plain tokens/s); acceptance by k "
+                          f"(mean over γ)"] = ", ".join(f"k {k}: {a:.2f}" for k, a in acc.items())
+    _exit_aware_acceptance(table, runs)
+    table.notes.append(f"from {path}: {data.get('new_tokens')} new tokens after {data.get('prompt')}-token held-out "
+                       f"prompts, batches {data.get('batches')}, γ in {data.get('gammas')}, {data.get('repeats')} timed "
+                       f"repeats, {data.get('threads')} thread(s)")
+    table.sizes = f"{data.get('new_tokens')} greedy tokens per prompt row, batch 1 and 8"
+    return table
+
+
+def _exit_aware_acceptance(table: Table, runs: list[dict[str, Any]]) -> None:
+    """Exit-aware − standard training of the same backbone and shape: acceptance per k (mean over γ, batch 1).
+    One model per arm: a measurement, not a paired finding across seeds."""
+    def key(r):
+        return (r["backbone"], r["state_mode"], r["n_layers"], r["n_loops"], r["d_model"], r.get("seed"))
+
+    by = {}
+    for r in runs:
+        by.setdefault(key(r), {})["standard" if (r.get("training") or "standard") == "standard" else "exit-aware"] = r
+    for k_, arms in by.items():
+        if len(arms) < 2 or "1" not in arms["standard"]["batches"] or "1" not in arms["exit-aware"]["batches"]:
+            continue
+        def acc(r, k):
+            cells = [c for c in r["batches"]["1"]["cells"] if c["k"] == k]
+            return statistics.fmean(c["acceptance"] for c in cells) if cells else float("nan")
+        ks = sorted({c["k"] for c in arms["standard"]["batches"]["1"]["cells"]})
+        table.summary[f"{_model_label(arms['standard'])}: acceptance, exit-aware − standard training (batch 1, mean "
+                      f"over γ; one model each, seed {k_[-1]})"] = ", ".join(
+            f"k {k}: {acc(arms['exit-aware'], k) - acc(arms['standard'], k):+.2f}" for k in ks)
+
+
+BUILDERS = {"speculation": build_speculation, "exitgrid": build_exitgrid, "extrapolation": build_extrapolation, "lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,
             "decode": build_decode}
 
 

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from looplab.tables.spec import DEFAULT_EXITS_JSON, ZEROSHOT_TASKS, Sweep, TableSpec, default_seeds, get
+from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
+                                 TableSpec, default_seeds, get)
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
@@ -74,7 +75,7 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
         if hardware != "fsdp" and _experiment_hardware(sw) == "fsdp":
             argv.append("trainer.strategy=fsdp")  # e.g. hardware=slurm keeps the experiment's FSDP2 sharding
     argv += [_override_list(k, v) for k, v in sw.params]
-    argv += list(sw.fixed)
+    argv += [a.replace("{out_root}", str(out_root)) for a in sw.fixed]  # table 11's retrofitted folder
     if sw.one_command_per_seed:  # the runner starts `jobs` of them at once
         if jobs > 1 and not hardware:  # split the cores between the commands running together
             argv.append(f"hardware.num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
@@ -165,6 +166,19 @@ def exit_grid_command(scale: str, out_root: Path, exits_json: Path = DEFAULT_EXI
     return Command(argv, note="exit rules x thresholds x handlings on the trained gates (bench/exit_grid.py)")
 
 
+def retrofit_command(out_root: Path) -> Command:
+    folder = Path(RETROFIT_FOLDER.format(out_root=out_root)).parent
+    return Command([sys.executable, "-m", "looplab.tables.retrofit", str(folder)],
+                   note="a d 512 transformers Llama retrofitted into a looped model (tables/retrofit.py)")
+
+
+def speculation_command(spec: TableSpec, scale: str, out_root: Path, out: Path = DEFAULT_SPECULATION_JSON) -> Command:
+    dirs = [str(sweep_dir(out_root, spec.number, scale, sw)) for sw in spec.sweeps_for(scale)]
+    argv = [sys.executable, "-m", "looplab.bench.speculative", *dirs, "--batch", "1", "8", "--threads", "1",
+            "--out", str(out)]
+    return Command(argv, note="plain vs self-speculative decoding of every trained model (bench/speculative.py)")
+
+
 def zeroshot_command(spec: TableSpec, scale: str, out_root: Path) -> Command:
     tasks = ZEROSHOT_TASKS.get(scale)
     argv = [sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale, "--out-root", str(out_root)]
@@ -191,7 +205,9 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         return [decode_command(scale, decode_json, extra, out_root)]
     if spec.kind == "exitgrid" and scale != "tiny":
         raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
-    cmds: list[Command] = []
+    if spec.kind == "speculation" and scale != "tiny":
+        raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
+    cmds: list[Command] = [retrofit_command(out_root)] if spec.kind == "speculation" else []
     for sw in spec.sweeps_for(scale):
         if not sw.one_command_per_seed:
             cmds.append(train_command(spec, scale, sw, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware,
@@ -203,6 +219,8 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
                                           hardware=hardware, init_from=path, seed=seed, jobs=jobs))
     if spec.kind == "exitgrid":
         cmds.append(exit_grid_command(scale, out_root, jobs=jobs))
+    if spec.kind == "speculation":
+        cmds.append(speculation_command(spec, scale, out_root))
     if zeroshot if zeroshot is not None else number == 1:
         cmds.append(zeroshot_command(spec, scale, out_root))
     return cmds

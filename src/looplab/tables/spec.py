@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from looplab.tables import retrofit
+
 ROOT = Path(__file__).resolve().parents[3]
 CONF = ROOT / "conf"
 SCALES = ("tiny", "paper")
@@ -27,7 +29,9 @@ ZEROSHOT_TASKS: dict[str, str | None] = {"tiny": "looplab_tiny", "paper": None}
 
 # Tables whose tiny build runs five seeds (issue 25: five where the table still fits in 60 minutes on 2 idle cores):
 # table 2, 30 LM runs (measured: see experiments/README.md). Tables 1 and 3 stay at three.
-TINY_SEEDS_PER_TABLE: dict[int, tuple[int, ...]] = {2: (1, 2, 3, 4, 5)}
+TINY_SEEDS_PER_TABLE: dict[int, tuple[int, ...]] = {2: (1, 2, 3, 4, 5),
+                                                    # table 11 measures speed, no paired claim: one model per arm
+                                                    11: (1,)}
 
 
 def default_seeds(scale: str, number: int | None = None) -> list[int] | None:
@@ -126,6 +130,9 @@ def sweep(experiment: str, params: dict[str, list[str]] | None = None, fixed: li
 
 
 SKIP_TRAIN_PROB = 0.5  # table 10's exit-aware arm: the share of tokens trained at a sampled exit
+DEFAULT_SPECULATION_JSON = Path("bench/speculation.json")  # table 11's measurements (bench/speculative.py)
+# table 11's retrofitted model: `python -m looplab.tables.retrofit` writes it under the output root
+RETROFIT_FOLDER = "{out_root}/table11/tiny/retrofit/looped"
 
 Filter = tuple[tuple[str, str], ...]
 
@@ -330,6 +337,30 @@ TABLES: dict[int, TableSpec] = {
                                  "sequences, ms/token of cached decoding over 2 test sequences, one thread",
                          "paper": "not defined: the grid scores task answers (table 8's paper runs are LM runs); run "
                                   "`python -m looplab.bench.exit_grid` on task checkpoints"}),
+    11: TableSpec(11, "Self-speculative decoding: tokens/s and acceptance at identical output", "speculation",
+                  {"tiny": (sweep("speculation_tiny"),
+                            sweep("speculation_tiny", params={"+arm": ["looped"]}, name="speculation_tiny_exit_aware",
+                                  fixed=[f"exit_gate.skip_train_prob={SKIP_TRAIN_PROB}", "exit_gate.skip_compute=kv_copy"]),
+                            sweep("speculation_tiny", params={"+arm": ["looped"]}, fixed=["backbone=mamba2_tiny"],
+                                  name="speculation_tiny_mamba2"),
+                            sweep("speculation_tiny", params={"+arm": ["looped"]}, fixed=["backbone=hybrid_tiny"],
+                                  name="speculation_tiny_hybrid"),
+                            sweep("speculation_tiny", params={"+arm": ["looped"]}, name="speculation_tiny_hybrid_exit_aware",
+                                  fixed=["backbone=hybrid_tiny", f"exit_gate.skip_train_prob={SKIP_TRAIN_PROB}",
+                                         "exit_gate.skip_compute=ssm_skip"]),
+                            sweep("speculation_tiny", params={"+arm": ["looped"]}, name="speculation_tiny_retrofit",
+                                  fixed=[*retrofit.looped_overrides(RETROFIT_FOLDER), f"trainer.max_steps={retrofit.TRAIN_STEPS}",
+                                         f"optim.lr={retrofit.TRAIN_LR:g}"])),
+                   "paper": ()}, "tokens/s",
+                  notes={"tiny": "language models on lm_tiny (table 2's setting, d 128, 600 steps) at 2⊗4: llama Vanilla "
+                                 "Looped and StateLoop, llama trained exit-aware (kv_copy at sampled exits, p = "
+                                 f"{SKIP_TRAIN_PROB:g}), Mamba-2, hybrid (MA) standard and exit-aware (ssm_skip); and a "
+                                 "random d 512 transformers Llama (6 layers) retrofitted by `looplab.convert from-hf "
+                                 f"--loops 4 --prelude 1 --coda 1` into 1⊗4 + prelude + coda, trained {retrofit.TRAIN_STEPS} "
+                                 f"steps (lr {retrofit.TRAIN_LR:g}); each decodes 64 greedy tokens after 32-token held-out "
+                                 "prompts at batch 1 and 8, plain against every k = 1..R−1 × γ = 2..8 (bench/speculative.py)",
+                         "paper": "not defined: run `python -m looplab.bench.speculative CKPT --batch 1 8` on paper "
+                                  "checkpoints"}),
 }
 
 
