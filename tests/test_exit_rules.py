@@ -101,3 +101,32 @@ def test_gate_rule_without_a_gate_and_rule_without_threshold_are_refused():
         model(ids, exit_threshold=0.5)
     with pytest.raises(ValueError, match="needs exit_threshold"):
         model(ids, exit_rule="kl")
+
+
+def test_forward_reads_depths_through_an_exit_policy():
+    """forward(exits=ExitPolicy(...)) is what the former exit keyword arguments build; mixing both, or an
+    unknown keyword, is refused by name."""
+    from looplab.models import ExitPolicy
+
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=1, n_loops=3, exit_gate="ouro")).eval()
+    ids = torch.randint(0, 32, (2, 6))
+    for policy, legacy in [(ExitPolicy(threshold=0.5), dict(exit_threshold=0.5)),
+                           (ExitPolicy(threshold=0.1, rule="entropy", min_loops=2),
+                            dict(exit_threshold=0.1, exit_rule="entropy", exit_min_loops=2)),
+                           (ExitPolicy(at_step=2), dict(exit_at_step=2)),
+                           (ExitPolicy(expected=True), dict(expected_exit=True)),
+                           (ExitPolicy(skip="kv_copy", steps=torch.full((2, 6), 2)),
+                            dict(skip_compute="kv_copy", exit_steps=torch.full((2, 6), 2)))]:
+        a, b = model(ids, exits=policy), model(ids, **legacy)
+        assert torch.equal(a.logits, b.logits)
+        assert (a.exit_steps is None) == (b.exit_steps is None) and (a.exit_steps is None or torch.equal(a.exit_steps, b.exit_steps))
+    assert torch.equal(model(ids).logits, model(ids, exits=None).logits)
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, exits=ExitPolicy(threshold=0.5), exit_threshold=0.5)
+    with pytest.raises(TypeError, match="exit_treshold"):
+        model(ids, exit_treshold=0.5)
+    with pytest.raises(ValueError, match="needs exit_threshold"):
+        ExitPolicy(rule="kl")
+    with pytest.raises(ValueError, match="needs skip_compute"):
+        ExitPolicy(steps=torch.ones(2, 6, dtype=torch.long))

@@ -41,7 +41,7 @@ def test_checks_cover_parity_training_fsdp_and_bench(tmp_path):
     checks = build_checks(tmp_path, python="python")
     names = [c.name for c in checks]
     assert sorted(names) == sorted(
-        ["parity", "bench", "fsdp-hybrid"] + [f"train-{b}-{m}" for b in ("llama", "mamba2", "hybrid") for m in ("eager", "compile")]
+        ["parity", "decode", "bench", "fsdp-hybrid"] + [f"train-{b}-{m}" for b in ("llama", "mamba2", "hybrid") for m in ("eager", "compile")]
     )
     assert names.index("train-llama-compile") < names.index("train-llama-eager")  # the longest start first
     for c in checks:

@@ -16,6 +16,9 @@ minutes on one GPU, with the figures written to `gpu-check.json` and a table pri
 * `fsdp-hybrid`: the same through `hardware=fsdp trainer.devices=1` (FSDP2), and its
   checkpoint read back with `looplab.checkpoint.load_model`.
 * `bench`: `python -m looplab.bench --device cuda --quick --only train` (a smoke test).
+* `decode`: cached decoding of a d 512 llama 2⊗4 in bf16 at batch 1 and 8: the static-shape step
+  (models/static_decode.py) eagerly and captured by CUDA graphs (`static_cache="reduce-overhead"`),
+  and self-speculation (k 2, γ 4), each against plain decoding's tokens, with tokens/s (fp32).
 
 Every check runs as its own subprocess (a CUDA fault in one cannot take the others down),
 several at a time, each under a timeout inside one overall time budget; its output is kept in
@@ -129,6 +132,9 @@ def build_checks(workdir: Path, python: str = sys.executable, steps: int = STEPS
     checks.append(Check("parity", "parity",
                         [python, "-m", "looplab.gpu_check", "--worker", "parity", "--out", str(workdir / "parity.json")],
                         220, workdir / "parity.json", compile_env))
+    checks.append(Check("decode", "parity",
+                        [python, "-m", "looplab.gpu_check", "--worker", "decode", "--out", str(workdir / "decode.json")],
+                        200, workdir / "decode.json", compile_env))
     checks.append(train_check("fsdp-hybrid", "hybrid", "fsdp", False, 180, base_env))
     checks += [train_check(f"train-{b}-eager", b, "gpu", False, 150, base_env) for b in BACKBONES]
     return checks
@@ -700,6 +706,47 @@ def parity_jobs() -> list[tuple[str, Any]]:
     return jobs
 
 
+def decode_worker(out_path: Path, new_tokens: int = 128) -> int:
+    """Issue 27: the static-shape decode step captured by CUDA graphs (torch.compile mode="reduce-overhead")
+    decodes plain cached decoding's tokens; tokens/s of plain, static eager and the captured step, and of
+    self-speculation (k = 2, γ = 4), on a random d 512 llama 2⊗4 at batch 1 and 8 (fp32: bf16 near-ties would
+    flip greedy tokens between kernels and say nothing about the decoders)."""
+    import torch
+
+    from looplab.models import LoopedLM, LoopedLMConfig
+    from looplab.models.generation import generate
+
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=8192, d_model=512, n_heads=8, n_layers=2, n_loops=4, max_seq_len=512))
+    model = model.to("cuda").eval()
+    res: dict[str, Any] = {"status": "pass", "model": "llama 2x4 d512 fp32, random weights", "new_tokens": new_tokens}
+    try:
+        for batch in (1, 8):
+            ids = torch.randint(0, 8192, (batch, 32), device="cuda")
+            ref = generate(model, ids, new_tokens)
+            row: dict[str, Any] = {}
+            for name, kw in {"plain": {}, "static_eager": {"static_cache": "eager"},
+                             "reduce_overhead": {"static_cache": "reduce-overhead"},
+                             "speculative_k2_g4": {"speculative_loops": 2, "draft_tokens": 4}}.items():
+                t0 = time.perf_counter()
+                out = generate(model, ids, new_tokens, **kw)  # the first call compiles / captures
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = generate(model, ids, new_tokens, **kw)
+                torch.cuda.synchronize()
+                row[name] = {"tokens_per_s": round(batch * new_tokens / (time.perf_counter() - t0), 1),
+                             "first_call_s": round(first, 2), "same_tokens": bool(torch.equal(out, ref))}
+                if not row[name]["same_tokens"]:
+                    res["status"] = "fail"
+                    res["why"] = f"{name} at batch {batch} decoded other tokens than plain decoding"
+            res[f"batch_{batch}"] = row
+    except Exception as e:  # noqa: BLE001 — reported, not raised: the other checks still run
+        res.update(status="error", error=f"{type(e).__name__}: {e}")
+    out_path.write_text(json.dumps(res, indent=1))
+    return 0 if res["status"] == "pass" else 1
+
+
 def parity_worker(out_path: Path, jobs: list[tuple[str, Any]] | None = None) -> int:
     """Every parity case, each in its own try: writes {status, cases, worst} to out_path."""
     cases: dict[str, dict] = {}
@@ -743,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per run (default 20)")
     ap.add_argument("--list", action="store_true", help="print the checks and their commands, run nothing")
     ap.add_argument("--preflight", action="store_true", help="only check that CUDA works and every kernel imports")
-    ap.add_argument("--worker", choices=("parity",), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("parity", "decode"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -768,6 +815,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.worker == "parity":
         return parity_worker(Path(args.out))
+    if args.worker == "decode":
+        return decode_worker(Path(args.out))
 
     workdir.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from looplab.models.exit_compute import forward_with_exits, has_ssm
+from looplab.models.exits import ExitPolicy
 from looplab.models.generation import decode_step
 
 # thresholds per rule (exit_rules.py): the gate's CDF level q, nats for entropy and KL, a relative
@@ -80,7 +81,7 @@ def quality(model, examples, rule: str, threshold: float, handling: str, batch_s
     answers = 0
     for b in _batches(examples, batch_size):
         ids, targets, answer = b["input_ids"], b["targets"], b["answer_mask"]
-        full = model(ids, exit_rule=rule, exit_threshold=threshold, return_all_loops=True)
+        full = model(ids, exits=ExitPolicy(threshold=threshold, rule=rule), return_all_loops=True)
         skip = forward_with_exits(model, ids, None, handling, rule=rule, threshold=threshold)
         logits = {"all_loops": full.loop_logits[-1], "exact_exit": full.logits, "skip": skip.logits}
         for k, lg in logits.items():

@@ -217,11 +217,16 @@ class LooplabLM(LM):
         return out  # type: ignore[return-value]
 
     # -------------------------------------------------------------- internals
-    def _exit_kwargs(self) -> dict[str, Any]:
-        """The depth and exit rule every forward pass and generation of this adapter uses (none: loop R)."""
+    def _exit_kwargs(self, generate: bool = False) -> dict[str, Any]:
+        """The depth and exit rule every forward pass (an ExitPolicy) and generation (generate's exit options) of
+        this adapter uses (none: loop R)."""
         kw: dict[str, Any] = {} if self.n_loops is None else {"n_loops": self.n_loops}
-        if self.exit_threshold is not None:
+        if self.exit_threshold is not None and generate:
             kw.update(exit_threshold=self.exit_threshold, exit_rule=self.exit_rule, exit_min_loops=self.exit_min_loops)
+        elif self.exit_threshold is not None:
+            from looplab.models.exits import ExitPolicy
+
+            kw["exits"] = ExitPolicy(threshold=self.exit_threshold, rule=self.exit_rule, min_loops=self.exit_min_loops)
         return kw
 
     def _forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,7 +277,7 @@ class LooplabLM(LM):
             mask[r, T - len(p):] = 1
         ids, mask = ids.to(self._device), mask.to(self._device)
         try:
-            kw = self._exit_kwargs()
+            kw = self._exit_kwargs(generate=True)
             if self.speculative_loops is not None:
                 kw.update(speculative_loops=self.speculative_loops, draft_tokens=self.draft_tokens)
             seq = self.model.generate(ids, n_new, temperature=0.0, eos_token_id=self.eot_token_id,

@@ -55,7 +55,9 @@ def evaluate_perplexity(
             if per_loop:
                 kw["return_all_loops"] = True
             if exit_threshold is not None:
-                kw["exit_threshold"] = exit_threshold
+                from looplab.models.exits import ExitPolicy
+
+                kw["exits"] = ExitPolicy(threshold=exit_threshold)
             out = model(ids, **kw)
             total += _nll_sum(out.logits, targets).double().cpu()
             if per_loop:

@@ -29,7 +29,7 @@ rule: the coda layer at depth r gets the token's exit-depth coda input (attentio
 the exit depth's key/values; Mamba-2: that input under ssm_skip / ssm_propagate). With frozen inputs
 attention recomputes exactly the exit loop's key/values, so kv_copy is the same rule.
 `forward_with_exits` applies it to a whole sequence without caches (the reference the cached
-decoder is tested against; `model(ids, skip_compute=H, exit_steps=S)` runs it as the model's own
+decoder is tested against; `model(ids, exits=ExitPolicy(skip=H, steps=S))` runs it as the model's own
 forward, so that what wraps the forward — FSDP2's root all-gather in exit-aware fine-tuning — runs); `skip_compute_step` applies it one token at a time from the caches,
 and once every row of the batch has exited it advances the deeper loops' caches directly (copies,
 plus the state write under ssm_propagate) without running a layer.

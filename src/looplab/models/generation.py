@@ -25,6 +25,7 @@ import torch
 from looplab.models.cache import LoopCache
 from looplab.models.exit_compute import resolve_handling, skip_compute_step, skip_compute_unsupported
 from looplab.models.exit_rules import check_rule
+from looplab.models.exits import ExitPolicy
 from looplab.models.speculative import DraftSchedule, SpeculationStats, check_speculation, prefill, speculative_round
 
 __all__ = ["decode_step", "generate", "sample_next", "skip_compute_unsupported", "stream"]
@@ -103,9 +104,17 @@ def decode_step(
         _check_skip(model.config, handling, exit_rule, exit_threshold)
         return skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops, handling,
                                  n_loops=n_loops)
-    out = model(input_ids, cache=cache, exit_threshold=exit_threshold, exit_rule=exit_rule, exit_min_loops=exit_min_loops,
-                n_loops=n_loops)
+    out = model(input_ids, cache=cache, n_loops=n_loops, exits=_threshold_policy(exit_threshold, exit_rule, exit_min_loops))
     return out.logits[:, -1], (out.exit_steps[:, -1] if out.exit_steps is not None else None)
+
+
+def _threshold_policy(exit_threshold, exit_rule, exit_min_loops) -> ExitPolicy | None:
+    """The depth a cached forward reads: the rule's exit (exit_threshold set) or the last loop (None)."""
+    if exit_threshold is None:
+        if exit_rule is not None:
+            raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
+        return None
+    return ExitPolicy(threshold=exit_threshold, rule=exit_rule, min_loops=exit_min_loops)
 
 
 def _check_skip(config, handling: str, exit_rule: str | None, exit_threshold: float | None) -> None:
@@ -144,10 +153,13 @@ def stream(
     n_loops: int | None = None,
     speculative_loops: int | None = None,
     draft_tokens: int | str = 4,
+    static_cache: bool | str = False,
 ) -> Iterator[StepOutput]:
     """Yield one StepOutput per generated token; stops early once every row has emitted eos.
     speculative_loops=k: self-speculative greedy decoding, loops 1..k drafting draft_tokens
-    tokens per round (an int, or "auto"; models/speculative.py), output identical to plain greedy."""
+    tokens per round (an int, or "auto"; models/speculative.py), output identical to plain greedy.
+    static_cache: plain decoding steps with static shapes (models/static_decode.py): "eager" (or true),
+    "compile", "reduce-overhead" (CUDA graphs) or "max-autotune"; the step compiles once per batch size."""
     cfg = model.config
     R = model.loops(n_loops)  # test-time depth R′ (default: the configured R)
     if input_ids.dim() == 1:
@@ -181,14 +193,24 @@ def stream(
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         eos = torch.tensor(eos_ids, device=input_ids.device)
 
+    if static_cache:
+        mode = "eager" if static_cache is True else static_cache
+        others = {"exit_threshold": exit_threshold, "speculative_loops": speculative_loops,
+                  "skip_compute": handling}
+        bad = [f"{k}={v!r}" for k, v in others.items() if v is not None]
+        if bad:
+            raise ValueError(f"static_cache={mode!r} decodes plain steps; it does not combine with {', '.join(bad)}")
+        yield from _stream_static(model, input_ids, attention_mask, max_new_tokens, eos, mode, R,
+                                  temperature, top_k, top_p, generator)
+        return
     cache = model.allocate_cache(B, T + max_new_tokens, n_loops=R)
     if speculative_loops is not None:
         yield from _stream_speculative(model, input_ids, attention_mask, cache, max_new_tokens, eos,
                                        speculative_loops, draft_tokens, R)
         return
     # prefill is parallel over the prompt, so it runs every loop even under skip_compute
-    out = model(input_ids, attention_mask=attention_mask, cache=cache, exit_threshold=exit_threshold,
-                exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R)
+    out = model(input_ids, attention_mask=attention_mask, cache=cache, n_loops=R,
+                exits=_threshold_policy(exit_threshold, exit_rule, exit_min_loops))
     logits = out.logits[:, -1]
     exit_steps = out.exit_steps[:, -1] if out.exit_steps is not None else None
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
@@ -204,6 +226,26 @@ def stream(
             model, tokens[:, None], cache, exit_threshold=exit_threshold, skip_compute=skip_compute,
             exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R,
         )
+
+
+def _stream_static(model, input_ids, attention_mask, max_new_tokens: int, eos: torch.Tensor | None, mode: str, R: int,
+                   temperature, top_k, top_p, generator) -> Iterator[StepOutput]:
+    """Plain decoding through a StaticDecoder (fixed shapes, optionally compiled); eos as in plain decoding."""
+    from looplab.models.static_decode import static_decoder
+
+    B, T = input_ids.shape
+    dec = static_decoder(model, B, T + max_new_tokens, mode, n_loops=R)
+    logits = dec.prefill(input_ids, attention_mask)
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    for i in range(max_new_tokens):
+        tokens = sample_next(logits, temperature, top_k, top_p, generator)
+        if eos is not None:
+            tokens = torch.where(finished, eos[0], tokens)
+            finished |= torch.isin(tokens, eos)
+        yield StepOutput(tokens, logits)
+        if i == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
+            return
+        logits = dec.step(tokens)
 
 
 def _stream_speculative(model, input_ids, attention_mask, cache: LoopCache, max_new_tokens: int,
@@ -258,6 +300,7 @@ def generate(
     n_loops: int | None = None,
     speculative_loops: int | None = None,
     draft_tokens: int | str = 4,
+    static_cache: bool | str = False,
 ) -> torch.Tensor | GenerationOutput:
     """Cached generation. Returns (B, T + n) sequences, or a GenerationOutput with return_logits.
 
@@ -267,6 +310,8 @@ def generate(
     depth (any R′ ≥ 1, caches sized for R′; skip_compute included). speculative_loops=k (1..R′−1)
     decodes greedily by self-speculation (loops 1..k draft `draft_tokens` tokens a round, an int or
     "auto"; models/speculative.py) with the same output; GenerationOutput.acceptance_rate reports it.
+    static_cache="eager" | "compile" | "reduce-overhead" decodes plain steps with static shapes, compiled
+    once per (batch, length) (models/static_decode.py; CUDA graphs with reduce-overhead).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -274,7 +319,7 @@ def generate(
         stream(
             model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
             attention_mask, exit_threshold, skip_compute, generator, exit_rule, exit_min_loops, n_loops=n_loops,
-            speculative_loops=speculative_loops, draft_tokens=draft_tokens,
+            speculative_loops=speculative_loops, draft_tokens=draft_tokens, static_cache=static_cache,
         )
     )
     B = input_ids.shape[0]

@@ -54,9 +54,8 @@ import torch.nn as nn
 
 from looplab.models.cache import LoopCache
 from looplab.models.config import LoopedLMConfig
-from looplab.models.exit_compute import forward_with_exits, resolve_handling
-from looplab.models.exit_gate import ExitGate, exit_distribution, logits_at_depth
-from looplab.models.exit_rules import EXIT_RULES, first_exit
+from looplab.models.exit_gate import ExitGate
+from looplab.models.exits import ExitPolicy, forward_kwargs_policy, forward_with_skips, read_depths
 from looplab.models.generation import decode_step, generate
 from looplab.models.hub import LoopedHubMixin
 from looplab.models.injection import build_injection
@@ -211,27 +210,20 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         *,
         attention_mask: torch.Tensor | None = None,  # (B, T), 1 = real token, 0 = (left) padding
         cache: LoopCache | None = None,
-        return_all_loops: bool = False,
-        exit_threshold: float | None = None,
-        exit_rule: str | None = None,
-        exit_min_loops: int = 1,
-        exit_at_step: int | None = None,
-        expected_exit: bool = False,
-        return_diagnostics: bool = False,
         n_loops: int | None = None,
         backprop_loops: int | None = None,
-        skip_compute: bool | str | None = None,
-        exit_steps: torch.Tensor | None = None,  # (B, T), 1-based, with skip_compute
+        return_all_loops: bool = False,
+        return_diagnostics: bool = False,
+        exits: ExitPolicy | None = None,
+        **legacy,  # exit_threshold=, exit_rule=, ... (models/exits.py: ExitPolicy.from_kwargs)
     ) -> LoopedLMOutput:
-        if skip_compute not in (None, False, "none") or exit_steps is not None:
-            # the exit-aware reference (models/exit_compute.py) is a forward of the model itself, so
-            # whatever wraps forward (FSDP2's root all-gather, DDP) wraps it too
-            return self._forward_with_exits(input_ids, attention_mask, skip_compute, exit_steps, exit_rule,
-                                            exit_threshold, exit_min_loops, n_loops,
-                                            cache=cache, exit_at_step=exit_at_step,
-                                            expected_exit=expected_exit, return_diagnostics=return_diagnostics,
-                                            backprop_loops=backprop_loops)
-        B, T = input_ids.shape
+        """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
+        exits = forward_kwargs_policy(exits, legacy)
+        if exits is not None and exits.skip is not None:
+            # the exit-aware reference is a forward of the model itself, so whatever wraps forward
+            # (FSDP2's root all-gather, DDP) wraps it too
+            return forward_with_skips(self, input_ids, attention_mask, exits, n_loops, cache=cache,
+                                      return_diagnostics=return_diagnostics, backprop_loops=backprop_loops)
         R = self.loops(n_loops)
         self._check_cache_depth(cache, R)
         no_grad_loops = self._no_grad_loops(R, backprop_loops)
@@ -250,57 +242,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                         diag["retention"].append(a.mean().item())
                         diag["state_norm"].append(s.norm(dim=-1).mean().item())
                         diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
-
         diagnostics = {k: v for k, v in diag.items() if v}
-        if exit_rule is not None and exit_threshold is None:
-            raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
-        want_loops = return_all_loops or exit_threshold is not None or exit_at_step is not None or expected_exit
-        if not want_loops:  # the coda on the last readout only
-            z = self._coda(readouts[-1], R - 1, positions, valid, cache)
-            return LoopedLMOutput(logits=self.head(self.final_norm(z)), diagnostics=diagnostics)
-
-        coda_out = [self._coda(z, r, positions, valid, cache) for r, z in enumerate(readouts)]
-        loop_hidden = self.final_norm(torch.stack(coda_out))  # (R′, B, T, d)
-        loop_logits = self.head(loop_hidden)  # (R, B, T, V)
-        out = LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden, diagnostics=diagnostics)
-        if self.exit_gate is not None:
-            out.exit_gate_logits = self.exit_gate.logit(loop_hidden).permute(1, 2, 0)  # (B, T, R)
-            out.exit_probs = exit_distribution(torch.sigmoid(out.exit_gate_logits))
-        if exit_at_step is not None:
-            if not 1 <= exit_at_step <= R:
-                raise ValueError(f"exit_at_step={exit_at_step} must lie in 1..{R} (the loops this call runs)")
-            out.exit_steps = torch.full((B, T), exit_at_step, dtype=torch.long, device=input_ids.device)
-        elif exit_threshold is not None or expected_exit:
-            rule = exit_rule or "gate"
-            if out.exit_probs is None and (expected_exit or rule == "gate"):
-                raise ValueError("exit_threshold / expected_exit need a model with an exit gate (exit_gate=ouro), "
-                                 f"or a zero-shot exit_rule ({', '.join(EXIT_RULES[1:])})")
-            if expected_exit:
-                out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs, loop_logits)
-                steps = torch.arange(1, R + 1, device=input_ids.device, dtype=out.exit_probs.dtype)
-                out.diagnostics["expected_exit_step"] = [float((out.exit_probs * steps).sum(-1).mean())]
-            else:
-                out.exit_steps = first_exit(rule, exit_threshold, R, min_loops=exit_min_loops,
-                                            logits=loop_logits, hidden=loop_hidden, exit_probs=out.exit_probs)
-        if out.exit_steps is not None:
-            out.logits = logits_at_depth(loop_logits, out.exit_steps)
-        return out
-
-    def _forward_with_exits(self, input_ids, attention_mask, skip_compute, exit_steps, rule, threshold, min_loops,
-                            n_loops, **unsupported) -> LoopedLMOutput:
-        """forward(..., skip_compute=HANDLING, exit_steps=steps | exit_rule/exit_threshold): each token stops
-        running loops after its exit step (exit_compute.forward_with_exits, the reference of skip_compute decoding);
-        the output always holds every loop's logits."""
-        handling = resolve_handling(skip_compute)
-        if handling is None:
-            raise ValueError(f"exit_steps needs skip_compute (kv_copy, ssm_skip or ssm_propagate), "
-                             f"got skip_compute={skip_compute!r}")
-        bad = [k for k, v in unsupported.items() if v not in (None, False)]
-        if bad:
-            raise ValueError(f"skip_compute={skip_compute!r} runs the cache-free exit reference, which does not take "
-                             f"{', '.join(bad)}; call the model without them")
-        return forward_with_exits(self, input_ids, exit_steps, handling, attention_mask, rule=rule, threshold=threshold,
-                                  min_loops=min_loops, n_loops=n_loops)
+        return read_depths(self, readouts, exits, return_all_loops, positions, valid, cache, diagnostics)
 
     @staticmethod
     def _no_grad_loops(R: int, backprop_loops: int | None) -> int:

@@ -29,6 +29,7 @@ from torchmetrics import MeanMetric
 from looplab.checkpoint import looplab_meta
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.exit_gate import logits_at_depth, stage1_loss, stage2_loss, threshold_exit_steps
+from looplab.models.exits import ExitPolicy
 from looplab.training.depth import DepthSampler, step_rng
 
 IGNORE = -100
@@ -189,7 +190,7 @@ class LoopedLMModule(L.LightningModule):
         scored at its exit, as skip_compute decoding reads it. It runs as a forward of the model (not of its
         parts), so FSDP2's root hooks gather the embedding, norms and head for it."""
         steps = self.sample_exit_steps(ids, batch_idx)
-        out = self.model(ids, exit_steps=steps, skip_compute=self.objective["skip_handling"])
+        out = self.model(ids, exits=ExitPolicy(skip=self.objective["skip_handling"], steps=steps))
         self.log("train/exit_early_frac", (steps < self.R).float().mean())
         return per_token_loss(out.logits, targets).mean()
 
