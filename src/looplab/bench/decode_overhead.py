@@ -15,6 +15,10 @@ medians of `repeats` calls; every call decodes the same tokens:
                           (skip_overhead = time ÷ plain's − 1; the issue's target is ≤ 0.05)
     plain at depth 1      the same model decoded at n_loops=1, so time/token = fixed + R · per_loop gives
                           the per-loop cost and the share of a token's time spent outside the loops
+    static_eager          plain decoding through the static-shape step (models/static_decode.py)
+    static_compiled       the same step under torch.compile (inductor's C++ kernels on the CPU; the
+                          first call compiles, minutes, and is not timed): what fusing the per-op
+                          overhead away buys (full runs: every width; --quick: none).
 
 Output tokens are compared with plain decoding (transformers' too: `agree` is the fraction of equal
 tokens; float rounding of an unrolled model may flip a near-tie).
@@ -49,7 +53,7 @@ def _models(d: int, seed: int = 0) -> tuple[LoopedLM, LoopedLM]:
 
 
 @torch.no_grad()
-def run_width(d: int, repeats: int = 5, transformers: bool = True, new: int = NEW) -> dict:
+def run_width(d: int, repeats: int = 5, transformers: bool = True, new: int = NEW, compile: bool = False) -> dict:
     plain, gated = _models(d)
     ids = torch.randint(0, DIMS["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
     ref = generate(plain, ids, new)
@@ -61,7 +65,17 @@ def run_width(d: int, repeats: int = 5, transformers: bool = True, new: int = NE
         "plain_depth1": lambda: generate(plain, ids, new, n_loops=1),
         "gate_plain": lambda: generate(gated, ids, new),
         "skip_no_exit": lambda: generate(gated, ids, new, exit_threshold=0.5, skip_compute="kv_copy"),
+        "static_eager": lambda: generate(plain, ids, new, static_cache="eager"),
     }
+    compile_s = None
+    if compile:
+        import time
+
+        t0 = time.perf_counter()
+        if not torch.equal(generate(plain, ids, new, static_cache="compile"), ref):
+            raise AssertionError("the compiled static step decoded other tokens than plain decoding")
+        compile_s = time.perf_counter() - t0
+        fns["static_compiled"] = lambda: generate(plain, ids, new, static_cache="compile")
     agree = None
     if transformers:
         from looplab.convert import unrolled_transformers
@@ -85,19 +99,24 @@ def run_width(d: int, repeats: int = 5, transformers: bool = True, new: int = NE
         "outside_loops_share": round(fixed / ms["plain"], 3),
         "skip_overhead": round(ms["skip_no_exit"] / ms["gate_plain"] - 1, 3),
     }
+    out["static_eager_speedup"] = round(ms["plain"] / ms["static_eager"], 3)
+    if compile:
+        out["static_compiled_speedup"] = round(ms["plain"] / ms["static_compiled"], 3)
+        out["compile_s"] = round(compile_s, 1)
     if transformers:
         out["ratio_vs_transformers"] = round(ms["transformers"] / ms["plain"], 3)
         out["transformers_agree"] = round(agree, 3)
     return out
 
 
-def run(threads: int, quick: bool = False, repeats: int | None = None, widths=None) -> dict:
-    """quick: d 64 only, 16 new tokens, 2 repeats (a smoke test; the figures mean little)."""
+def run(threads: int, quick: bool = False, repeats: int | None = None, widths=None, compile_widths=tuple(WIDTHS)) -> dict:
+    """quick: d 64 only, 16 new tokens, 2 repeats, nothing compiled (a smoke test; the figures mean little)."""
     widths = list(widths or ((64,) if quick else WIDTHS))
+    compile_widths = () if quick else tuple(compile_widths)
     repeats = repeats or (2 if quick else 5)
     new = 16 if quick else NEW
     res = {"dims": {**DIMS, "prompt": PROMPT, "new_tokens": new, "batch": 1},
-           "widths": {str(d): run_width(d, repeats, new=new) for d in widths}}
+           "widths": {str(d): run_width(d, repeats, new=new, compile=d in compile_widths) for d in widths}}
     per = res["widths"].values()
     res["skip_overhead"] = max(w["skip_overhead"] for w in per)
     res["ratio_vs_transformers"] = min(w["ratio_vs_transformers"] for w in per)
