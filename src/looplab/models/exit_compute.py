@@ -228,12 +228,13 @@ def skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshol
     logits = None
     survival = x.new_ones(B)
     probs, seen_logits, seen_hidden = [], [], []  # loops 1..t: what the rule reads
+    none_exited = True  # the common case, kept in Python: no mask ops or syncs until some row exits
     for r in range(R):
-        running = exit_loop < 0
-        if not bool(running.any()):
+        running = None if none_exited else exit_loop < 0
+        if running is not None and not bool(running.any()):
             _advance_exited(model, cache, r, exit_loop, pos, handling)
             continue
-        frozen.set_loop(~running[:, None])
+        frozen.set_loop(None if running is None else ~running[:, None])
         x, s, readout = run_loop(model, x, s, r, positions, valid, cache, frozen, e)
 
         normed = model.final_norm(readout[:, -1])  # (B, d)
@@ -249,13 +250,16 @@ def skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshol
                 seen_hidden.append(normed)
             else:
                 seen_logits.append(model.head(normed))
+            new = None  # (B,) bool: the rows that stop at t (None: none can, t < min_loops)
             if t >= min_loops:
-                new = running & stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
-                                         logits=torch.stack(seen_logits) if seen_logits else None,
-                                         hidden=torch.stack(seen_hidden) if seen_hidden else None)
-            else:
-                new = torch.zeros_like(running)
-        if bool(new.any()):
+                new = stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
+                               logits=torch.stack(seen_logits) if seen_logits else None,
+                               hidden=torch.stack(seen_hidden) if seen_hidden else None)
+                new = new if running is None else running & new
+        if t == R and none_exited:  # every row ran every loop: no masked writes
+            return model.head(normed), exit_loop.fill_(R)
+        if new is not None and bool(new.any()):
+            none_exited = False
             if seen_logits and t < R:  # the rule already read this loop's logits
                 step_logits = seen_logits[-1][new] if not bool(new.all()) else seen_logits[-1]
             else:
