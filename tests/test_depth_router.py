@@ -190,6 +190,19 @@ def test_stopped_token_keeps_its_state_and_readout():
     assert (depth == 3).any() and (depth < 3).any()
 
 
+def test_left_padding_leaves_token_choice_unchanged():
+    """Token choice decides per token, so a left-padded row computes what the unpadded row does: the
+    gathered valid mask and positions keep the padding out of every loop's attention."""
+    model = make("token_choice", state_mode="stateloop_attn")
+    ids = ids_for()
+    padded = torch.cat([torch.zeros(B, 3, dtype=torch.long), ids], 1)
+    mask = torch.ones_like(padded)
+    mask[:, :3] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, attention_mask=mask).logits[:, 3:], model(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_capacity_and_causal_order():
     model = make({"name": "expert_choice", "capacity": [0.75, 0.5, 0.25], "capacity_warmup_steps": 10})
     ids = ids_for()
