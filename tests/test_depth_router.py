@@ -249,6 +249,8 @@ def test_aux_losses_finite_nonzero_and_aux_router_sees_detached_input(router):
     (dict(depth_router={"name": "expert_choice", "kv": "share_first"}), ["depth_router.kv=share_first"]),
     (dict(depth_router={"name": "expert_choice", "capacity": [0.3, 0.6, 1.0]}), ["depth_router.capacity"]),
     (dict(depth_router={"name": "token_choice", "activation": "tanh"}), ["depth_router.activation"]),
+    (dict(depth_router={"name": "expert_choice", "aux_router": True, "aux_router_coeff": 0.0}),
+     ["depth_router.aux_router"]),
 ])
 def test_unsupported_combinations_are_refused_naming_the_option(kw, words):
     kw.setdefault("depth_router", {"name": "expert_choice"})
@@ -302,3 +304,19 @@ def test_train_runs_with_a_router(router, tiny_overrides, tmp_path):
     logged = {k for row in rows for k, v in row.items() if v}
     assert "train/router_mean_depth" in logged
     assert ("train/router_router_bce" if router == "expert_choice" else "train/router_balance") in logged
+
+
+def test_pretrained_round_trip_and_warm_start_from_a_plain_model(tmp_path):
+    from looplab.train import load_warm_start
+
+    routed = make({"name": "expert_choice", "aux_router": True})
+    routed.save_pretrained(tmp_path / "routed")
+    again = LoopedLM.from_pretrained(str(tmp_path / "routed")).eval()
+    assert again.config.depth_router == routed.config.depth_router
+    ids = ids_for()
+    torch.testing.assert_close(again(ids).logits, routed(ids).logits, rtol=0, atol=0)
+    plain = make(router=None, seed=5)
+    plain.save_pretrained(tmp_path / "plain")
+    missing = load_warm_start(routed, str(tmp_path / "plain"))
+    assert missing and all(k.startswith("router.") for k in missing)
+    torch.testing.assert_close(routed.block[0].attn.qkv_proj.weight, plain.block[0].attn.qkv_proj.weight)

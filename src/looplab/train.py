@@ -97,7 +97,7 @@ def load_warm_start(model, path: str) -> list[str]:
     own = model.state_dict()
     state = {k: v for k, v in state.items() if k in own}  # a branch the new model lacks is dropped
     missing, _ = model.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.startswith(("state.", "exit_gate.", "inject."))]
+    bad = [k for k in missing if not k.startswith(("state.", "exit_gate.", "inject.", "router."))]
     if bad:
         raise ValueError(f"checkpoint {path!r} lacks backbone weights {bad[:5]}...")
     return missing

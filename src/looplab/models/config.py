@@ -237,6 +237,9 @@ class LoopedLMConfig:
         for name in ("aux_loss_coeff", "aux_router_coeff", "z_loss_coeff", "balancing_loss_coeff"):
             v = getattr(rc, name)
             need(isinstance(v, (int, float)) and v >= 0, f"depth_router.{name}={v!r} must be a number >= 0")
+        need(not rc.aux_router or (rc.name == "expert_choice" and rc.aux_router_coeff > 0),
+             f"depth_router.aux_router=true with {r}, aux_router_coeff={rc.aux_router_coeff}: the auxiliary router is "
+             "an expert_choice option and learns only from its BCE loss; set aux_router_coeff > 0 (MoR: 0.001)")
         need(isinstance(rc.capacity_warmup_steps, int) and rc.capacity_warmup_steps >= 0,
              f"depth_router.capacity_warmup_steps={rc.capacity_warmup_steps!r} must be an integer >= 0")
         if rc.name == "expert_choice":
