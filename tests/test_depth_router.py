@@ -61,29 +61,38 @@ def rope(x, layer, pos):  # x (hd,), rotate-half at absolute position pos
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
 
 
-def slow_layer(layer, x, active):
+def slow_layer(layer, x, active, shared=None):
     """One llama layer, attention written out per query: an active token at original position t attends
-    to the active tokens at positions <= t, RoPE at the original positions. Rows of inactive tokens: 0."""
+    to the active tokens at positions <= t, RoPE at the original positions. Rows of inactive tokens: 0.
+    shared (kv=share_first): None at the first loop, which returns its (k, v, active); later loops attend
+    to those keys/values instead of their own."""
     att = layer.attn
-    H, hd = att.n_heads, att.head_dim
+    H, Hkv, hd = att.n_heads, att.n_kv_heads, att.head_dim
     xn = layer.attn_norm(x)
-    q, k, v = att.qkv_proj(xn).split((H * hd, H * hd, H * hd), dim=-1)
+    q, k, v = att.qkv_proj(xn).split((H * hd, Hkv * hd, Hkv * hd), dim=-1)
+    mine = (k, v, active)
+    if shared is not None:
+        k, v, key_active = shared
+    else:
+        key_active = active
     y = torch.zeros_like(x)
     for b in range(x.shape[0]):
         for t in range(x.shape[1]):
             if not active[b, t]:
                 continue
-            keys = [j for j in range(t + 1) if active[b, j]]
+            keys = [j for j in range(t + 1) if key_active[b, j]]
             heads = []
             for hh in range(H):
                 sl = slice(hh * hd, (hh + 1) * hd)
+                g = hh // (H // Hkv)  # grouped-query: the key/value head of query head hh
+                kl = slice(g * hd, (g + 1) * hd)
                 qt = rope(q[b, t, sl], layer, t)
-                scores = torch.stack([qt @ rope(k[b, j, sl], layer, j) for j in keys]) / math.sqrt(hd)
+                scores = torch.stack([qt @ rope(k[b, j, kl], layer, j) for j in keys]) / math.sqrt(hd)
                 p = scores.softmax(0)
-                heads.append(sum(p[i] * v[b, j, sl] for i, j in enumerate(keys)))
+                heads.append(sum(p[i] * v[b, j, kl] for i, j in enumerate(keys)))
             y[b, t] = att.out_proj(torch.cat(heads))
     y = x + y
-    return y + layer.mlp(layer.mlp_norm(y))
+    return y + layer.mlp(layer.mlp_norm(y)), mine
 
 
 def reference(model, ids, per_token=False):
@@ -94,6 +103,7 @@ def reference(model, ids, per_token=False):
     pos = torch.arange(ids.shape[1])[None]
     s = model.state.initial_state(x) if model.state is not None else None
     h, active, readouts, masks = x, torch.ones(ids.shape, dtype=torch.bool), [], []
+    share, first_kv = rc.kv == "share_first", {}
     if rc.name == "token_choice":
         p = model.router.router(x / rc.temperature).softmax(-1) * rc.scale
         depth = p.argmax(-1) + 1
@@ -110,8 +120,10 @@ def reference(model, ids, per_token=False):
             w = torch.ones_like(w)
         if per_token:
             y = x
-            for layer in model.block:
-                y = slow_layer(layer, y, new)
+            for l, layer in enumerate(model.block):
+                y, kv = slow_layer(layer, y, new, first_kv.get(l) if share and r > 0 else None)
+                if r == 0:
+                    first_kv[l] = kv
         else:  # the model's explicit-mask path at full size: keys = active tokens, causal by position
             y = model._block_forward(x, pos, new, None, r)
         hn = x + w[..., None] * (y if rc.update == "mor" else y - x)
@@ -177,6 +189,22 @@ def test_recursion_wise_attention_equals_the_per_token_reference():
         ref, masks = reference(model, ids, per_token=True)
     assert masks[-1].sum() < masks[0].sum()
     torch.testing.assert_close(out.loop_logits, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("router", ["expert_choice", "token_choice"])
+def test_share_first_equals_the_per_token_reference(router):
+    """kv=share_first: every later loop's active tokens attend to the first loop's keys/values."""
+    cfg = {"name": router, "kv": "share_first"}
+    if router == "expert_choice":
+        cfg["capacity"] = [0.75, 0.5, 0.25]  # the first loop runs a subset too: only its keys are shared
+    model = make(cfg, n_layers=2, n_kv_heads=2)
+    ids = ids_for()
+    with torch.no_grad():
+        out = model(ids, return_all_loops=True)
+        ref, masks = reference(model, ids, per_token=True)
+        plain = make({**cfg, "kv": "recursion_wise"}, n_layers=2, n_kv_heads=2)(ids, return_all_loops=True)
+    torch.testing.assert_close(out.loop_logits, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out.loop_logits[-1], plain.loop_logits[-1])  # the two KV modes differ
 
 
 def test_stopped_token_keeps_its_state_and_readout():
@@ -246,7 +274,7 @@ def test_aux_losses_finite_nonzero_and_aux_router_sees_detached_input(router):
     (dict(backbone="hybrid", d_state=8, headdim=8, chunk_size=8), ["depth_router", "backbone=hybrid"]),
     (dict(exit_gate="ouro"), ["depth_router", "exit_gate=ouro"]),
     (dict(state_mode="stateloop_mamba2", d_state=8, headdim=8), ["depth_router", "stateloop_mamba2"]),
-    (dict(depth_router={"name": "expert_choice", "kv": "share_first"}), ["depth_router.kv=share_first"]),
+    (dict(depth_router={"name": "expert_choice", "kv": "shared"}), ["depth_router.kv"]),
     (dict(depth_router={"name": "expert_choice", "capacity": [0.3, 0.6, 1.0]}), ["depth_router.capacity"]),
     (dict(depth_router={"name": "token_choice", "activation": "tanh"}), ["depth_router.activation"]),
     (dict(depth_router={"name": "expert_choice", "aux_router": True, "aux_router_coeff": 0.0}),

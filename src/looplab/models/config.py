@@ -39,7 +39,8 @@ class RouterConfig:
     Defaults are MoR's (raymin0223/mixture_of_recursions); conf/depth_router/*.yaml names them all."""
 
     name: str = "none"  # none | expert_choice | token_choice
-    kv: str = "recursion_wise"  # recursion_wise: depth r attends over the tokens active at r | share_first (not yet)
+    kv: str = "recursion_wise"  # recursion_wise: depth r attends over the tokens active at r | share_first: every
+    #                             depth's queries attend to the first loop's keys/values
     router_type: str = "linear"  # MoR's default router head (MoR's mlp / wide_mlp are not offered yet)
     temperature: float = 1.0  # the router reads x / temperature
     activation: str | None = None  # expert_choice: sigmoid | tanh (None = sigmoid); token_choice: softmax | sigmoid (None = softmax)
@@ -225,7 +226,6 @@ class LoopedLMConfig:
         need(self.exit_gate == "none", f"{r} with exit_gate={self.exit_gate}: a router and an exit gate both choose "
              f"the depth; combine them with exit_gate=none only")
         need(rc.kv in ROUTER_KV, f"depth_router.kv={rc.kv!r} is unknown; choose one of {ROUTER_KV}")
-        need(rc.kv == "recursion_wise", f"depth_router.kv={rc.kv} is not implemented yet; use depth_router.kv=recursion_wise")
         need(rc.router_type == "linear", f"depth_router.router_type={rc.router_type!r}: only 'linear' is offered")
         acts = ("sigmoid", "tanh") if rc.name == "expert_choice" else ("softmax", "sigmoid")
         need(rc.activation in acts, f"depth_router.activation={rc.activation!r} with {r}: choose one of {acts}")

@@ -153,9 +153,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         cos, sin = self.rope(positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, L, hd), L = cached + T
-        mask = attention_mask(valid, T, k.shape[2], x.device)
+            mask = getattr(cache, "attn_mask", None)  # depth_router kv=share_first's own mask (models/router.py)
+        if mask is None:
+            mask = attention_mask(valid, T, k.shape[2], x.device)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=Hkv != H
         )

@@ -17,7 +17,10 @@ inside the block, depth r's active tokens attend only to each other, with their 
 for RoPE and a causal mask by original position (the gathered order is the original order, so the
 plain causal mask over the gathered sequence is exactly that). Token choice pads rows of fewer active
 tokens with inactive ones placed after every active one, so no active token ever sees them; their
-outputs are discarded at the scatter. MoR's `share_first` KV mode is not implemented yet (refused).
+outputs are discarded at the scatter. kv=share_first: every loop after the first reuses the first loop's
+keys/values (of the tokens that ran it) in each attention layer: loop r's active tokens are the queries,
+attending to the first loop's keys at original positions <= theirs (only the queries are reduced; the
+StateLoop attention mixer keeps attending over the routed tokens).
 
 Expert choice is not causal (the top-k of a sequence depends on later tokens). MoR's two remedies are
 offered as losses: `aux_loss_coeff` · BCE(main router logit, top-k membership), and with `aux_router`
@@ -195,6 +198,45 @@ def _add(losses: dict, name: str, value: torch.Tensor) -> None:
     losses[name] = losses[name] + value if name in losses else value
 
 
+class _SharedKVEntry:
+    """kv=share_first, one attention layer at one loop, passed where a KV cache goes: loop 0 records the
+    layer's keys/values (RoPE at the original positions); a later loop returns them instead of its own,
+    with `attn_mask` (read by CausalSelfAttention): query at original position p sees the recorded keys
+    at positions <= p (valid ones; and its own position, so no row is empty)."""
+
+    def __init__(self, store: dict, l: int, r: int, q_pos: torch.Tensor):
+        self.store, self.l, self.r = store, l, r
+        self.attn_mask = None
+        if r > 0:
+            pos0, valid0 = store["positions"], store["valid"]
+            keys = pos0[:, None, :] <= q_pos[:, :, None]  # (B, k, T0)
+            if valid0 is not None:
+                keys = (keys & valid0[:, None, :]) | (pos0[:, None, :] == q_pos[:, :, None])
+            self.attn_mask = keys[:, None]  # (B, 1, k, T0)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        if self.r == 0:
+            self.store[self.l] = (k, v)
+            return k, v
+        return self.store[self.l]
+
+
+class _SharedKV:
+    """The `cache` a routed loop_step gets under kv=share_first: cache[r, l] → _SharedKVEntry."""
+
+    def __init__(self, store: dict, r: int, positions: torch.Tensor, valid: torch.Tensor | None, B: int):
+        self.store, self.r = store, r
+        self.q_pos = positions.expand(B, positions.shape[1])
+        if r == 0:
+            store["positions"], store["valid"] = self.q_pos, valid
+
+    def __getitem__(self, key):
+        return _SharedKVEntry(self.store, key[1], self.r, self.q_pos)
+
+    def get(self, key, default=None):  # the StateLoop mixer keeps its own attention over the routed tokens
+        return default
+
+
 class RoutedLoop:
     """One routed forward: `loop_step` has LoopedLM.loop_step's signature and runs it on the selected tokens."""
 
@@ -204,6 +246,7 @@ class RoutedLoop:
         self.h = x  # a token that never ran a loop reads its input
         self.cand: torch.Tensor | None = None  # expert choice: the tokens that ran the previous loop
         self.assigned = None
+        self.shared: dict = {}  # kv=share_first: loop 0's keys/values per layer, with their positions
 
     def loop_step(self, x, s, e, r: int, positions, valid, cache):
         router = self.router
@@ -222,7 +265,8 @@ class RoutedLoop:
         def gate(x_in, h_block):  # the router weight multiplies the update (called by model.loop_step)
             return x_in + w * (h_block if update == "mor" else h_block - x_in)
 
-        h_a, xn_a, sn_a, a = self.model.loop_step(x_a, s_a, e_a, r, pos_a, valid_a, None, gate=gate)
+        kv = _SharedKV(self.shared, r, pos_a, valid_a, x.shape[0]) if router.cfg.kv == "share_first" else None
+        h_a, xn_a, sn_a, a = self.model.loop_step(x_a, s_a, e_a, r, pos_a, valid_a, kv, gate=gate)
         if live is not None:  # padded slots (token choice): keep what they were
             keep = live[..., None]
             h_a = torch.where(keep, h_a, gather_tokens(self.h, idx))
