@@ -343,13 +343,13 @@ def check_compatible(meta: dict[str, Any], cfg: LoopedLMConfig, *, allow_new_bra
     """Raise ConfigError naming every architecture field that differs.
 
     allow_new_branches: warm-starting a StateLoop / gated model from a vanilla one
-    (SPEC §3) may differ in state_mode, state fields, exit_gate and injection only.
+    (SPEC §3) may differ in state_mode, state fields, exit_gate, injection and depth_router only.
     """
     old = LoopedLMConfig.from_dict(meta["model_config"]).architecture_dict()
     new = cfg.architecture_dict()
     diff = {k: (old.get(k), new.get(k)) for k in new if old.get(k) != new.get(k)}
     if allow_new_branches:
-        diff = {k: v for k, v in diff.items() if not (k.startswith("state_") or k in ("exit_gate", "injection"))}
+        diff = {k: v for k, v in diff.items() if not (k.startswith("state_") or k in ("exit_gate", "injection", "depth_router"))}
     if diff:
         lines = ", ".join(f"{k}: checkpoint={a!r} vs config={b!r}" for k, (a, b) in sorted(diff.items()))
         raise ConfigError(f"checkpoint was trained with another architecture ({lines}); use the matching config")

@@ -97,7 +97,7 @@ def load_warm_start(model, path: str) -> list[str]:
     own = model.state_dict()
     state = {k: v for k, v in state.items() if k in own}  # a branch the new model lacks is dropped
     missing, _ = model.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.startswith(("state.", "exit_gate.", "inject."))]
+    bad = [k for k in missing if not k.startswith(("state.", "exit_gate.", "inject.", "router."))]
     if bad:
         raise ValueError(f"checkpoint {path!r} lacks backbone weights {bad[:5]}...")
     return missing
@@ -187,7 +187,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module.flops_per_batch = flops_train * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
     log.info("model: %s | params %s | state-branch overhead %.3f%% | forward FLOPs/token %.3g",
              f"{model_cfg.backbone} {model_cfg.n_layers}x{model_cfg.n_loops} (prelude {model_cfg.prelude_layers}, coda "
-             f"{model_cfg.coda_layers}) {model_cfg.state_mode} gate={model_cfg.exit_gate}",
+             f"{model_cfg.coda_layers}) {model_cfg.state_mode} gate={model_cfg.exit_gate} router={model_cfg.depth_router.name}",
              f"{params['total']:,}", 100 * params["state_branch"] / max(1, params["total"] - params["state_branch"]), flops_fwd)
 
     try:
@@ -334,7 +334,8 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "seed": cfg.seed,
         "model": {"backbone": mc.backbone, "layers": mc.n_layers, "loops": mc.n_loops,
                   "prelude": mc.prelude_layers, "coda": mc.coda_layers, "state_mode": mc.state_mode,
-                  "exit_gate": mc.exit_gate, "exit_stage": module.objective.get("exit_stage"), "d_model": mc.d_model},
+                  "exit_gate": mc.exit_gate, "exit_stage": module.objective.get("exit_stage"), "d_model": mc.d_model,
+                  "depth_router": mc.depth_router.name},
         "dataset": cfg.dataset.get("name"),
         "metrics": {**val, **test},
         "final_split": split,

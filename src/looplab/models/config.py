@@ -14,6 +14,8 @@ BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
 EXIT_GATES = ("none", "ouro")
 INJECTIONS = ("none", "add", "concat", "diag")  # models/injection.py
+DEPTH_ROUTERS = ("none", "expert_choice", "token_choice")  # models/router.py (issue 28, Mixture-of-Recursions)
+ROUTER_KV = ("recursion_wise", "share_first")
 KERNELS = ("auto", "torch", "mamba_ssm")
 # causal-conv1d's CUDA conv (csrc/causal_conv1d.cpp) has kernels for these widths only. kernel=auto
 # keeps the torch conv for other widths (fused scan still used); kernel=mamba_ssm asks for the fused
@@ -29,6 +31,57 @@ def fused_conv_width_error(d_conv: int) -> str:
     return (f"d_conv={d_conv!r} with kernel=mamba_ssm: causal-conv1d's fused conv supports kernel widths "
             f"{CAUSAL_CONV1D_WIDTHS[0]}..{CAUSAL_CONV1D_WIDTHS[-1]} only; set d_conv within that range, or "
             f"kernel=auto (fused scan, torch conv at this width) or kernel=torch")
+
+
+@dataclass
+class RouterConfig:
+    """Per-token depth chosen by a router (issue 28, Mixture-of-Recursions; models/router.py).
+    Defaults are MoR's (raymin0223/mixture_of_recursions); conf/depth_router/*.yaml names them all."""
+
+    name: str = "none"  # none | expert_choice | token_choice
+    kv: str = "recursion_wise"  # recursion_wise: depth r attends over the tokens active at r | share_first: every
+    #                             depth's queries attend to the first loop's keys/values
+    router_type: str = "linear"  # MoR's default router head (MoR's mlp / wide_mlp are not offered yet)
+    temperature: float = 1.0  # the router reads x / temperature
+    activation: str | None = None  # expert_choice: sigmoid | tanh (None = sigmoid); token_choice: softmax | sigmoid (None = softmax)
+    scale: float | None = None  # MoR's alpha: weight = scale · activation(logit); None = 0.1 (expert), 1.0 (token)
+    gating: str = "weighted"  # weighted: the router weight multiplies the update | hard: weight 1
+    update: str = "mor"  # mor: x + w·Block(x) (MoR's code and paper) | delta: x + w·(Block(x) − x) (MoD's form)
+    capacity: list[float] | None = None  # expert_choice: fraction of the T tokens kept at each of the R loops,
+    #                                      descending; None = MoR's [R/R, (R−1)/R, ..., 1/R]
+    capacity_warmup_steps: int = 0  # expert_choice: capacity cosine-annealed from 1 to `capacity` over these steps
+    aux_loss_coeff: float = 0.001  # expert_choice: BCE of the main router's logits on top-k membership (MoR aux_loss)
+    aux_router: bool = False  # expert_choice: a separate linear classifier on detached input learns top-k membership
+    aux_router_coeff: float = 0.001  # its BCE loss weight (MoR uses aux_loss_coeff for either sampling)
+    z_loss_coeff: float = 0.0  # router z-loss (logsumexp² of the router logits); 0 = off (MoR's default)
+    balancing_loss_coeff: float = 0.1  # token_choice: Σ_i P_i·f_i load-balancing loss (Switch-style, MoR's default)
+
+    def __post_init__(self) -> None:
+        if self.activation is None:
+            self.activation = "softmax" if self.name == "token_choice" else "sigmoid"
+        if self.scale is None:
+            self.scale = 1.0 if self.name == "token_choice" else 0.1
+        if self.capacity is not None:
+            self.capacity = [float(c) for c in self.capacity]
+
+    def capacities(self, n_loops: int) -> list[float]:
+        if self.capacity is not None:
+            return list(self.capacity)
+        return [(n_loops - i) / n_loops for i in range(n_loops)]
+
+    @classmethod
+    def from_any(cls, value) -> "RouterConfig":
+        if isinstance(value, RouterConfig):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            return cls(name=value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"depth_router: unknown option(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
 
 
 @dataclass
@@ -77,6 +130,9 @@ class LoopedLMConfig:
     # --- input injection (issue 15) --------------------------------------------
     injection: str = "none"  # none | add | concat | diag: the embedding re-enters before loops 2..R
 
+    # --- depth router (issue 28, Mixture-of-Recursions) ------------------------
+    depth_router: RouterConfig = field(default_factory=RouterConfig)  # name none = today's model exactly
+
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, never read by the model
 
     def __post_init__(self) -> None:
@@ -88,6 +144,7 @@ class LoopedLMConfig:
             self.state_dim = self.d_model
         for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
             setattr(self, name, tuple(getattr(self, name)))
+        self.depth_router = RouterConfig.from_any(self.depth_router)
         self.validate()
 
     # ------------------------------------------------------------------------
@@ -151,6 +208,50 @@ class LoopedLMConfig:
         for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
             lo, hi = getattr(self, name)
             need(0 < lo <= hi, f"{name}={getattr(self, name)} must satisfy 0 < a <= b")
+        self._validate_router(need)
+
+    def _validate_router(self, need) -> None:
+        rc = self.depth_router
+        need(rc.name in DEPTH_ROUTERS, f"depth_router={rc.name!r} is unknown; choose one of {DEPTH_ROUTERS}")
+        if rc.name == "none":
+            return
+        r = f"depth_router={rc.name}"
+        need(self.backbone == "llama",
+             f"{r} with backbone={self.backbone}: routed depth runs on the llama (attention) backbone only so far; "
+             f"what a stopped token leaves for the tokens behind it in a Mamba-2 layer is not defined yet "
+             f"(use backbone=llama or depth_router=none)")
+        need(self.state_mode != "stateloop_mamba2",
+             f"{r} with state_mode=stateloop_mamba2 is not supported yet (a Mamba-2 mixer over the routed state "
+             f"sequence); use stateloop, stateloop_attn, stateloop_reset or vanilla")
+        need(self.exit_gate == "none", f"{r} with exit_gate={self.exit_gate}: a router and an exit gate both choose "
+             f"the depth; combine them with exit_gate=none only")
+        need(rc.kv in ROUTER_KV, f"depth_router.kv={rc.kv!r} is unknown; choose one of {ROUTER_KV}")
+        need(rc.router_type == "linear", f"depth_router.router_type={rc.router_type!r}: only 'linear' is offered")
+        acts = ("sigmoid", "tanh") if rc.name == "expert_choice" else ("softmax", "sigmoid")
+        need(rc.activation in acts, f"depth_router.activation={rc.activation!r} with {r}: choose one of {acts}")
+        need(rc.gating in ("weighted", "hard"), f"depth_router.gating={rc.gating!r}: choose weighted or hard")
+        need(rc.update in ("mor", "delta"), f"depth_router.update={rc.update!r}: choose mor or delta")
+        for name in ("temperature", "scale"):
+            v = getattr(rc, name)
+            need(isinstance(v, (int, float)) and v > 0, f"depth_router.{name}={v!r} must be a positive number")
+        for name in ("aux_loss_coeff", "aux_router_coeff", "z_loss_coeff", "balancing_loss_coeff"):
+            v = getattr(rc, name)
+            need(isinstance(v, (int, float)) and v >= 0, f"depth_router.{name}={v!r} must be a number >= 0")
+        need(not rc.aux_router or (rc.name == "expert_choice" and rc.aux_router_coeff > 0),
+             f"depth_router.aux_router=true with {r}, aux_router_coeff={rc.aux_router_coeff}: the auxiliary router is "
+             "an expert_choice option and learns only from its BCE loss; set aux_router_coeff > 0 (MoR: 0.001)")
+        need(isinstance(rc.capacity_warmup_steps, int) and rc.capacity_warmup_steps >= 0,
+             f"depth_router.capacity_warmup_steps={rc.capacity_warmup_steps!r} must be an integer >= 0")
+        if rc.name == "expert_choice":
+            need(self.n_loops >= 2, f"{r} needs loop_depth.loops >= 2 (R={self.n_loops}: nothing to route)")
+            caps = rc.capacities(self.n_loops)
+            need(len(caps) == self.n_loops and all(0 < c <= 1 for c in caps)
+                 and all(a >= b for a, b in zip(caps, caps[1:])),
+                 f"depth_router.capacity={rc.capacity!r} must hold R={self.n_loops} fractions in (0, 1], descending "
+                 f"(MoR's default: {[round((self.n_loops - i) / self.n_loops, 4) for i in range(self.n_loops)]})")
+        else:
+            need(rc.capacity is None, f"depth_router.capacity={rc.capacity!r} is an expert_choice option; "
+                 "token_choice assigns each token one depth (set capacity=null)")
 
     # ------------------------------------------------------------------------
     @property
@@ -194,6 +295,8 @@ class LoopedLMConfig:
         d = asdict(self)
         for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
             d[name] = list(getattr(self, name))
+        if self.depth_router.name == "none":
+            d.pop("depth_router")  # a model without router: the dict (and its checkpoints' hash) as before issue 28
         return d
 
     @classmethod

@@ -160,10 +160,14 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         cos, sin = self.rope(positions, checked=cache is not None)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, L, hd), L = cached + T (a static cache: L = max_len)
-        # a static cache (models/static_decode.py) reads every buffer row, so it brings the mask of the rows written
-        mask = cache.mask if getattr(cache, "static", False) else attention_mask(valid, T, k.shape[2], x.device)
+            # an entry that knows which rows a query may read hands over its own mask: depth_router
+            # kv=share_first (models/router.py), a static cache whose buffers are read whole (static_decode.py)
+            mask = getattr(cache, "attn_mask", None)
+        if mask is None:
+            mask = attention_mask(valid, T, k.shape[2], x.device)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=Hkv != H
         )

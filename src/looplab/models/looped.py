@@ -62,6 +62,7 @@ from looplab.models.injection import build_injection
 from looplab.models.llama import AttentionLayer, RMSNorm
 from looplab.models.outputs import LoopedLMOutput
 from looplab.models.rng import draw_init_seed, named_generator
+from looplab.models.router import build_router
 from looplab.models.state import StateBranch
 
 
@@ -99,6 +100,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             if cfg.tie_embeddings:
                 self.head.weight = self.embed.weight
             self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
+            self.router = build_router(cfg)  # depth_router (models/router.py); None: no parameters, no state-dict keys
         self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
         self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
@@ -219,6 +221,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     ) -> LoopedLMOutput:
         """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
         exits = forward_kwargs_policy(exits, legacy)
+        if self.router is not None:
+            self.router.check_call(n_loops, cache, exits)
         if exits is not None and exits.skip is not None:
             # the exit-aware reference is a forward of the model itself, so whatever wraps forward
             # (FSDP2's root all-gather, DDP) wraps it too
@@ -231,11 +235,12 @@ class LoopedLM(nn.Module, LoopedHubMixin):
 
         x = e = self.run_prelude(self.embed(input_ids), positions, valid, cache)
         s = self.state.initial_state(x) if self.state is not None else None
+        route = self.router.begin(self, x) if self.router is not None else None  # routed loops: models/router.py
         readouts, diag = [], {"retention": [], "state_norm": [], "state_to_stream": []}
         for r in range(R):
             # truncated backprop: the loops before the last k run without a graph (their output is a constant)
             with torch.no_grad() if r < no_grad_loops else contextlib.nullcontext():
-                h, x, s, a = self.loop_step(x, s, e, r, positions, valid, cache)
+                h, x, s, a = (route or self).loop_step(x, s, e, r, positions, valid, cache)
                 readouts.append(self.readout(h, x))
                 if return_diagnostics and a is not None:
                     with torch.no_grad():
@@ -243,7 +248,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                         diag["state_norm"].append(s.norm(dim=-1).mean().item())
                         diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
         diagnostics = {k: v for k, v in diag.items() if v}
-        return read_depths(self, readouts, exits, return_all_loops, positions, valid, cache, diagnostics)
+        out = read_depths(self, readouts, exits, return_all_loops, positions, valid, cache, diagnostics)
+        out.routing = route.finish() if route is not None else None
+        return out
 
     @staticmethod
     def _no_grad_loops(R: int, backprop_loops: int | None) -> int:
@@ -263,14 +270,17 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             raise ValueError(f"this call runs n_loops={R} but the cache was allocated for {cached} loops; "
                              f"allocate_cache(..., n_loops={R}) and decode every step at that depth")
 
-    def loop_step(self, x, s, e, r: int, positions, valid, cache):
+    def loop_step(self, x, s, e, r: int, positions, valid, cache, gate=None):
         """Loop r (0-based): re-inject e (r > 0), apply the block, update the state branch.
         → (h_r, x_{r+1}, s_r, retention a_r or None); the readout is x_{r+1} under StateLoop with
         state_in_output, else h_r (`readout`). Cached decoders (models/generation.py,
-        models/speculative.py) run loops through this one function, as forward does."""
+        models/speculative.py) run loops through this one function, as forward does; a depth router
+        (models/router.py) calls it on the tokens it selected, with `gate` weighting the block's update."""
         if self.inject is not None and r > 0:
             x = self.inject(x, e)
         h = self._run_block(x, r, positions, valid, cache)
+        if gate is not None:
+            h = gate(x, h)
         if self.state is None:
             return h, h, None, None
         s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
@@ -346,10 +356,14 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *args, **kwargs):
         """Cached generation; see looplab.models.generation.generate for the options."""
+        if self.router is not None:
+            self.router.refuse("generate()")
         return generate(self, input_ids, max_new_tokens, *args, **kwargs)
 
     @torch.no_grad()
     def decode_step(self, input_ids: torch.Tensor, cache: LoopCache, **kwargs):
         """One cached T = 1 step → (logits (B, V), exit_steps or None); exit_threshold=q,
         skip_compute=True skips the loops after each token's exit (attention backbones)."""
+        if self.router is not None:
+            self.router.refuse("decode_step()")
         return decode_step(self, input_ids, cache, **kwargs)

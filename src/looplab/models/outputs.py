@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,3 +20,4 @@ class LoopedLMOutput:
     exit_gate_logits: torch.Tensor | None = None  # (B, T, R): logit of λ_t
     exit_steps: torch.Tensor | None = None  # (B, T), 1-based depth used per token
     diagnostics: dict[str, list[float]] = field(default_factory=dict)
+    routing: Any = None  # models/router.RoutingInfo with depth_router (aux losses, per-token depth), else None

@@ -28,12 +28,10 @@ import torch
 
 class StaticKVCache:
     """A KVCache of fixed shape: `update` writes at the shared position tensor and returns the whole buffers;
-    attention then reads `mask` instead of building one from a length (CausalSelfAttention.forward)."""
-
-    static = True
+    attention then reads `attn_mask` instead of building one from a length (CausalSelfAttention.forward)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor):
-        self.k, self.v, self.index, self.mask = k, v, index, mask
+        self.k, self.v, self.index, self.attn_mask = k, v, index, mask
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k.index_copy_(2, self.index, k)

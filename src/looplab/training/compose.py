@@ -1,7 +1,7 @@
 """Hydra config groups → the plain dataclasses the model and objective take.
 
-The one place that knows how `backbone`, `loop_depth`, `state_mode` and
-`exit_gate` map onto `LoopedLMConfig`; every mapping error names the config
+The one place that knows how `backbone`, `loop_depth`, `state_mode`,
+`exit_gate` and `depth_router` map onto `LoopedLMConfig`; every mapping error names the config
 key the user typed.
 """
 
@@ -65,7 +65,33 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
         if value is not None or key == "d_s":
             fields[_STATE_KEYS[key]] = value
     fields["exit_gate"] = _plain(cfg.exit_gate).get("name", "none")
+    router = router_from_cfg(cfg)
+    if router is not None:
+        fields["depth_router"] = router
     return LoopedLMConfig(**fields)
+
+
+def router_from_cfg(cfg: DictConfig) -> dict[str, Any] | None:
+    """depth_router.* → LoopedLMConfig.depth_router (None when none or absent: the model field's default).
+    capacity_warmup_steps=null is MoR's default: the optimizer's warm-up steps."""
+    router = _plain(cfg.get("depth_router"))
+    name = router.get("name", "none")
+    if name == "none":
+        return None
+    loop = _plain(cfg.get("loop_depth"))
+    if loop.get("sampler", "fixed") != "fixed" or loop.get("eval_loops"):
+        raise ConfigError(f"depth_router={name} with loop_depth.sampler={loop.get('sampler')!r}, eval_loops="
+                          f"{loop.get('eval_loops')!r}: the router is trained for the configured R loops; use "
+                          "loop_depth.sampler=fixed and eval_loops=null")
+    if router.get("capacity_warmup_steps") is None:
+        optim = _plain(cfg.get("optim"))
+        warm = optim.get("warmup_steps")
+        if warm is None:  # as LoopedLMModule.configure_optimizers resolves it
+            total = (cfg.get("trainer") or {}).get("max_steps") or 0
+            total = int(total) if int(total) > 0 else 1000
+            warm = int(optim.get("warmup_frac", 0.02) * total)
+        router["capacity_warmup_steps"] = int(warm)
+    return router
 
 
 def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:

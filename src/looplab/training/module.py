@@ -150,8 +150,10 @@ class LoopedLMModule(L.LightningModule):
         if self.objective.get("skip_train_prob", 0.0) > 0:
             loss = self.exit_aware_loss(ids, targets, batch_idx)
         elif stage is None:
+            if self.model.router is not None:
+                self.model.router.train_step = int(self.global_step)  # capacity warm-up (models/router.py)
             out = self.model(ids, **depth)
-            loss = per_token_loss(out.logits, targets).mean()
+            loss = per_token_loss(out.logits, targets).mean() + self.routing_loss(out)
         else:
             out = self.model(ids, return_all_loops=True, **depth)
             mask = targets != IGNORE
@@ -165,6 +167,19 @@ class LoopedLMModule(L.LightningModule):
         # the mean over ranks (a no-op on one process): the loss of the global batch, as one process logs it
         self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=True)
         return loss
+
+    def routing_loss(self, out) -> torch.Tensor | float:
+        """depth_router (issue 28): the router's weighted auxiliary losses, summed; each is logged, with the
+        fraction of tokens run at each loop and the mean depth."""
+        routing = out.routing
+        if routing is None:
+            return 0.0
+        for name, value in routing.losses.items():
+            self.log(f"train/router_{name}", value.detach(), sync_dist=True)
+        for r, frac in enumerate(routing.active_frac, start=1):
+            self.log(f"train/router_active_loop{r}", frac)
+        self.log("train/router_mean_depth", routing.depth.float().mean(), sync_dist=True)
+        return sum(routing.losses.values()) if routing.losses else 0.0
 
     def sample_exit_steps(self, ids: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         """(B, T) exit steps for exit-aware fine-tuning: with probability skip_train_prob a token exits at a

@@ -1,0 +1,301 @@
+"""Depth routers (issue 28, Mixture-of-Recursions): a router picks, at every loop, the tokens that run it.
+
+    expert_choice   loop r keeps the top-k_r of the tokens that ran loop r−1, k_r = ⌊capacity_r · T⌋
+                    (MoR's default capacity_r = (R − r)/R, r = 0..R−1), scored by a linear router per loop:
+                    w = scale · act(W_r x / temperature), act = sigmoid | tanh
+    token_choice    one depth per token up front: p = softmax(W x_1 / temperature), depth = argmax p,
+                    w = scale · p[depth]; loop r runs the tokens whose depth exceeds r
+
+A selected token's update is weighted by its router weight (gating=weighted, MoR's default):
+update=mor (MoR's code and paper) h_r = x + w·Block(x), update=delta (MoD's form) h_r = x + w·(Block(x) − x).
+A token that is not selected skips the loop entirely: its h, its stream x and its StateLoop state s stay
+as they were, so its readout (per-depth logits, the final logits) is the one of the last loop it ran.
+
+Compute is really saved: the selected tokens are gathered, kept in causal (original) order, run
+through the block (and the state branch) at reduced length, and scattered back. kv=recursion_wise:
+inside the block, depth r's active tokens attend only to each other, with their ORIGINAL positions
+for RoPE and a causal mask by original position (the gathered order is the original order, so the
+plain causal mask over the gathered sequence is exactly that). Token choice pads rows of fewer active
+tokens with inactive ones placed after every active one, so no active token ever sees them; their
+outputs are discarded at the scatter. kv=share_first: every loop after the first reuses the first loop's
+keys/values (of the tokens that ran it) in each attention layer: loop r's active tokens are the queries,
+attending to the first loop's keys at original positions <= theirs (only the queries are reduced; the
+StateLoop attention mixer keeps attending over the routed tokens).
+
+Expert choice is not causal (the top-k of a sequence depends on later tokens). MoR's two remedies are
+offered as losses: `aux_loss_coeff` · BCE(main router logit, top-k membership), and with `aux_router`
+a separate linear classifier per loop, fed the detached input, trained with `aux_router_coeff` · BCE to
+predict membership (what a causal decoder would use). `z_loss_coeff` · mean(logsumexp(logits)²) is the
+optional router z-loss; token choice adds `balancing_loss_coeff` · Σ_i P_i·f_i (P_i mean probability of
+depth i, f_i = R · fraction of tokens assigned to depth i). The losses (already weighted) come back in
+`LoopedLMOutput.routing.losses`; the training module adds them to the loss and logs them.
+
+The loop calls `RoutedLoop.loop_step` in place of `LoopedLM.loop_step` (same signature), which gathers,
+calls the model's own loop_step on the active tokens, and scatters back. Not yet supported, and refused
+with the option named: Mamba-2 / hybrid blocks, stateloop_mamba2, the exit gate, cached decoding
+(generate / decode_step / a forward with a cache), exit-aware skip_compute, a call depth n_loops ≠ R.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looplab.models.config import LoopedLMConfig
+
+
+@dataclass
+class RoutingInfo:
+    """What a routed forward decided. losses: weighted auxiliary losses to add to the training loss;
+    depth (B, T): how many loops each token ran (1-based; 0 = none); selected: per loop, the (B, k)
+    original positions gathered for it (None = every token; token choice pads rows with tokens that do
+    not run it); ran: per loop, the (B, T) mask of tokens that ran it; active_frac: per loop."""
+
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    depth: torch.Tensor | None = None
+    selected: list[torch.Tensor | None] = field(default_factory=list)
+    ran: list[torch.Tensor] = field(default_factory=list)
+    active_frac: list[float] = field(default_factory=list)
+
+
+def gather_tokens(t: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor | None:
+    """t (B|1, T, ...) at the (B, k) positions idx; None idx = every token."""
+    if t is None or idx is None:
+        return t
+    B = idx.shape[0]
+    t = t.expand(B, *t.shape[1:])
+    if t.dim() == 2:
+        return t.gather(1, idx)
+    return t.gather(1, idx[..., None].expand(-1, -1, *t.shape[2:]))
+
+
+def scatter_tokens(full: torch.Tensor, idx: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """full with the (B, k) positions idx replaced by part (out of place, differentiable in both)."""
+    if idx is None:
+        return part
+    return full.scatter(1, idx[..., None].expand(-1, -1, full.shape[-1]), part)
+
+
+def _linear(d_in: int, d_out: int) -> nn.Linear:
+    return nn.Linear(d_in, d_out, bias=False)  # MoR's linear router: no bias
+
+
+class DepthRouter(nn.Module):
+    """Shared by both routers: the per-forward RoutedLoop, the refusals, the training step (for warm-ups).
+    `train_step` is a plain attribute (no state-dict key), set by the training module every step."""
+
+    def __init__(self, cfg: LoopedLMConfig):
+        super().__init__()
+        self.cfg = cfg.depth_router
+        self.n_loops = cfg.n_loops
+        self.train_step = 0
+
+    def check_call(self, n_loops: int | None, cache, exits=None) -> None:
+        name = f"depth_router={self.cfg.name}"
+        if cache is not None:
+            raise ValueError(f"{name}: cached decoding (generate, decode_step, a forward with a cache) does not route "
+                             "yet; use a cache-free forward, or depth_router=none for decoding")
+        if exits is not None and exits.skip is not None:
+            raise ValueError(f"{name} with skip_compute / exit_steps: the router already chooses each token's depth")
+        if n_loops is not None and n_loops != self.n_loops:
+            raise ValueError(f"{name} with n_loops={n_loops}: the router is trained for R={self.n_loops} loops "
+                             f"(capacities / depths per loop); call with n_loops=None or {self.n_loops}")
+
+    def refuse(self, what: str) -> None:
+        raise ValueError(f"depth_router={self.cfg.name}: {what} does not route yet (cached decoding with a router "
+                         "is issue 28's decoding step); use depth_router=none")
+
+    def begin(self, model, x: torch.Tensor) -> "RoutedLoop":
+        return RoutedLoop(self, model, x)
+
+    def weight(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs if self.cfg.gating == "weighted" else torch.ones_like(probs)
+
+    def z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class ExpertChoiceRouter(DepthRouter):
+    def __init__(self, cfg: LoopedLMConfig):
+        super().__init__(cfg)
+        R = cfg.n_loops
+        self.routers = nn.ModuleList(_linear(cfg.d_model, 1) for _ in range(R))  # one per loop (MoR: per recursion)
+        self.aux_routers = nn.ModuleList(_linear(cfg.d_model, 1) for _ in range(R)) if self.cfg.aux_router else None
+        self.capacity = self.cfg.capacities(R)
+
+    def capacity_at(self, r: int) -> float:
+        """Loop r's capacity; in training, cosine-annealed from 1 over capacity_warmup_steps (MoR)."""
+        c, warm = self.capacity[r], self.cfg.capacity_warmup_steps
+        if not self.training or warm <= 0:
+            return c
+        decay = 0.5 * (1.0 + math.cos(math.pi * min(1.0, self.train_step / warm)))
+        return c + (1.0 - c) * decay
+
+    def select(self, r: int, x: torch.Tensor, cand: torch.Tensor | None, state: RoutingInfo):
+        """Loop r's tokens among the candidates cand (B, kc) (None = all T) → (idx, live, weight)."""
+        cfg, T = self.cfg, x.shape[1]
+        xc = gather_tokens(x, cand)
+        z = self.routers[r](xc / cfg.temperature).squeeze(-1)  # (B, kc)
+        probs = cfg.scale * (torch.sigmoid(z) if cfg.activation == "sigmoid" else torch.tanh(z))
+        k = min(max(1, int(self.capacity_at(r) * T)), xc.shape[1])
+        pick = probs.topk(k, dim=1, sorted=False).indices.sort(dim=1).values  # causal order kept
+        target = torch.zeros_like(z).scatter_(1, pick, 1.0)
+        losses = state.losses
+        if cfg.aux_loss_coeff > 0:
+            _add(losses, "router_bce", cfg.aux_loss_coeff * F.binary_cross_entropy_with_logits(z.float(), target.float()))
+        if self.aux_routers is not None and cfg.aux_router_coeff > 0:
+            za = self.aux_routers[r](xc.detach()).squeeze(-1)
+            _add(losses, "aux_router_bce",
+                 cfg.aux_router_coeff * F.binary_cross_entropy_with_logits(za.float(), target.float()))
+        if cfg.z_loss_coeff > 0:
+            _add(losses, "router_z", cfg.z_loss_coeff * self.z_loss(z[..., None]))
+        weight = self.weight(probs.gather(1, pick))
+        idx = pick if cand is None else cand.gather(1, pick)
+        if cand is None and k == T:
+            idx = None  # every token, in order: no gather needed
+        return idx, None, weight
+
+
+class TokenChoiceRouter(DepthRouter):
+    def __init__(self, cfg: LoopedLMConfig):
+        super().__init__(cfg)
+        self.router = _linear(cfg.d_model, cfg.n_loops)  # a score per depth 1..R
+
+    def assign(self, x: torch.Tensor, state: RoutingInfo):
+        """Each token's depth (B, T) in 1..R and weight (B, T), from the first loop's input."""
+        cfg, R = self.cfg, self.n_loops
+        logits = self.router(x / cfg.temperature)  # (B, T, R)
+        probs = cfg.scale * (logits.softmax(-1) if cfg.activation == "softmax" else torch.sigmoid(logits))
+        choice = probs.argmax(-1)  # (B, T) in 0..R−1
+        weight = self.weight(probs.gather(-1, choice[..., None]).squeeze(-1))
+        if cfg.balancing_loss_coeff > 0:
+            frac = torch.bincount(choice.flatten(), minlength=R).to(probs.dtype) / choice.numel()
+            P = probs.float().mean(dim=(0, 1))
+            _add(state.losses, "balance", cfg.balancing_loss_coeff * (P * R * frac.float()).sum())
+        if cfg.z_loss_coeff > 0:
+            _add(state.losses, "router_z", cfg.z_loss_coeff * self.z_loss(logits))
+        return choice + 1, weight
+
+    def select(self, r: int, depth: torch.Tensor, weight: torch.Tensor):
+        """Loop r's tokens: depth > r, in original order; rows with fewer are padded with inactive
+        tokens placed after all active ones (live False: computed, never seen, discarded)."""
+        active = depth > r  # (B, T)
+        counts = active.sum(1)
+        kmax = int(counts.max())
+        if kmax == depth.shape[1]:
+            return None, active if not bool(active.all()) else None, weight[..., None]
+        T = depth.shape[1]
+        key = (~active).long() * T + torch.arange(T, device=depth.device)
+        idx = key.argsort(dim=1)[:, :max(kmax, 1)]
+        return idx, active.gather(1, idx), weight.gather(1, idx)[..., None]
+
+
+def _add(losses: dict, name: str, value: torch.Tensor) -> None:
+    losses[name] = losses[name] + value if name in losses else value
+
+
+class _SharedKVEntry:
+    """kv=share_first, one attention layer at one loop, passed where a KV cache goes: loop 0 records the
+    layer's keys/values (RoPE at the original positions); a later loop returns them instead of its own,
+    with `attn_mask` (read by CausalSelfAttention): query at original position p sees the recorded keys
+    at positions <= p (valid ones; and its own position, so no row is empty)."""
+
+    def __init__(self, store: dict, l: int, r: int, q_pos: torch.Tensor):
+        self.store, self.l, self.r = store, l, r
+        self.attn_mask = None
+        if r > 0:
+            pos0, valid0 = store["positions"], store["valid"]
+            keys = pos0[:, None, :] <= q_pos[:, :, None]  # (B, k, T0)
+            if valid0 is not None:
+                keys = (keys & valid0[:, None, :]) | (pos0[:, None, :] == q_pos[:, :, None])
+            self.attn_mask = keys[:, None]  # (B, 1, k, T0)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        if self.r == 0:
+            self.store[self.l] = (k, v)
+            return k, v
+        return self.store[self.l]
+
+
+class _SharedKV:
+    """The `cache` a routed loop_step gets under kv=share_first: cache[r, l] → _SharedKVEntry."""
+
+    def __init__(self, store: dict, r: int, positions: torch.Tensor, valid: torch.Tensor | None, B: int):
+        self.store, self.r = store, r
+        self.q_pos = positions.expand(B, positions.shape[1])
+        if r == 0:
+            store["positions"], store["valid"] = self.q_pos, valid
+
+    def __getitem__(self, key):
+        return _SharedKVEntry(self.store, key[1], self.r, self.q_pos)
+
+    def get(self, key, default=None):  # the StateLoop mixer keeps its own attention over the routed tokens
+        return default
+
+
+class RoutedLoop:
+    """One routed forward: `loop_step` has LoopedLM.loop_step's signature and runs it on the selected tokens."""
+
+    def __init__(self, router: DepthRouter, model, x: torch.Tensor):
+        self.router, self.model = router, model
+        self.info = RoutingInfo(depth=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device))
+        self.h = x  # a token that never ran a loop reads its input
+        self.cand: torch.Tensor | None = None  # expert choice: the tokens that ran the previous loop
+        self.assigned = None
+        self.shared: dict = {}  # kv=share_first: loop 0's keys/values per layer, with their positions
+
+    def loop_step(self, x, s, e, r: int, positions, valid, cache):
+        router = self.router
+        if isinstance(router, ExpertChoiceRouter):
+            idx, live, w = router.select(r, x, self.cand, self.info)
+            w = w[..., None]
+            self.cand = idx
+        else:
+            if self.assigned is None:
+                self.assigned = router.assign(x, self.info)
+            idx, live, w = router.select(r, *self.assigned)
+        x_a, s_a, e_a = gather_tokens(x, idx), gather_tokens(s, idx), gather_tokens(e, idx)
+        pos_a, valid_a = gather_tokens(positions, idx), gather_tokens(valid, idx)
+        update = router.cfg.update
+
+        def gate(x_in, h_block):  # the router weight multiplies the update (called by model.loop_step)
+            return x_in + w * (h_block if update == "mor" else h_block - x_in)
+
+        kv = _SharedKV(self.shared, r, pos_a, valid_a, x.shape[0]) if router.cfg.kv == "share_first" else None
+        h_a, xn_a, sn_a, a = self.model.loop_step(x_a, s_a, e_a, r, pos_a, valid_a, kv, gate=gate)
+        if live is not None:  # padded slots (token choice): keep what they were
+            keep = live[..., None]
+            h_a = torch.where(keep, h_a, gather_tokens(self.h, idx))
+            xn_a = torch.where(keep, xn_a, x_a)
+            sn_a = torch.where(keep, sn_a, s_a) if s is not None else None
+        self.h = h = scatter_tokens(self.h, idx, h_a)
+        x = scatter_tokens(x, idx, xn_a)
+        s = scatter_tokens(s, idx, sn_a) if s is not None else None
+        if idx is None:
+            ran = torch.ones_like(self.info.depth, dtype=torch.bool) if live is None else live
+        else:
+            src = torch.ones_like(idx, dtype=torch.bool) if live is None else live
+            ran = torch.zeros_like(self.info.depth, dtype=torch.bool).scatter(1, idx, src)
+        self.info.depth = torch.where(ran, r + 1, self.info.depth)
+        self.info.selected.append(idx)
+        self.info.ran.append(ran)
+        self.info.active_frac.append(float(ran.float().mean()))
+        return h, x, s, a
+
+    def finish(self) -> RoutingInfo:
+        return self.info
+
+
+def build_router(cfg: LoopedLMConfig) -> DepthRouter | None:
+    name = cfg.depth_router.name
+    if name == "none":
+        return None
+    if name == "expert_choice":
+        return ExpertChoiceRouter(cfg)
+    if name == "token_choice":
+        return TokenChoiceRouter(cfg)
+    raise ValueError(f"depth_router={name!r} is unknown")
