@@ -288,11 +288,12 @@ def test_unsupported_combinations_are_refused_naming_the_option(kw, words):
         assert w in str(e.value)
 
 
-def test_decoding_and_other_depths_are_refused():
+def test_other_depths_and_decoding_options_are_refused():
+    """Cached decoding routes (tests/test_depth_router_decode.py); other depths and exit options do not."""
     model = make("token_choice")
     ids = ids_for()
-    for call in (lambda: model.generate(ids, 2), lambda: model(ids, cache=model.allocate_cache(B, 32)),
-                 lambda: model(ids, n_loops=2), lambda: model.decode_step(ids[:, :1], model.allocate_cache(B, 32))):
+    for call in (lambda: model(ids, n_loops=2), lambda: model.generate(ids, 2, exit_threshold=0.5, exit_rule="entropy"),
+                 lambda: model(ids, cache=model.allocate_cache(B, 32), exit_at_step=1)):
         with pytest.raises(ValueError, match="depth_router=token_choice"):
             call()
 

@@ -173,3 +173,78 @@ class LoopCache:
             self.next_pos += T
         self.length = end
         return positions, (self.valid[:, :end] if self.has_padding else None)
+
+
+class RoutedKVCache:
+    """depth_router decoding (issue 28, models/router.py): one (loop, layer)'s keys/values of ONLY the
+    tokens that ran that loop, so each depth's cache has its own length (MoR's recursion-wise caching).
+
+    The batch's rows share one buffer (B, Hkv, max_len, hd); row b holds its own `lengths[b]` tokens in
+    columns 0..lengths[b]−1, in causal (original) order, and `valid` (B, max_len) marks the columns that
+    hold a real key (written, and not left padding). `length` = max over rows: the shared buffer's used
+    length, which `nbytes` counts (exact at batch 1; in a batch, rows with fewer tokens leave invalid
+    columns that no query reads). A query sees the valid columns up to its own (causal by original
+    position, since every row is written in order), and always its own column (a padding query never
+    gets an empty row). Under kv=share_first only loop 0's entries exist; `read_shared` hands later
+    loops' queries loop 0's keys, each query up to the column its own token wrote at loop 0 (`cols`).
+    No rollback: self-speculation is refused with a router."""
+
+    def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+        self.cols: torch.Tensor | None = None  # (B, T) the column each token of the last call wrote (−1: none)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, k, v, tok, live, valid, n_call: int):
+        """k, v (B, Hkv, n, hd): the n gathered slots of this call; tok (B, n) their indices in the call
+        (None = 0..n−1); live (B, n): the slots whose token runs this loop (None = all; the others come after
+        every live one of their row, are computed and discarded, and write nothing); valid (B, n): real tokens
+        (None = all). → (keys, values, mask (B, 1, n, L))."""
+        B, _, n, _ = k.shape
+        live = torch.ones(B, n, dtype=torch.bool, device=k.device) if live is None else live
+        count = live.sum(1)
+        cols = self.lengths[:, None] + live.long().cumsum(1) - 1  # a non-live slot: its row's last live column
+        end = int((self.lengths + count).max())
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache full: {end} tokens > max_len={self.max_len}; allocate a longer cache")
+        rows, js = live.nonzero(as_tuple=True)
+        c = cols[rows, js]
+        self.k[rows, :, c] = k[rows, :, js]
+        self.v[rows, :, c] = v[rows, :, js]
+        self.valid[rows, c] = True if valid is None else valid[rows, js]
+        self.lengths += count
+        self.length = max(self.length, end)
+        tok = torch.arange(n, device=k.device).expand(B, n) if tok is None else tok
+        self.cols = torch.full((B, n_call), -1, dtype=torch.long, device=k.device).scatter(
+            1, tok, torch.where(live, cols, -1))
+        return self.k[:, :, :self.length], self.v[:, :, :self.length], self._mask(cols)
+
+    def read_shared(self, tok, n: int):
+        """kv=share_first, a later loop: its n query slots (tokens tok of the last call, None = 0..n−1) read
+        the keys/values this loop-0 entry holds, each up to the column its own token wrote."""
+        q = self.cols[:, :n] if tok is None else self.cols.gather(1, tok)
+        return self.k[:, :, :self.length], self.v[:, :, :self.length], self._mask(q)
+
+    def _mask(self, q: torch.Tensor) -> torch.Tensor:
+        kc = torch.arange(self.length, device=q.device)
+        own = kc == q[..., None]
+        m = ((kc <= q[..., None]) & self.valid[:, None, :self.length]) | own
+        m = m | (~m.any(-1, keepdim=True) & (kc == 0))  # a discarded slot that sees nothing: no NaN row
+        return m[:, None]
+
+    def checkpoint(self) -> None:
+        raise ValueError("a depth_router cache takes nothing back (self-speculation does not route)")
+
+    def rollback(self, keep: int) -> None:
+        self.checkpoint()
+
+    def nbytes(self, used_only: bool = True) -> int:
+        n = self.length if used_only else self.max_len
+        return 2 * self.k[:, :, :n].numel() * self.k.element_size()

@@ -55,6 +55,12 @@ class RouterConfig:
     aux_router_coeff: float = 0.001  # its BCE loss weight (MoR uses aux_loss_coeff for either sampling)
     z_loss_coeff: float = 0.0  # router z-loss (logsumexp² of the router logits); 0 = off (MoR's default)
     balancing_loss_coeff: float = 0.1  # token_choice: Σ_i P_i·f_i load-balancing loss (Switch-style, MoR's default)
+    # expert_choice, how a causal forward / cached decoding routes each token (top-k needs the whole sequence):
+    # aux_router: the token runs loop r when its auxiliary classifier's logit > 0 (P(top-k) > 1/2);
+    # threshold: when sigmoid(main router logit) >= inference_threshold (the probability the aux_loss BCE
+    # calibrates). None = aux_router when aux_router is on, else threshold (MoR: the aux router is built for this).
+    inference: str | None = None
+    inference_threshold: float = 0.5  # expert_choice with inference=threshold
 
     def __post_init__(self) -> None:
         if self.activation is None:
@@ -63,6 +69,8 @@ class RouterConfig:
             self.scale = 1.0 if self.name == "token_choice" else 0.1
         if self.capacity is not None:
             self.capacity = [float(c) for c in self.capacity]
+        if self.inference is None and self.name == "expert_choice":
+            self.inference = "aux_router" if self.aux_router else "threshold"
 
     def capacities(self, n_loops: int) -> list[float]:
         if self.capacity is not None:
@@ -243,6 +251,12 @@ class LoopedLMConfig:
         need(isinstance(rc.capacity_warmup_steps, int) and rc.capacity_warmup_steps >= 0,
              f"depth_router.capacity_warmup_steps={rc.capacity_warmup_steps!r} must be an integer >= 0")
         if rc.name == "expert_choice":
+            need(rc.inference in ("aux_router", "threshold"),
+                 f"depth_router.inference={rc.inference!r}: choose aux_router or threshold")
+            need(rc.inference != "aux_router" or rc.aux_router,
+                 "depth_router.inference=aux_router needs depth_router.aux_router=true (the classifier it reads)")
+            need(isinstance(rc.inference_threshold, (int, float)) and 0 < rc.inference_threshold < 1,
+                 f"depth_router.inference_threshold={rc.inference_threshold!r} must lie in (0, 1)")
             need(self.n_loops >= 2, f"{r} needs loop_depth.loops >= 2 (R={self.n_loops}: nothing to route)")
             caps = rc.capacities(self.n_loops)
             need(len(caps) == self.n_loops and all(0 < c <= 1 for c in caps)

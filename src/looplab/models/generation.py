@@ -162,6 +162,9 @@ def stream(
     "compile", "reduce-overhead" (CUDA graphs) or "max-autotune"; the step compiles once per batch size."""
     cfg = model.config
     R = model.loops(n_loops)  # test-time depth R′ (default: the configured R)
+    if getattr(model, "router", None) is not None:  # depth_router: plain cached steps only (models/router.py)
+        model.router.check_generate(speculative_loops=speculative_loops, static_cache=static_cache,
+                                    exit_threshold=exit_threshold, exit_rule=exit_rule, skip_compute=skip_compute)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     B, T = input_ids.shape

@@ -179,7 +179,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None) -> LoopCache:
         """Caches for decoding at depth n_loops (default R): one entry per (loop, layer), one per
         prelude layer ("prelude", l) and one per (loop, coda layer) (r, ("coda", l)). max_len is at
-        most max_seq_len, so the positions a cache hands out need no bound check (RoPE skips it)."""
+        most max_seq_len, so the positions a cache hands out need no bound check (RoPE skips it).
+        With a depth router the block's (and the StateLoop mixer's) entries are RoutedKVCaches holding
+        only the tokens that reached their loop; kv=share_first keeps loop 0's block entries only."""
         if max_len > self.config.max_seq_len:
             raise ValueError(f"allocate_cache(max_len={max_len}) exceeds max_seq_len={self.config.max_seq_len}; "
                              "decode fewer tokens or raise backbone.max_seq_len")
@@ -187,14 +189,22 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         device, dtype = device or p.device, dtype or p.dtype
         entries = {("prelude", l): layer.allocate_cache(batch_size, max_len, device, dtype)
                    for l, layer in enumerate(self.prelude)}
-        for r in range(self.loops(n_loops)):
+        rt = self.router
+        R = self.loops(n_loops)
+        for r in range(R):
             for l, layer in enumerate(self.block):
-                entries[(r, l)] = layer.allocate_cache(batch_size, max_len, device, dtype)
+                if rt is None:
+                    entries[(r, l)] = layer.allocate_cache(batch_size, max_len, device, dtype)
+                elif r == 0 or rt.cfg.kv == "recursion_wise":
+                    entries[(r, l)] = rt.allocate_entry(layer.attn, batch_size, max_len, device, dtype)
             if self.state is not None and self.state.mixer is not None:
-                entries[(r, "state")] = self.state.allocate_cache(batch_size, max_len, device, dtype)
+                entries[(r, "state")] = (self.state.allocate_cache(batch_size, max_len, device, dtype) if rt is None
+                                         else rt.allocate_entry(self.state.mixer, batch_size, max_len, device, dtype))
             for l, layer in enumerate(self.coda):
                 entries[(r, ("coda", l))] = layer.allocate_cache(batch_size, max_len, device, dtype)
-        return LoopCache(entries, batch_size, max_len, device)
+        cache = LoopCache(entries, batch_size, max_len, device)
+        cache.n_loops = R
+        return cache
 
     def loops(self, n_loops: int | None = None) -> int:
         """The depth a call runs: n_loops (any R′ ≥ 1, also beyond the trained R) or the config's R."""
@@ -217,12 +227,15 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         return_all_loops: bool = False,
         return_diagnostics: bool = False,
         exits: ExitPolicy | None = None,
+        depths: torch.Tensor | str | None = None,  # depth_router only: 'inference' or (B, T) given depths (models/router.py)
         **legacy,  # exit_threshold=, exit_rule=, ... (models/exits.py: ExitPolicy.from_kwargs)
     ) -> LoopedLMOutput:
         """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
         exits = forward_kwargs_policy(exits, legacy)
         if self.router is not None:
-            self.router.check_call(n_loops, cache, exits)
+            self.router.check_call(n_loops, cache, exits, depths)
+        elif depths is not None:
+            raise ValueError("depths= routes tokens by a depth router; this model has depth_router=none")
         if exits is not None and exits.skip is not None:
             # the exit-aware reference is a forward of the model itself, so whatever wraps forward
             # (FSDP2's root all-gather, DDP) wraps it too
@@ -235,7 +248,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
 
         x = e = self.run_prelude(self.embed(input_ids), positions, valid, cache)
         s = self.state.initial_state(x) if self.state is not None else None
-        route = self.router.begin(self, x) if self.router is not None else None  # routed loops: models/router.py
+        route = self.router.begin(self, x, depths, cache) if self.router is not None else None  # routed loops: models/router.py
         readouts, diag = [], {"retention": [], "state_norm": [], "state_to_stream": []}
         for r in range(R):
             # truncated backprop: the loops before the last k run without a graph (their output is a constant)
@@ -265,7 +278,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     def _check_cache_depth(cache: LoopCache | None, R: int) -> None:
         if cache is None:
             return
-        cached = 1 + max(r for r, _ in cache.entries if isinstance(r, int))
+        cached = getattr(cache, "n_loops", None) or 1 + max(r for r, _ in cache.entries if isinstance(r, int))
         if cached != R:
             raise ValueError(f"this call runs n_loops={R} but the cache was allocated for {cached} loops; "
                              f"allocate_cache(..., n_loops={R}) and decode every step at that depth")
@@ -356,8 +369,6 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *args, **kwargs):
         """Cached generation; see looplab.models.generation.generate for the options."""
-        if self.router is not None:
-            self.router.refuse("generate()")
         return generate(self, input_ids, max_new_tokens, *args, **kwargs)
 
     @torch.no_grad()
@@ -365,5 +376,5 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         """One cached T = 1 step → (logits (B, V), exit_steps or None); exit_threshold=q,
         skip_compute=True skips the loops after each token's exit (attention backbones)."""
         if self.router is not None:
-            self.router.refuse("decode_step()")
+            self.router.check_generate(**{k: kwargs.get(k) for k in ("exit_threshold", "exit_rule", "skip_compute")})
         return decode_step(self, input_ids, cache, **kwargs)

@@ -30,10 +30,23 @@ optional router z-loss; token choice adds `balancing_loss_coeff` · Σ_i P_i·f_
 depth i, f_i = R · fraction of tokens assigned to depth i). The losses (already weighted) come back in
 `LoopedLMOutput.routing.losses`; the training module adds them to the loss and logs them.
 
+Causal routing and cached decoding (issue 28 item 4). Top-k needs the whole sequence, so decoding
+routes each new token on its own: expert choice by `inference` (aux_router: the auxiliary classifier's
+logit > 0; threshold: sigmoid(main router logit) >= `inference_threshold`; default aux_router when the
+aux router is on, else threshold at 0.5, the probability the aux_loss BCE calibrates), a token that is
+not selected at loop r stops (MoR), a loop of capacity 1 runs every token that reached it; token choice
+by its argmax depth (already causal). Each token gets a depth d_t (1..R at MoR's capacities). The same
+rule runs in a cache-free forward with `depths="inference"`, and `depths=D` (B, T) runs GIVEN depths:
+loop r runs the tokens with d_t > r (0-based r), with the same gather/scatter and kv modes — the
+reference that cached decoding equals given the same decisions (`out.routing.depth` reports them).
+With a cache (LoopedLM.allocate_cache) each (loop, layer) entry is a cache.RoutedKVCache holding only
+the tokens that ran that loop (recursion_wise: its own length per depth; share_first: loop 0's entries
+only, read by every loop). Prefill and steps are calls of the same routed forward.
+
 The loop calls `RoutedLoop.loop_step` in place of `LoopedLM.loop_step` (same signature), which gathers,
 calls the model's own loop_step on the active tokens, and scatters back. Not yet supported, and refused
-with the option named: Mamba-2 / hybrid blocks, stateloop_mamba2, the exit gate, cached decoding
-(generate / decode_step / a forward with a cache), exit-aware skip_compute, a call depth n_loops ≠ R.
+with the option named: Mamba-2 / hybrid blocks, stateloop_mamba2, the exit gate, exit options and
+skip_compute, self-speculation (speculative_loops), static_cache, a call depth n_loops ≠ R.
 """
 
 from __future__ import annotations
@@ -94,23 +107,41 @@ class DepthRouter(nn.Module):
         self.n_loops = cfg.n_loops
         self.train_step = 0
 
-    def check_call(self, n_loops: int | None, cache, exits=None) -> None:
+    def check_call(self, n_loops: int | None, cache, exits=None, depths=None) -> None:
         name = f"depth_router={self.cfg.name}"
-        if cache is not None:
-            raise ValueError(f"{name}: cached decoding (generate, decode_step, a forward with a cache) does not route "
-                             "yet; use a cache-free forward, or depth_router=none for decoding")
         if exits is not None and exits.skip is not None:
             raise ValueError(f"{name} with skip_compute / exit_steps: the router already chooses each token's depth")
+        if cache is not None and exits is not None:
+            raise ValueError(f"{name} with a cache and exit_threshold / exit_rule / exit_at_step / expected_exit: "
+                             "routed decoding reads the last loop each token ran; decode without exit options")
         if n_loops is not None and n_loops != self.n_loops:
             raise ValueError(f"{name} with n_loops={n_loops}: the router is trained for R={self.n_loops} loops "
                              f"(capacities / depths per loop); call with n_loops=None or {self.n_loops}")
+        if depths is not None and not (isinstance(depths, torch.Tensor) or depths == "inference"):
+            raise ValueError(f"{name}: depths={depths!r} must be None (training's routing; a cached call: the "
+                             "inference router), 'inference' or a (B, T) tensor of per-token depths in 0..R")
+        if cache is not None:
+            from looplab.models.cache import RoutedKVCache
 
-    def refuse(self, what: str) -> None:
-        raise ValueError(f"depth_router={self.cfg.name}: {what} does not route yet (cached decoding with a router "
-                         "is issue 28's decoding step); use depth_router=none")
+            if not isinstance(cache.get((0, 0)), RoutedKVCache):
+                raise ValueError(f"{name}: the cache must come from this model's allocate_cache (per-depth routed "
+                                 "KV caches)")
 
-    def begin(self, model, x: torch.Tensor) -> "RoutedLoop":
-        return RoutedLoop(self, model, x)
+    def check_generate(self, **options) -> None:
+        """Refuse the decoding options that do not route, naming them (generate, stream, decode_step)."""
+        bad = [f"{k}={v!r}" for k, v in options.items() if v not in (None, False)]
+        if bad:
+            raise ValueError(f"depth_router={self.cfg.name}: routed decoding runs plain greedy/sampled steps; "
+                             f"{', '.join(bad)} does not combine with a depth router (each token's depth is the "
+                             "router's); decode without it, or use depth_router=none")
+
+    def allocate_entry(self, attn, batch_size: int, max_len: int, device, dtype):
+        from looplab.models.cache import RoutedKVCache
+
+        return RoutedKVCache(batch_size, attn.n_kv_heads, max_len, attn.head_dim, device, dtype)
+
+    def begin(self, model, x: torch.Tensor, depths=None, cache=None) -> "RoutedLoop":
+        return RoutedLoop(self, model, x, depths, cache)
 
     def weight(self, probs: torch.Tensor) -> torch.Tensor:
         return probs if self.cfg.gating == "weighted" else torch.ones_like(probs)
@@ -159,6 +190,25 @@ class ExpertChoiceRouter(DepthRouter):
             idx = None  # every token, in order: no gather needed
         return idx, None, weight
 
+    def decide(self, r: int, x: torch.Tensor, ran_prev: torch.Tensor, given: torch.Tensor | None):
+        """Causal routing (decoding, depths='inference' or given): which tokens run loop r, per token
+        → (active (B, T), weight (B, T)). Given depths: active = depth > r. Otherwise a token that ran loop
+        r−1 runs loop r when the inference rule says so (`inference`: aux_router logit > 0, or
+        sigmoid(main logit) >= inference_threshold); a loop of capacity 1 runs every such token, as top-k does.
+        The weight is always the main router's, as in training."""
+        cfg = self.cfg
+        z = self.routers[r](x / cfg.temperature).squeeze(-1)
+        w = self.weight(cfg.scale * (torch.sigmoid(z) if cfg.activation == "sigmoid" else torch.tanh(z)))
+        if given is not None:
+            return given > r, w
+        if self.capacity[r] >= 1:
+            return ran_prev, w
+        if cfg.inference == "aux_router":
+            sel = self.aux_routers[r](x).squeeze(-1) > 0
+        else:
+            sel = torch.sigmoid(z) >= cfg.inference_threshold
+        return ran_prev & sel, w
+
 
 class TokenChoiceRouter(DepthRouter):
     def __init__(self, cfg: LoopedLMConfig):
@@ -168,8 +218,7 @@ class TokenChoiceRouter(DepthRouter):
     def assign(self, x: torch.Tensor, state: RoutingInfo):
         """Each token's depth (B, T) in 1..R and weight (B, T), from the first loop's input."""
         cfg, R = self.cfg, self.n_loops
-        logits = self.router(x / cfg.temperature)  # (B, T, R)
-        probs = cfg.scale * (logits.softmax(-1) if cfg.activation == "softmax" else torch.sigmoid(logits))
+        logits, probs = self.scores(x)
         choice = probs.argmax(-1)  # (B, T) in 0..R−1
         weight = self.weight(probs.gather(-1, choice[..., None]).squeeze(-1))
         if cfg.balancing_loss_coeff > 0:
@@ -179,6 +228,17 @@ class TokenChoiceRouter(DepthRouter):
         if cfg.z_loss_coeff > 0:
             _add(state.losses, "router_z", cfg.z_loss_coeff * self.z_loss(logits))
         return choice + 1, weight
+
+    def scores(self, x: torch.Tensor):
+        """The router's logits and probabilities (B, T, R) over depths 1..R."""
+        logits = self.router(x / self.cfg.temperature)
+        act = logits.softmax(-1) if self.cfg.activation == "softmax" else torch.sigmoid(logits)
+        return logits, self.cfg.scale * act
+
+    def assign_given(self, x: torch.Tensor, depth: torch.Tensor):
+        """Given depths (B, T) in 0..R: the weight of each token's given depth (that of depth 1 for depth 0)."""
+        _, probs = self.scores(x)
+        return depth, self.weight(probs.gather(-1, (depth - 1).clamp_min(0)[..., None]).squeeze(-1))
 
     def select(self, r: int, depth: torch.Tensor, weight: torch.Tensor):
         """Loop r's tokens: depth > r, in original order; rows with fewer are padded with inactive
@@ -201,17 +261,19 @@ def _add(losses: dict, name: str, value: torch.Tensor) -> None:
 class _SharedKVEntry:
     """kv=share_first, one attention layer at one loop, passed where a KV cache goes: loop 0 records the
     layer's keys/values (RoPE at the original positions); a later loop returns them instead of its own,
-    with `attn_mask` (read by CausalSelfAttention): query at original position p sees the recorded keys
-    at positions <= p (valid ones; and its own position, so no row is empty)."""
+    with `attn_mask` (read by CausalSelfAttention): the query of the token at index t of the sequence sees
+    the recorded keys of tokens at indices <= t (original order: for real tokens, original positions <= its
+    own; valid ones only, and its own key, so no row is empty; indices rather than positions, because left
+    padding shares position 0 with the first real token)."""
 
-    def __init__(self, store: dict, l: int, r: int, q_pos: torch.Tensor):
+    def __init__(self, store: dict, l: int, r: int, q_tok: torch.Tensor):
         self.store, self.l, self.r = store, l, r
         self.attn_mask = None
         if r > 0:
-            pos0, valid0 = store["positions"], store["valid"]
-            keys = pos0[:, None, :] <= q_pos[:, :, None]  # (B, k, T0)
+            tok0, valid0 = store["tokens"], store["valid"]
+            keys = tok0[:, None, :] <= q_tok[:, :, None]  # (B, k, T0)
             if valid0 is not None:
-                keys = (keys & valid0[:, None, :]) | (pos0[:, None, :] == q_pos[:, :, None])
+                keys = (keys & valid0[:, None, :]) | (tok0[:, None, :] == q_tok[:, :, None])
             self.attn_mask = keys[:, None]  # (B, 1, k, T0)
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
@@ -224,33 +286,119 @@ class _SharedKVEntry:
 class _SharedKV:
     """The `cache` a routed loop_step gets under kv=share_first: cache[r, l] → _SharedKVEntry."""
 
-    def __init__(self, store: dict, r: int, positions: torch.Tensor, valid: torch.Tensor | None, B: int):
+    def __init__(self, store: dict, r: int, tokens: torch.Tensor, valid: torch.Tensor | None, B: int):
         self.store, self.r = store, r
-        self.q_pos = positions.expand(B, positions.shape[1])
+        self.q_tok = tokens.expand(B, tokens.shape[1])  # the gathered tokens' indices in the sequence
         if r == 0:
-            store["positions"], store["valid"] = self.q_pos, valid
+            store["tokens"], store["valid"] = self.q_tok, valid
 
     def __getitem__(self, key):
-        return _SharedKVEntry(self.store, key[1], self.r, self.q_pos)
+        return _SharedKVEntry(self.store, key[1], self.r, self.q_tok)
 
     def get(self, key, default=None):  # the StateLoop mixer keeps its own attention over the routed tokens
         return default
 
 
-class RoutedLoop:
-    """One routed forward: `loop_step` has LoopedLM.loop_step's signature and runs it on the selected tokens."""
+class _RoutedWrite:
+    """One (loop, layer)'s RoutedKVCache as the attention's `cache`: writes the live slots, hands back the
+    entry's keys/values and, in `attn_mask`, which of them each query sees."""
 
-    def __init__(self, router: DepthRouter, model, x: torch.Tensor):
-        self.router, self.model = router, model
+    def __init__(self, entry, view: "_RoutedCacheView", share_read: bool = False):
+        self.entry, self.view, self.share_read = entry, view, share_read
+        self.attn_mask = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        w = self.view
+        if self.share_read:
+            k, v, self.attn_mask = self.entry.read_shared(w.tok, k.shape[2])
+        else:
+            k, v, self.attn_mask = self.entry.write(k, v, w.tok, w.live, w.valid, w.n_call)
+        return k, v
+
+
+class _RoutedCacheView:
+    """The `cache` a routed loop_step gets in cached decoding: cache[r, l] → _RoutedWrite of that entry
+    (kv=share_first, r > 0: a read of loop 0's entry); cache.get((r, "state")): the StateLoop attention
+    mixer's own per-loop entry (recursion-wise under either kv mode, as in the cache-free forward)."""
+
+    def __init__(self, cache, r: int, tok, live, valid, n_call: int, share_first: bool):
+        self.cache, self.r, self.share_first = cache, r, share_first
+        self.tok, self.live, self.valid, self.n_call = tok, live, valid, n_call
+
+    def __getitem__(self, key):
+        r, l = key
+        if self.share_first and r > 0:
+            return _RoutedWrite(self.cache[0, l], self, share_read=True)
+        return _RoutedWrite(self.cache[key], self)
+
+    def get(self, key, default=None):
+        entry = self.cache.get(key)
+        return default if entry is None else _RoutedWrite(entry, self)
+
+
+def active_slots(active: torch.Tensor):
+    """(B, T) mask of the tokens that run a loop → (idx, live): idx (B, k) their indices in original order,
+    rows with fewer padded with inactive tokens placed after every active one (live False), k = the most
+    active tokens of a row; idx None = every token in order; live None = every slot; k = 0: idx is False."""
+    T = active.shape[1]
+    kmax = int(active.sum(1).max())
+    if kmax == 0:
+        return False, None
+    if kmax == T:
+        return None, (None if bool(active.all()) else active)
+    key = (~active).long() * T + torch.arange(T, device=active.device)
+    idx = key.argsort(dim=1)[:, :kmax]
+    return idx, active.gather(1, idx)
+
+
+class RoutedLoop:
+    """One routed forward: `loop_step` has LoopedLM.loop_step's signature and runs it on the selected tokens.
+
+    depths=None without a cache: training's routing (expert choice top-k, token choice argmax).
+    depths='inference', or any cached call: causal routing per token (ExpertChoiceRouter.decide; token
+    choice's argmax depth, already causal). depths=(B, T) tensor: the given depths, token t runs loops
+    1..depths[t] (0 = none) — the reference that cached decoding equals given the same decisions."""
+
+    def __init__(self, router: DepthRouter, model, x: torch.Tensor, depths=None, cache=None):
+        self.router, self.model, self.cache = router, model, cache
         self.info = RoutingInfo(depth=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device))
         self.h = x  # a token that never ran a loop reads its input
         self.cand: torch.Tensor | None = None  # expert choice: the tokens that ran the previous loop
         self.assigned = None
         self.shared: dict = {}  # kv=share_first: loop 0's keys/values per layer, with their positions
+        self.causal = depths is not None or cache is not None
+        self.given = depths if isinstance(depths, torch.Tensor) else None
+        if self.given is not None:
+            if self.given.shape != x.shape[:2]:
+                raise ValueError(f"depths of shape {tuple(self.given.shape)}: give one depth per token, "
+                                 f"{tuple(x.shape[:2])}")
+            if bool((self.given < 0).any()) or bool((self.given > router.n_loops).any()):
+                raise ValueError(f"depths must lie in 0..R={router.n_loops}")
+            self.given = self.given.to(device=x.device, dtype=torch.long)
+
+    def _decide(self, r: int, x):
+        router = self.router
+        if isinstance(router, ExpertChoiceRouter):
+            return router.decide(r, x, self.info.depth >= r, self.given)
+        if self.assigned is None:
+            self.assigned = (router.assign(x, self.info) if self.given is None
+                             else router.assign_given(x, self.given))
+        depth, weight = self.assigned
+        return depth > r, weight
 
     def loop_step(self, x, s, e, r: int, positions, valid, cache):
         router = self.router
-        if isinstance(router, ExpertChoiceRouter):
+        B, T = x.shape[:2]
+        if cache is not None and valid is not None:
+            valid = valid[:, -T:]  # the cache's mask covers every cached column; this call's tokens
+        if self.causal:
+            active, w_full = self._decide(r, x)
+            idx, live = active_slots(active)
+            if idx is False:  # no token runs this loop
+                self._record(r, idx, torch.zeros_like(active))
+                return self.h, x, s, None
+            w = gather_tokens(w_full, idx)[..., None]
+        elif isinstance(router, ExpertChoiceRouter):
             idx, live, w = router.select(r, x, self.cand, self.info)
             w = w[..., None]
             self.cand = idx
@@ -261,13 +409,21 @@ class RoutedLoop:
         x_a, s_a, e_a = gather_tokens(x, idx), gather_tokens(s, idx), gather_tokens(e, idx)
         pos_a, valid_a = gather_tokens(positions, idx), gather_tokens(valid, idx)
         update = router.cfg.update
+        share = router.cfg.kv == "share_first"
 
         def gate(x_in, h_block):  # the router weight multiplies the update (called by model.loop_step)
             return x_in + w * (h_block if update == "mor" else h_block - x_in)
 
-        kv = _SharedKV(self.shared, r, pos_a, valid_a, x.shape[0]) if router.cfg.kv == "share_first" else None
+        if cache is not None:
+            kv = _RoutedCacheView(cache, r, idx, live, valid_a, T, share)
+        elif share:
+            tok = idx if idx is not None else torch.arange(T, device=x.device)[None]
+            keys_valid = valid_a if live is None else (live if valid_a is None else valid_a & live)
+            kv = _SharedKV(self.shared, r, tok, keys_valid, B)
+        else:
+            kv = None
         h_a, xn_a, sn_a, a = self.model.loop_step(x_a, s_a, e_a, r, pos_a, valid_a, kv, gate=gate)
-        if live is not None:  # padded slots (token choice): keep what they were
+        if live is not None:  # padded slots: keep what they were
             keep = live[..., None]
             h_a = torch.where(keep, h_a, gather_tokens(self.h, idx))
             xn_a = torch.where(keep, xn_a, x_a)
@@ -280,11 +436,14 @@ class RoutedLoop:
         else:
             src = torch.ones_like(idx, dtype=torch.bool) if live is None else live
             ran = torch.zeros_like(self.info.depth, dtype=torch.bool).scatter(1, idx, src)
+        self._record(r, idx, ran)
+        return h, x, s, a
+
+    def _record(self, r: int, idx, ran: torch.Tensor) -> None:
         self.info.depth = torch.where(ran, r + 1, self.info.depth)
-        self.info.selected.append(idx)
+        self.info.selected.append(idx if idx is not False else ran.new_zeros(ran.shape[0], 0, dtype=torch.long))
         self.info.ran.append(ran)
         self.info.active_frac.append(float(ran.float().mean()))
-        return h, x, s, a
 
     def finish(self) -> RoutingInfo:
         return self.info
