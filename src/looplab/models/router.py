@@ -408,6 +408,8 @@ class RoutedLoop:
             idx, live, w = router.select(r, *self.assigned)
         x_a, s_a, e_a = gather_tokens(x, idx), gather_tokens(s, idx), gather_tokens(e, idx)
         pos_a, valid_a = gather_tokens(positions, idx), gather_tokens(valid, idx)
+        if live is not None:  # slots that do not run this loop are no key for anyone (idx None: they sit in between)
+            valid_a = live if valid_a is None else valid_a & live
         update = router.cfg.update
         share = router.cfg.kv == "share_first"
 
@@ -418,8 +420,7 @@ class RoutedLoop:
             kv = _RoutedCacheView(cache, r, idx, live, valid_a, T, share)
         elif share:
             tok = idx if idx is not None else torch.arange(T, device=x.device)[None]
-            keys_valid = valid_a if live is None else (live if valid_a is None else valid_a & live)
-            kv = _SharedKV(self.shared, r, tok, keys_valid, B)
+            kv = _SharedKV(self.shared, r, tok, valid_a, B)
         else:
             kv = None
         h_a, xn_a, sn_a, a = self.model.loop_step(x_a, s_a, e_a, r, pos_a, valid_a, kv, gate=gate)
