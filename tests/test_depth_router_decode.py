@@ -244,3 +244,11 @@ def test_other_misuse_is_refused_by_name():
         make({"name": "expert_choice", "inference_threshold": 1.5})
     with pytest.raises(ConfigError, match="backbone=mamba2"):  # Mamba-2 / hybrid routing: not yet
         make({"name": "token_choice"}, backbone="mamba2", d_state=8, headdim=8, chunk_size=8)
+
+
+def test_prelude_coda_and_injection_decode_as_routed():
+    model = make(CASES["token_choice"], prelude_layers=1, coda_layers=1, injection="add")
+    ids = ids_for(1, 10)
+    logits, depths, _ = decode(model, ids, prompt_len=3)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids, depths=depths).logits, **TOL)
