@@ -41,7 +41,10 @@ loop r runs the tokens with d_t > r (0-based r), with the same gather/scatter an
 reference that cached decoding equals given the same decisions (`out.routing.depth` reports them).
 With a cache (LoopedLM.allocate_cache) each (loop, layer) entry is a cache.RoutedKVCache holding only
 the tokens that ran that loop (recursion_wise: its own length per depth; share_first: loop 0's entries
-only, read by every loop). Prefill and steps are calls of the same routed forward.
+only, read by every loop). Prefill and steps are calls of the same routed forward. Compute: a loop that
+no token of the call runs is skipped (at batch 1, every loop after the token stops); in a batch, a loop
+runs when some row's token runs it, and the rows whose token stopped compute one discarded slot that
+writes nothing (the batch is not regathered by row).
 
 The loop calls `RoutedLoop.loop_step` in place of `LoopedLM.loop_step` (same signature), which gathers,
 calls the model's own loop_step on the active tokens, and scatters back. Not yet supported, and refused
@@ -360,7 +363,7 @@ class RoutedLoop:
     1..depths[t] (0 = none) — the reference that cached decoding equals given the same decisions."""
 
     def __init__(self, router: DepthRouter, model, x: torch.Tensor, depths=None, cache=None):
-        self.router, self.model, self.cache = router, model, cache
+        self.router, self.model = router, model
         self.info = RoutingInfo(depth=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device))
         self.h = x  # a token that never ran a loop reads its input
         self.cand: torch.Tensor | None = None  # expert choice: the tokens that ran the previous loop
