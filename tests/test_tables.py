@@ -798,6 +798,7 @@ def test_table11_plans_retrofit_training_then_measurement_and_reports_every_cell
     assert "exit_gate.skip_compute=ssm_skip" in train[4].argv and "backbone=hybrid_tiny" in train[4].argv
     measure = cmds[-1].argv
     assert measure[1:3] == ["-m", "looplab.bench.speculative"] and measure[-2:] == ["--out", "bench/speculation.json"]
+    assert "--jobs" in measure and str(tmp_path / "table11" / "tiny" / "speculation_tiny_retrofit") == measure[3]
     assert all(str(tmp_path / "table11" / "tiny" / sw.folder) in measure for sw in spec.get(11).sweeps_for("tiny"))
     with pytest.raises(ValueError, match="tiny scale only"):
         runner.plan(11, "paper", tmp_path)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from looplab.bench.common import time_side_by_side
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.generation import generate
 
@@ -56,44 +56,58 @@ def _prompts(model, meta: dict | None, batch: int, prompt_len: int, seed: int = 
 
 
 @torch.no_grad()
-def measure(model, ids: torch.Tensor, ks, gammas, new_tokens: int = 64, repeats: int = 3) -> dict[str, Any]:
-    """One model, one batch of prompts: plain and every (k, γ), round-robin → tokens/s, speed-up, acceptance."""
+def measure(model, ids: torch.Tensor, ks, gammas, new_tokens: int = 64, repeats: int = 5) -> dict[str, Any]:
+    """One model, one batch of prompts: plain and every (k, γ), round-robin → tokens/s, speed-up, acceptance.
+
+    Every call is timed (odd rounds in reverse order) and checked against plain greedy decoding's tokens; a
+    cell's speed-up is the median over rounds of plain's time / the cell's time in the same round (paired, so
+    a slow moment of the machine hits both), with the range over rounds."""
     configs: dict[str, dict] = {"plain": {}}
     for k in ks:
+        configs[f"depth {k}"] = {"n_loops": k}  # plain decoding at depth k: what one draft token costs
         for g in gammas:
             configs[f"k={k} gamma={g}"] = {"speculative_loops": k, "draft_tokens": g}
     reference = generate(model, ids, new_tokens)
+    generate(model, ids, new_tokens, speculative_loops=ks[0], draft_tokens=gammas[0])  # warm-up of the round code
+    times: dict[str, list[float]] = {name: [] for name in configs}
     stats: dict[str, Any] = {}
-    for name, kw in configs.items():  # untimed: exactness, acceptance (the same every call: greedy, same prompts)
-        out = generate(model, ids, new_tokens, return_logits=True, **kw)
-        if not torch.equal(out.sequences, reference):
-            raise AssertionError(f"{name} decoded other tokens than plain greedy decoding")
-        if out.speculation is not None:
-            s = out.speculation
-            stats[name] = {"acceptance": s.acceptance_rate, "rounds": s.rounds,
-                           "row_acceptance_min": float(s.row_acceptance.min()),
-                           "mean_draft": statistics.fmean(s.draft_sizes) if s.draft_sizes else 0.0}
-    fns = {name: (lambda kw=kw: generate(model, ids, new_tokens, **kw)) for name, kw in configs.items()}
-    for k in ks:  # plain decoding at depth k: what one draft token costs, against the full depth
-        fns[f"depth {k}"] = lambda k=k: generate(model, ids, new_tokens, n_loops=k)
-    times = time_side_by_side(fns, warmup=0, repeats=repeats)
+    order = list(configs)
+    for r in range(repeats):
+        for name in order if r % 2 == 0 else order[::-1]:
+            kw = configs[name]
+            t0 = time.perf_counter()
+            out = generate(model, ids, new_tokens, return_logits=True, **kw)
+            times[name].append(time.perf_counter() - t0)
+            if "n_loops" in kw:
+                continue
+            if not torch.equal(out.sequences, reference):
+                raise AssertionError(f"{name} decoded other tokens than plain greedy decoding")
+            if out.speculation is not None and name not in stats:  # greedy, same prompts: the same every call
+                s = out.speculation
+                stats[name] = {"acceptance": s.acceptance_rate, "rounds": s.rounds,
+                               "row_acceptance_min": float(s.row_acceptance.min()),
+                               "mean_draft": statistics.fmean(s.draft_sizes) if s.draft_sizes else 0.0}
     n = ids.shape[0] * new_tokens
-    plain = n / statistics.median(times["plain"])
-    draft_cost = {k: statistics.median(times[f"depth {k}"]) / statistics.median(times["plain"]) for k in ks}
+
+    def paired(name: str) -> list[float]:  # plain / name, round by round
+        return [p / c for p, c in zip(times["plain"], times[name])]
+
     cells = []
     for name, kw in configs.items():
-        if name == "plain":
+        if "speculative_loops" not in kw:
             continue
-        tps = n / statistics.median(times[name])
-        cells.append({"k": kw["speculative_loops"], "gamma": kw["draft_tokens"], "tokens_per_s": round(tps, 2),
-                      "draft_cost": round(draft_cost[kw["speculative_loops"]], 4),
-                      "speedup": round(tps / plain, 4), **{k: round(v, 4) if isinstance(v, float) else v
-                                                          for k, v in stats[name].items()}})
-    return {"plain_tokens_per_s": round(plain, 2), "cells": cells}
+        k = kw["speculative_loops"]
+        ratios = paired(name)
+        cells.append({"k": k, "gamma": kw["draft_tokens"], "tokens_per_s": round(n / statistics.median(times[name]), 2),
+                      "speedup": round(statistics.median(ratios), 4),
+                      "speedup_range": [round(min(ratios), 4), round(max(ratios), 4)],
+                      "draft_cost": round(1 / statistics.median(paired(f"depth {k}")), 4),
+                      **{key: round(v, 4) if isinstance(v, float) else v for key, v in stats[name].items()}})
+    return {"plain_tokens_per_s": round(n / statistics.median(times["plain"]), 2), "repeats": repeats, "cells": cells}
 
 
 def run_checkpoint(path: str | Path | None, ks=None, gammas=GAMMAS, batches=(1,), prompt_len: int = 32,
-                   new_tokens: int = 64, repeats: int = 3) -> dict[str, Any]:
+                   new_tokens: int = 64, repeats: int = 5, batch_gammas=None) -> dict[str, Any]:
     meta = None
     if path:
         from looplab.checkpoint import load_model
@@ -117,8 +131,15 @@ def run_checkpoint(path: str | Path | None, ks=None, gammas=GAMMAS, batches=(1,)
                    accuracy=res.get("accuracy"), init_from=(res.get("config") or {}).get("init_from"))
     for b in batches:
         ids = _prompts(model, meta, b, prompt_len)
-        out["batches"][str(b)] = measure(model, ids, ks, gammas, new_tokens, repeats)
+        gs = gammas if b == 1 or not batch_gammas else batch_gammas
+        out["batches"][str(b)] = measure(model, ids, ks, gs, new_tokens, repeats)
     return out
+
+
+def _run_one(args) -> dict[str, Any]:
+    path, threads, kw = args
+    torch.set_num_threads(threads)
+    return run_checkpoint(path, **kw)
 
 
 def best_cell(runs: list[dict[str, Any]], batch: int = 1) -> dict[str, Any] | None:
@@ -132,7 +153,9 @@ def best_cell(runs: list[dict[str, Any]], batch: int = 1) -> dict[str, Any] | No
 
 
 def run(paths=(), ks=None, gammas=GAMMAS, batches=(1,), prompt_len: int = 32, new_tokens: int = 64,
-        repeats: int = 3, threads: int | None = 1) -> dict[str, Any]:
+        repeats: int = 5, threads: int | None = 1, jobs: int = 1, batch_gammas=None) -> dict[str, Any]:
+    """jobs > 1: that many checkpoints at once, each in its own process (every cell is still timed against
+    plain decoding round-robin inside one process, so the other process's load hits both alike)."""
     if threads:
         torch.set_num_threads(threads)
     if paths:
@@ -143,10 +166,21 @@ def run(paths=(), ks=None, gammas=GAMMAS, batches=(1,), prompt_len: int = 32, ne
             raise SystemExit(f"no trained checkpoint in {', '.join(map(str, paths))}")
     else:
         ckpts = [None]
-    runs = [run_checkpoint(c, ks, gammas, batches, prompt_len, new_tokens, repeats) for c in ckpts]
+    kw = dict(ks=ks, gammas=gammas, batches=batches, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
+              batch_gammas=batch_gammas)
+    work = [(c, threads or torch.get_num_threads(), kw) for c in ckpts]
+    if jobs > 1 and len(work) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(jobs, len(work)), mp_context=mp.get_context("spawn")) as pool:
+            runs = list(pool.map(_run_one, work))
+    else:
+        runs = [_run_one(w) for w in work]
     best = best_cell(runs, 1)
-    return {"threads": torch.get_num_threads(), "prompt": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
-            "gammas": list(gammas), "batches": list(batches), "target_speedup": TARGET_SPEEDUP,
+    return {"threads": threads or torch.get_num_threads(), "jobs": jobs, "prompt": prompt_len, "new_tokens": new_tokens,
+            "repeats": repeats, "gammas": list(gammas), "batch_gammas": list(batch_gammas or gammas),
+            "batches": list(batches), "target_speedup": TARGET_SPEEDUP,
             "best_batch1": best, "target_met": bool(best and best["speedup"] >= TARGET_SPEEDUP), "runs": runs}
 
 
@@ -158,12 +192,15 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, nargs="*", default=[1])
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="checkpoints measured at once, one process each")
+    p.add_argument("--batch-gamma", nargs="*", help="draft sizes at batch > 1 (default: --gamma)")
     p.add_argument("--out", help="write the JSON here too")
     a = p.parse_args(argv)
     gammas = [g if g == "auto" else int(g) for g in a.gamma]
-    res = run(a.paths, a.k, gammas, a.batch, a.prompt, a.new, a.repeats, a.threads)
+    bg = [g if g == "auto" else int(g) for g in a.batch_gamma] if a.batch_gamma else None
+    res = run(a.paths, a.k, gammas, a.batch, a.prompt, a.new, a.repeats, a.threads, a.jobs, bg)
     text = json.dumps(res, indent=1)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

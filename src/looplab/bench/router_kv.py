@@ -3,7 +3,7 @@ fixed-depth model of the same block, after prefilling P tokens and decoding N mo
 
 Untrained models (random routers, sharpened ×8 so decisions vary): the figures measure the caching
 mechanism (each depth's cache holds the tokens that reached it), not what a trained router would choose.
-Usage: PYTHONPATH=src python scripts/depth_router_kv_memory.py [--batch 1] [--prompt 16] [--new 112]
+Usage: python -m looplab.bench.router_kv [--batch 1] [--prompt 16] [--new 112]
 """
 
 from __future__ import annotations
