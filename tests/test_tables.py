@@ -805,6 +805,7 @@ def test_table11_plans_retrofit_training_then_measurement_and_reports_every_cell
 
     def run(name, training, speedups, acceptance, **over):
         cells = [{"k": k, "gamma": g, "tokens_per_s": 100.0 * speedups[k - 1], "speedup": speedups[k - 1],
+                  "speedup_range": [speedups[k - 1] - 0.1, speedups[k - 1] + 0.1],
                   "acceptance": acceptance[k - 1], "draft_cost": 0.3 * k} for k in (1, 2, 3) for g in (2, 4)]
         return {"checkpoint": f"/x/{name}/0/checkpoints/last.ckpt", "backbone": "llama", "state_mode": "vanilla",
                 "n_layers": 2, "n_loops": 4, "d_model": 128, "prelude_layers": 0, "coda_layers": 0, "seed": 1,
@@ -813,7 +814,7 @@ def test_table11_plans_retrofit_training_then_measurement_and_reports_every_cell
                             "8": {"plain_tokens_per_s": 500.0, "cells": cells}}}
 
     aware = "exit-aware (kv_copy, p=0.5)"
-    best = {"k": 1, "gamma": 4, "speedup": 1.6, "acceptance": 0.9, "draft_cost": 0.3,
+    best = {"k": 1, "gamma": 4, "speedup": 1.6, "speedup_range": [1.5, 1.7], "acceptance": 0.9, "draft_cost": 0.3,
             "checkpoint": "/x/aware/0/checkpoints/last.ckpt", "training": aware}
     data = {"new_tokens": 64, "prompt": 32, "batches": [1, 8], "gammas": [2, 4], "repeats": 3, "threads": 1,
             "target_speedup": 1.5, "best_batch1": best,
@@ -825,7 +826,7 @@ def test_table11_plans_retrofit_training_then_measurement_and_reports_every_cell
     assert {r["target"] for r in t.rows if r["batch"] == 8} == {""}  # the target is batch 1's
     assert [r["target"] for r in t.rows if r["batch"] == 1 and r["speed-up"] >= 1.5] == ["met", "met"]
     (line,) = [v for k, v in t.summary.items() if k.startswith("target")]
-    assert line.startswith("**met**: best cell llama vanilla 2⊗4 d 128") and "k = 1, γ = 4: 1.60×" in line
+    assert line.startswith("**met**: best cell llama vanilla 2⊗4 d 128") and "k = 1, γ = 4: 1.60× plain (rounds 1.50–1.70)" in line
     (aware_line,) = [v for k, v in t.summary.items() if "exit-aware − standard" in k]
     assert aware_line == "k 1: +0.60, k 2: +0.35, k 3: +0.17"
     paths = report.write(t, tmp_path / "tables")

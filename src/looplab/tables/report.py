@@ -1207,10 +1207,11 @@ def build_speculation(spec: TableSpec, scale: str, out_root: Path, seeds: list[i
     (≥ 1.5× at batch 1, identical output) is judged on the best cell, and exit-aware training's effect on
     acceptance is read off the pairs of models trained both ways."""
     table, _ = _build_runs(spec, scale, out_root, seeds)  # the training sweeps: missing / failed runs
-    table.method = ("each cell: the median over repeats of tokens/s (prefill included) of speculative decoding ÷ plain "
-                    "cached greedy decoding of the same prompts in the same process, timed round-robin; every "
-                    "speculative run gave plain decoding's tokens exactly (checked); acceptance = kept draft tokens / "
-                    "drafted; draft cost = plain decoding at depth k ÷ at depth R, per token")
+    table.method = ("each cell: speed-up = the median over timed rounds of plain cached greedy decoding's time ÷ "
+                    "speculative decoding's time for the same prompts in the same round (every configuration timed "
+                    "round-robin in one process, prefill included), with the range over rounds; every timed "
+                    "speculative call gave plain decoding's tokens exactly (checked); acceptance = kept draft tokens / "
+                    "drafted; draft cost = plain decoding at depth k ÷ at depth R, per token, paired the same way")
     path = Path(speculation_json or DEFAULT_SPECULATION_JSON)
     if not path.exists():
         table.missing.append(f"{path}: not found — `make table11` trains the models and measures them")
@@ -1224,18 +1225,21 @@ def build_speculation(spec: TableSpec, scale: str, out_root: Path, seeds: list[i
                     "model": _model_label(run), "training": run.get("training") or "—", "seed": run.get("seed"),
                     "perplexity": run.get("perplexity"), "batch": int(b), "k": c["k"], "γ": c["gamma"],
                     "plain tokens/s": res["plain_tokens_per_s"], "speculative tokens/s": c["tokens_per_s"],
-                    "speed-up": c["speedup"], "acceptance": c["acceptance"], "draft cost": c.get("draft_cost"),
+                    "speed-up": c["speedup"],
+                    "range over rounds": "–".join(f"{v:.2f}" for v in c["speedup_range"]) if c.get("speedup_range") else None,
+                    "acceptance": c["acceptance"], "draft cost": c.get("draft_cost"),
                     "target": "met" if int(b) == 1 and c["speedup"] >= data.get("target_speedup", 1.5) else ""})
     table.columns = ["model", "training", "seed", "perplexity", "batch", "k", "γ", "plain tokens/s",
-                     "speculative tokens/s", "speed-up", "acceptance", "draft cost", "target"]
+                     "speculative tokens/s", "speed-up", "range over rounds", "acceptance", "draft cost", "target"]
     target = data.get("target_speedup", 1.5)
     best = data.get("best_batch1")
     if best:
         label = next((_model_label(r) for r in runs if r["checkpoint"] == best["checkpoint"]), best["checkpoint"])
         table.summary[f"target (issue 27): ≥ {target}× tokens/s at identical output at batch 1 on some trained model"] = (
             f"**{'met' if best['speedup'] >= target else 'not met'}**: best cell {label} ({best.get('training')}), "
-            f"k = {best['k']}, γ = {best['gamma']}: {best['speedup']:.2f}× plain, acceptance {best['acceptance']:.2f}, "
-            f"draft cost {best.get('draft_cost', float('nan')):.2f}")
+            f"k = {best['k']}, γ = {best['gamma']}: {best['speedup']:.2f}× plain"
+            + (" (rounds {:.2f}–{:.2f})".format(*best["speedup_range"]) if best.get("speedup_range") else "")
+            + f", acceptance {best['acceptance']:.2f}, draft cost {best.get('draft_cost', float('nan')):.2f}")
     for run in runs:
         for b, res in sorted(run["batches"].items(), key=lambda kv: int(kv[0])):
             if not res["cells"]:
