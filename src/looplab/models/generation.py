@@ -214,9 +214,21 @@ def stream(
     # prefill is parallel over the prompt, so it runs every loop even under skip_compute
     out = model(input_ids, attention_mask=attention_mask, cache=cache, n_loops=R,
                 exits=_threshold_policy(exit_threshold, exit_rule, exit_min_loops))
-    logits = out.logits[:, -1]
     exit_steps = out.exit_steps[:, -1] if out.exit_steps is not None else None
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+
+    def step(tokens):
+        return decode_step(model, tokens[:, None], cache, exit_threshold=exit_threshold, skip_compute=skip_compute,
+                           exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R)
+
+    yield from _sample_steps(out.logits[:, -1], exit_steps, step, max_new_tokens, eos, temperature, top_k, top_p,
+                             generator)
+
+
+def _sample_steps(logits, exit_steps, step, max_new_tokens: int, eos: torch.Tensor | None, temperature, top_k, top_p,
+                  generator) -> Iterator[StepOutput]:
+    """Sample from `logits`, yield, and ask `step(tokens)` for the next (logits, exit_steps); rows that emitted eos
+    keep emitting it, and the loop ends once every row has (the plain and static decoders' common tail)."""
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for i in range(max_new_tokens):
         tokens = sample_next(logits, temperature, top_k, top_p, generator)
         if eos is not None:
@@ -225,10 +237,7 @@ def stream(
         yield StepOutput(tokens, logits, exit_steps)
         if i == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
             return
-        logits, exit_steps = decode_step(
-            model, tokens[:, None], cache, exit_threshold=exit_threshold, skip_compute=skip_compute,
-            exit_rule=exit_rule, exit_min_loops=exit_min_loops, n_loops=R,
-        )
+        logits, exit_steps = step(tokens)
 
 
 def _stream_static(model, input_ids, attention_mask, max_new_tokens: int, eos: torch.Tensor | None, mode: str, R: int,
@@ -239,16 +248,8 @@ def _stream_static(model, input_ids, attention_mask, max_new_tokens: int, eos: t
     B, T = input_ids.shape
     dec = static_decoder(model, B, T + max_new_tokens, mode, n_loops=R)
     logits = dec.prefill(input_ids, attention_mask)
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    for i in range(max_new_tokens):
-        tokens = sample_next(logits, temperature, top_k, top_p, generator)
-        if eos is not None:
-            tokens = torch.where(finished, eos[0], tokens)
-            finished |= torch.isin(tokens, eos)
-        yield StepOutput(tokens, logits)
-        if i == max_new_tokens - 1 or (eos is not None and bool(finished.all())):
-            return
-        logits = dec.step(tokens)
+    yield from _sample_steps(logits, None, lambda tokens: (dec.step(tokens), None), max_new_tokens, eos, temperature,
+                             top_k, top_p, generator)
 
 
 def _stream_speculative(model, input_ids, attention_mask, cache: LoopCache, max_new_tokens: int,
