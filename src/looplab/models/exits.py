@@ -81,9 +81,9 @@ def forward_kwargs_policy(exits: ExitPolicy | None, legacy: dict) -> ExitPolicy 
 def forward_with_skips(model, input_ids, attention_mask, policy: ExitPolicy, n_loops, **unsupported) -> LoopedLMOutput:
     """A forward in which each token stops running loops after its exit (exit_compute.forward_with_exits); the
     output holds every loop's logits."""
+    unsupported = {**unsupported, "exit_at_step": policy.at_step, "expected_exit": policy.expected}
     bad = [k for k, v in unsupported.items() if v not in (None, False)]
-    if bad or policy.at_step is not None or policy.expected:
-        bad += ["exit_at_step"] * (policy.at_step is not None) + ["expected_exit"] * policy.expected
+    if bad:
         raise ValueError(f"skip_compute={policy.skip!r} runs the cache-free exit reference, which does not take "
                          f"{', '.join(bad)}; call the model without them")
     return forward_with_exits(model, input_ids, policy.steps, policy.skip, attention_mask, rule=policy.rule,

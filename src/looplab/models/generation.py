@@ -104,17 +104,9 @@ def decode_step(
         _check_skip(model.config, handling, exit_rule, exit_threshold)
         return skip_compute_step(model, input_ids, cache, exit_threshold, exit_rule or "gate", exit_min_loops, handling,
                                  n_loops=n_loops)
-    out = model(input_ids, cache=cache, n_loops=n_loops, exits=_threshold_policy(exit_threshold, exit_rule, exit_min_loops))
+    out = model(input_ids, cache=cache, n_loops=n_loops,
+                exits=ExitPolicy.from_kwargs(exit_threshold, exit_rule, exit_min_loops))
     return out.logits[:, -1], (out.exit_steps[:, -1] if out.exit_steps is not None else None)
-
-
-def _threshold_policy(exit_threshold, exit_rule, exit_min_loops) -> ExitPolicy | None:
-    """The depth a cached forward reads: the rule's exit (exit_threshold set) or the last loop (None)."""
-    if exit_threshold is None:
-        if exit_rule is not None:
-            raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
-        return None
-    return ExitPolicy(threshold=exit_threshold, rule=exit_rule, min_loops=exit_min_loops)
 
 
 def _check_skip(config, handling: str, exit_rule: str | None, exit_threshold: float | None) -> None:
@@ -213,7 +205,7 @@ def stream(
         return
     # prefill is parallel over the prompt, so it runs every loop even under skip_compute
     out = model(input_ids, attention_mask=attention_mask, cache=cache, n_loops=R,
-                exits=_threshold_policy(exit_threshold, exit_rule, exit_min_loops))
+                exits=ExitPolicy.from_kwargs(exit_threshold, exit_rule, exit_min_loops))
     exit_steps = out.exit_steps[:, -1] if out.exit_steps is not None else None
 
     def step(tokens):

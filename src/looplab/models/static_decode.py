@@ -132,10 +132,7 @@ class StaticDecoder:
 
     def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         model, entries = self.model, self.entries  # entries: (loop, layer) → StaticKVCache, as LoopCache is indexed
-        x = model.embed(tokens)
-        for l, layer in enumerate(model.prelude):
-            x = layer(x, positions, None, entries["prelude", l])
-        e = x
+        x = e = model.run_prelude(model.embed(tokens), positions, None, entries)
         s = model.state.initial_state(x) if model.state is not None else None
         for r in range(self.R):
             h, x, s, _ = model.loop_step(x, s, e, r, positions, None, entries)
