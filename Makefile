@@ -9,7 +9,7 @@ SCALE ?= tiny
 export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 
 .DEFAULT_GOAL := help
-TABLES := 1 2 3 4 5 6 7 8 9 10 11
+TABLES := 1 2 3 4 5 6 7 8 9 10 11 12
 .PHONY: help install demo test test-fast bench gpu-install gpu-check sync-wandb clean tables \
         $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
 
@@ -30,11 +30,14 @@ install: $(STAMP) ## create .venv and install looplab with its dev/eval/bench ex
 demo: $(STAMP) ## train a tiny looped model on p-hop on the CPU (a few minutes) and print what it learned
 	$(PY) -m looplab.train
 
+# pytest-xdist: TEST_WORKERS processes, each given whole test files (module fixtures stay in one process); most
+# tests are one-thread tiny models or wait on subprocesses, so two workers keep both cores busy
+TEST_WORKERS ?= 2
 test: $(STAMP) ## the whole CPU test suite (GPU tests are skipped without CUDA)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-fast: $(STAMP) ## the suite without tests marked slow
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/results.json
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m looplab.bench

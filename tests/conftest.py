@@ -14,7 +14,9 @@ CONF = ROOT / "conf"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(2)
+# `make test` runs two pytest workers (xdist, one file per worker at a time) on the 2 cores: one torch thread each,
+# or four threads fight over two cores. Run alone, a test gets both.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="module")
