@@ -333,6 +333,14 @@ def test_train_runs_with_a_router(router, tiny_overrides, tmp_path):
     logged = {k for row in rows for k, v in row.items() if v}
     assert "train/router_mean_depth" in logged
     assert ("train/router_router_bce" if router == "expert_choice" else "train/router_balance") in logged
+    # the test split is scored twice: routed as in training, and causally (each token on its own, as decoding)
+    routing = res["routing"]
+    assert 1.0 <= routing["mean_depth"] <= 3.0 and 1.0 <= routing["causal_mean_depth"] <= 3.0
+    assert routing["causal_perplexity"] == pytest.approx(math.exp(routing["causal_loss"]), rel=1e-6)
+    assert 1.0 < routing["causal_perplexity"] < 1e4
+    if router == "token_choice":  # token choice routes causally in training too: both scorings agree
+        assert routing["causal_loss"] == pytest.approx(res["loss"], rel=1e-5)
+        assert routing["causal_mean_depth"] == pytest.approx(routing["mean_depth"], rel=1e-6)
 
 
 def test_pretrained_round_trip_and_warm_start_from_a_plain_model(tmp_path):

@@ -345,6 +345,12 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "per_depth": per_depth,
         "exit": exit_stats,
         "exit_expected_step": final.get(f"{split}/exit_expected_step"),
+        # depth_router: the metrics above route as training does (expert choice sees the whole sequence);
+        # causal_*: each token routed on its own, as decoding does (training/module.py _routed_eval)
+        "routing": {k: final.get(f"{split}/{m}") for k, m in (
+            ("mean_depth", "router_mean_depth"), ("causal_perplexity", "causal_ppl"), ("causal_loss", "causal_loss"),
+            ("causal_accuracy", "causal_acc"), ("causal_mean_depth", "causal_mean_depth"))}
+        if mc.depth_router.name != "none" else None,
         "state_diagnostics": state_diag,
         "params": params,
         "state_branch_overhead": params["state_branch"] / max(1, base),

@@ -234,6 +234,8 @@ class LoopedLMModule(L.LightningModule):
             if answer_mask is not None:
                 acc = (logits.argmax(-1) == targets)[answer_mask].float()
                 self.metric(split, f"acc_loop{d}").update(acc.mean(), weight=acc.numel())
+        if self.model.router is not None and not at_r_prime:
+            self._routed_eval(ids, targets, answer_mask, mask, n_tok, split, out)
         if self.model.exit_gate is not None and not at_r_prime:
             steps = torch.arange(1, self.R + 1, device=ids.device, dtype=out.exit_probs.dtype)
             probs = out.exit_probs[mask]
@@ -249,6 +251,18 @@ class LoopedLMModule(L.LightningModule):
                     self.metric(split, f"exit_q{q}_acc").update(acc.mean(), weight=acc.numel())
                     self.metric(split, f"exit_q{q}_answer_step").update(chosen[answer_mask].float().mean(), weight=acc.numel())
 
+    def _routed_eval(self, ids, targets, answer_mask, mask, n_tok: int, split: str, out) -> None:
+        """depth_router: the metrics above route as training does (expert choice: top-k over the whole sequence,
+        MoR's evaluation, which lets later tokens decide an earlier token's depth). Also score the causal routing
+        that decoding uses (`depths="inference"`: each token routed on its own), and the mean depth of each."""
+        self.metric(split, "router_mean_depth").update(out.routing.depth[mask].float().mean(), weight=n_tok)
+        causal = self.model(ids, depths="inference")
+        self.metric(split, "causal_loss").update(per_token_loss(causal.logits, targets).mean(), weight=max(n_tok, 1))
+        self.metric(split, "causal_mean_depth").update(causal.routing.depth[mask].float().mean(), weight=n_tok)
+        if answer_mask is not None:
+            acc = (causal.logits.argmax(-1) == targets)[answer_mask].float()
+            self.metric(split, "causal_acc").update(acc.mean(), weight=acc.numel())
+
     def _eval_epoch_end(self, split: str) -> None:
         metrics = self._metrics_by_split.get(split, {})
         values = {name: float(m.compute()) for name, m in metrics.items() if m.update_count > 0}
@@ -258,6 +272,8 @@ class LoopedLMModule(L.LightningModule):
         if final in values:
             values["loss"] = values[final]
             values["ppl"] = math.exp(min(values[final], 50.0))
+        if "causal_loss" in values:
+            values["causal_ppl"] = math.exp(min(values["causal_loss"], 50.0))
         if f"acc_loop{self.eval_R}" in values:
             values["acc"] = values[f"acc_loop{self.eval_R}"]
         for key, series in self.diagnostics.items():
