@@ -25,7 +25,7 @@ from looplab.stats import (  # noqa: F401  (t_quantile, z_quantile: part of the 
     LEVEL, Stat, adjusted_verdict, decisive_p, eval_batches, holm, judge, t_interval, t_quantile, wilson_interval,
     z_quantile,
 )
-from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_SPECULATION_JSON, SCALES, Finding, Sweep, TableSpec,
+from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SPECULATION_JSON, SCALES, Finding, Sweep, TableSpec,
                                  default_seeds, get)
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
@@ -191,6 +191,12 @@ class Unit:
         if metric == "accuracy at R":  # table 9's precondition: the final model at its trained depth
             v = _value(lambda d: d["per_depth"]["eval_loops"][str(d["model"]["loops"])]["accuracy"], d)
             return v if v is not None else _value(lambda d: d["accuracy"], d)
+        if metric in ("causal perplexity", "causal accuracy"):  # table 12: each token's depth chosen causally
+            return _value(lambda d: _causal(d, metric.split()[1]), d)
+        if metric == "training tokens/s":
+            return _value(lambda d: d["throughput"]["tokens_per_s"], d)
+        if metric in ("decode tokens/s", "KV bytes"):  # table 12: bench/routed_decode.py, merged in by build_routing
+            return _value(lambda d: d["decode"]["tokens_per_s" if metric == "decode tokens/s" else "kv_bytes"], d)
         if metric == "unigram perplexity":  # recorded by LM runs (train.py): the bar of the LM_LEARNED precondition
             return _value(lambda d: d["unigram_perplexity"], d)
         raise ValueError(f"unknown finding metric {metric!r}")
@@ -829,6 +835,38 @@ def _per_depth(cell: Cell) -> str:
     return " / ".join(parts) if parts else "—"
 
 
+def _causal(d: dict[str, Any], what: str) -> float | None:
+    """Table 12: a run's perplexity / accuracy / mean depth with each token's depth chosen causally, as decoding
+    chooses it: a depth router's inference routing (results.json routing.causal_*), the exit gate's exit at
+    q = EXIT_Q (exit.<q>), every loop for a fixed-depth model."""
+    from looplab.bench.routed_decode import EXIT_Q
+
+    routing, gate = d.get("routing"), (d.get("exit") or {}).get(str(EXIT_Q))
+    if routing:
+        v = routing.get(f"causal_{what}" if what != "depth" else "causal_mean_depth")
+    elif gate and gate.get("loss") is not None:
+        v = {"perplexity": math.exp(min(gate["loss"], 50.0)), "accuracy": gate.get("acc"), "depth": gate.get("mean_step")}[what]
+    else:
+        v = {"perplexity": d.get("perplexity"), "accuracy": d.get("accuracy"), "depth": d["model"]["loops"]}[what]
+    return v * d["model"]["layers"] if what == "depth" and v is not None else v  # depth: layers run per token
+
+
+def _training_flops_per_token(run: Run) -> float | None:
+    """Analytic training FLOPs per token of the run's model (LoopedLM.flops_per_token, a depth router's loops
+    at its capacities), from its checkpoint's config; results.json's figure when there is no checkpoint."""
+    ckpt = run.path / "checkpoints" / "last.ckpt"
+    seq = _value(lambda d: d["flops_per_token"]["seq_len"], run.data)
+    if ckpt.exists() and seq:
+        try:
+            from looplab.checkpoint import load_model
+
+            model, _ = load_model(ckpt, map_location="cpu")
+            return float(model.flops_per_token(int(seq), training=True))
+        except Exception:  # noqa: BLE001 — an unreadable checkpoint falls back to what the run recorded
+            pass
+    return _value(lambda d: d["flops_per_token"]["training"], run.data)
+
+
 # ----------------------------------------------------------------------------- builders per kind
 def _build_runs(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None) -> tuple[Table, list[Cell]]:
     table = Table(spec, scale, [], [], seeds=seeds)
@@ -1279,7 +1317,70 @@ def _exit_aware_acceptance(table: Table, runs: list[dict[str, Any]]) -> None:
             f"k {k}: {acc(arms['exit-aware'], k) - acc(arms['standard'], k):+.2f}" for k in ks)
 
 
-BUILDERS = {"speculation": build_speculation, "exitgrid": build_exitgrid, "extrapolation": build_extrapolation, "lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,
+def build_routing(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None,
+                  routing_json: Path | None = None) -> Table:
+    """Table 12: one row per experiment × arm (seed means with intervals): quality as trained and with each
+    token's depth chosen causally, the depth it spends, parameters, training FLOPs and tokens/s, and for the
+    language models decoding tokens/s and KV-cache bytes from bench/routed_decode.py's JSON."""
+    table, cells = _build_runs(spec, scale, out_root, seeds)
+    path = Path(routing_json or DEFAULT_ROUTING_JSON)
+    decode = {}
+    if path.exists():
+        for r in json.loads(path.read_text()).get("runs", []):
+            decode[str(Path(r["run_dir"]).resolve())] = r
+    elif any(c.ok for c in cells if "lm" in c.sweep.experiment):
+        table.missing.append(f"{path}: not found — `make table12` measures decoding after training")
+    for c in cells:
+        for r in c.ok:  # decoding figures ride on the run's data, for the rows and the findings alike
+            if str(r.path.resolve()) in decode:
+                r.data["decode"] = decode[str(r.path.resolve())]
+            r.data["training_flops_per_token"] = _training_flops_per_token(r)
+    for c in cells:
+        if not c.ok:
+            continue
+        row = _base_row(c)
+        row["experiment"] = _base_experiment(c.sweep.experiment)
+        row["arm"] = c.combo.get("arm", "?")
+        if "_lm_" in c.sweep.experiment:
+            row["perplexity"] = stat(c.ok, lambda d: d["perplexity"])
+            row["causal perplexity"] = stat(c.ok, lambda d: _causal(d, "perplexity"))
+        else:
+            row["accuracy"] = stat(c.ok, lambda d: d["accuracy"], _examples)
+            row["causal accuracy"] = stat(c.ok, lambda d: _causal(d, "accuracy"), _examples)
+        row["layers/token"] = stat(c.ok, lambda d: d["routing"]["mean_depth"] * d["model"]["layers"] if d.get("routing")
+                                   else d["model"]["layers"] * d["model"]["loops"])
+        row["causal layers/token"] = stat(c.ok, lambda d: _causal(d, "depth"))
+        row["train MFLOPs/token"] = stat(c.ok, lambda d: d["training_flops_per_token"] / 1e6)
+        row["train TFLOPs"] = stat(c.ok, lambda d: d["training_flops_per_token"] * d["throughput"]["tokens"] / 1e12)
+        row["train tokens/s"] = stat(c.ok, lambda d: d["throughput"]["tokens_per_s"])
+        row["decode tokens/s"] = stat(c.ok, lambda d: d["decode"]["tokens_per_s"])
+        row["KV KiB"] = stat(c.ok, lambda d: d["decode"]["kv_bytes"] / 1024)
+        table.rows.append(row)
+    table.rows.sort(key=lambda r: (r["experiment"], ARM_ORDER.index(r["arm"]) if r["arm"] in ARM_ORDER else 99))
+    table.columns = ["experiment", "arm", "N⊗R", "seeds", "perplexity", "causal perplexity", "accuracy", "causal accuracy",
+                     "layers/token", "causal layers/token", "params", "train MFLOPs/token", "train TFLOPs", "steps", "train tokens/s",
+                     "decode tokens/s", "KV KiB"]
+    table.notes += [
+        "perplexity / accuracy: the test split scored as the model trains — expert choice picks each loop's top-k over "
+        "the whole sequence (MoR's evaluation: a later token can decide an earlier token's depth), the exit gate's arm "
+        "runs every loop; causal: each token's depth chosen from its own past, as decoding does (a router's inference "
+        "rule, the gate's exit at q = 0.5); layers/token: the block layers each token runs (loops × N), as "
+        "trained and causal (the exit gate's arm trains every loop)",
+        "train MFLOPs/token: analytic (LoopedLM.flops_per_token: a router's loops counted at its capacities, backward "
+        "2× forward); train TFLOPs: that × the tokens trained; train tokens/s: the whole training loop, two runs "
+        "sharing the 2 cores",
+        f"decoding (LM only, {path}): 64 greedy tokens after a 32-token held-out prompt at batch 1, one thread, the "
+        "arms of a seed timed round-robin; KV KiB: the cache after decoding (a router's per-depth caches hold only the "
+        "tokens that reached their depth)",
+    ]
+    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    return table
+
+
+ARM_ORDER = ["looped", "mor_expert", "mor_token", "ouro_gate", "vanilla"]  # table 12's rows
+
+
+BUILDERS = {"routing": build_routing, "speculation": build_speculation, "exitgrid": build_exitgrid, "extrapolation": build_extrapolation, "lm": build_lm, "task": build_task, "depth": build_depth, "reset": build_reset, "exit": build_exit,
             "decode": build_decode}
 
 

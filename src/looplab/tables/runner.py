@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
+from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
                                  TableSpec, default_seeds, get)
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
@@ -82,7 +82,9 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
         if init_from is not None:
             argv.append(f"exit_gate.init_from={init_from}")
         if seed is not None:
-            argv += [f"seed={seed}", f"hydra.sweep.subdir=seed{seed}"]
+            # a command of several jobs (table 12: two arms per seed) gives each its own folder
+            several = len(sw.grid()) > 1
+            argv += [f"seed={seed}", f"hydra.sweep.subdir=seed{seed}" + ("_${hydra.job.num}" if several else "")]
     elif seeds:
         argv.append(_override_list("seed", seeds))
     argv += list(extra)
@@ -180,6 +182,12 @@ def speculation_command(spec: TableSpec, scale: str, out_root: Path, out: Path =
     return Command(argv, note="plain vs self-speculative decoding of every trained model (bench/speculative.py)")
 
 
+def routed_decode_command(spec: TableSpec, scale: str, out_root: Path, out: Path = DEFAULT_ROUTING_JSON) -> Command:
+    dirs = [str(sweep_dir(out_root, spec.number, scale, sw)) for sw in spec.sweeps_for(scale) if "_lm_" in sw.experiment]
+    argv = [sys.executable, "-m", "looplab.bench.routed_decode", *dirs, "--repeats", "5", "--threads", "1", "--out", str(out)]
+    return Command(argv, note="decoding tokens/s and KV bytes of every trained language model (bench/routed_decode.py)")
+
+
 def zeroshot_command(spec: TableSpec, scale: str, out_root: Path) -> Command:
     tasks = ZEROSHOT_TASKS.get(scale)
     argv = [sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale, "--out-root", str(out_root)]
@@ -206,7 +214,7 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         return [decode_command(scale, decode_json, extra, out_root)]
     if spec.kind == "exitgrid" and scale != "tiny":
         raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
-    if spec.kind == "speculation" and scale != "tiny":
+    if spec.kind in ("speculation", "routing") and scale != "tiny":
         raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
     cmds: list[Command] = [retrofit_command(out_root)] if spec.kind == "speculation" else []
     for sw in spec.sweeps_for(scale):
@@ -222,6 +230,8 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         cmds.append(exit_grid_command(scale, out_root, jobs=jobs))
     if spec.kind == "speculation":
         cmds.append(speculation_command(spec, scale, out_root))
+    if spec.kind == "routing":
+        cmds.append(routed_decode_command(spec, scale, out_root))
     if zeroshot if zeroshot is not None else number == 1:
         cmds.append(zeroshot_command(spec, scale, out_root))
     return cmds

@@ -263,6 +263,25 @@ def _exit_sweeps(experiments: list[str], stage1: tuple[str, ...] = (), per_seed:
     return tuple(out)
 
 
+# Table 12 (issue 28): MoR's comparisons are at equal training FLOPs, so the MoR arms train for more steps, to
+# the fixed-depth model's training FLOPs: steps × (1⊗R's FLOPs/token) / (the routed model's at MoR's capacities),
+# rounded (LoopedLM.flops_per_token; tests/test_tables.py checks these numbers against it). Token choice gets the
+# expert-choice count: balanced, its depths spend the same. The unrolled (N·R)⊗1 arm costs what 1⊗R costs.
+MOR_STEPS_TINY = {"mor_lm_tiny": 834, "mor_phop_tiny": 1280}
+DEFAULT_ROUTING_JSON = Path("bench/routing.json")  # table 12's decoding measurements (bench/routed_decode.py)
+
+
+def _mor_sweeps(experiment: str, unrolled_layers: int) -> tuple[Sweep, ...]:
+    """Table 12's arms of one experiment, one command per seed (the runner runs two at a time, longest first):
+    fixed 1⊗R and the exit gate (the experiment's own +arm sweep), the two MoR routers at equal training FLOPs,
+    and the unrolled (N·R)⊗1 model."""
+    return (sweep(experiment, params={"+arm": ["mor_expert", "mor_token"]}, name=f"{experiment}_mor", per_seed=True,
+                  fixed=[f"trainer.max_steps={MOR_STEPS_TINY[experiment]}"]),
+            sweep(experiment, per_seed=True),
+            sweep(experiment, params={"+arm": ["vanilla"]}, fixed=[f"loop_depth.layers={unrolled_layers}"],
+                  name=f"{experiment}_unrolled", per_seed=True))
+
+
 TABLES: dict[int, TableSpec] = {
     1: TableSpec(1, "StateLoop main: Vanilla, Vanilla Looped, StateLoop, +attn, +Mamba-2", "lm",
                  {"tiny": (sweep("stateloop_main_tiny"),), "paper": (sweep("stateloop_main"),)}, "perplexity",
@@ -361,6 +380,18 @@ TABLES: dict[int, TableSpec] = {
                                  "prompts at batch 1 and 8, plain against every k = 1..R−1 × γ = 2..8 (bench/speculative.py)",
                          "paper": "not defined: run `python -m looplab.bench.speculative CKPT --batch 1 8` on paper "
                                   "checkpoints"}),
+    12: TableSpec(12, "Routed depth (Mixture-of-Recursions) against the other ways to spend depth", "routing",
+                  {"tiny": (*_mor_sweeps("mor_lm_tiny", 3), *_mor_sweeps("mor_phop_tiny", 4)), "paper": ()}, "perplexity",
+                  notes={"tiny": "lm_tiny (table 2's setting: d 128, 600 steps) with a 1-layer llama block at R = 3 and p-hop "
+                                 "(n 32, p 3, d 64, 800 steps) at R = 4; arms: fixed depth 1⊗R, expert-choice and "
+                                 "token-choice MoR (MoR's defaults) trained to 1⊗R's training FLOPs "
+                                 f"({MOR_STEPS_TINY['mor_lm_tiny']} / {MOR_STEPS_TINY['mor_phop_tiny']} steps), the Ouro "
+                                 "gate trained jointly (read at q = 0.5) and the unrolled (N·R)⊗1 model; the same initial "
+                                 "values for shared parameters and the same batches in every arm of a seed. Decoding: 64 "
+                                 "greedy tokens after a 32-token held-out prompt at batch 1, one thread, every arm of a seed "
+                                 "timed round-robin (bench/routed_decode.py)",
+                         "paper": "not defined: train the arms with `python -m looplab.train +arm=mor_expert ...` at scale "
+                                  "and run `python -m looplab.bench.routed_decode` on the checkpoints"}),
 }
 
 
@@ -381,6 +412,8 @@ PHOP_LEARNED_AT_R = Precondition(
 GATE_BODY_LEARNED = Precondition(
     "accuracy", ">=", 0.9, "b",
     "a gate on a fixed-loop body that did not learn the task (< 0.9 at R) has no good depth to choose")
+
+MOR_PARITY = 0.02  # table 12: "matches" = within 2% perplexity (a ratio) or 2 pp accuracy of the unrolled model
 
 # The papers' claims each table checks (/work/shared/seeds: StateLoop, Song et al.; looped SSMs, Yu et al.,
 # arXiv 2607.10110), spelled out in experiments/README.md. Signs are those of A − B in the paper; `size` is the
@@ -447,6 +480,31 @@ FINDINGS: dict[int, tuple[Finding, ...]] = {
         finding("add injection − no injection", "Huginn and Parcae re-inject the input at every loop (Parcae: for stable "
                 "depth scaling)", "accuracy at 2R", {"injection": "add"}, {"injection": "none"}, +1, per=("arm",),
                 requires=(PHOP_LEARNED_AT_R,)),
+    ),
+    12: (
+        # MoR's claims (issue 28). "Matches" is judged as parity: the routed model's perplexity at most MOR_PARITY
+        # above the unrolled model's (a ratio), its p-hop accuracy at most MOR_PARITY (2 pp) below.
+        *(finding(f"MoR {how} / unrolled (N·R)⊗1 − 1 (equal training FLOPs)", "MoR matches a vanilla Transformer at "
+                  "equal training FLOPs with one half to one third of its parameters (here: 1/3)", metric,
+                  {"experiment": "mor_lm", "arm": arm}, {"experiment": "mor_lm", "arm": "vanilla"}, -1, contrast="ratio",
+                  kind="at_most", size=MOR_PARITY, requires=(LM_LEARNED,))
+          for arm, how in (("mor_expert", "expert choice"), ("mor_token", "token choice"))
+          for metric in ("perplexity", "causal perplexity")),
+        *(finding(f"unrolled (N·R)⊗1 − MoR {how} (equal training FLOPs)", "MoR matches a vanilla Transformer at equal "
+                  "training FLOPs with one half to one third of its parameters (p-hop: accuracy at most 2 pp below)",
+                  metric, {"experiment": "mor_phop", "arm": "vanilla"}, {"experiment": "mor_phop", "arm": arm}, +1,
+                  kind="at_most", size=MOR_PARITY, requires=(PHOP_TAUGHT,))
+          for arm, how in (("mor_expert", "expert choice"), ("mor_token", "token choice"))
+          for metric in ("accuracy", "causal accuracy")),
+        finding("MoR expert choice / fixed 1⊗R − 1, training tokens/s", "MoR's routing raises throughput (up to about "
+                "2× at equal parameters)", "training tokens/s", {"arm": "mor_expert"}, {"arm": "looped"}, +1,
+                per=("experiment",), contrast="ratio"),
+        finding("MoR expert choice / fixed 1⊗R − 1, decoding tokens/s", "MoR decodes faster than the fixed-depth model "
+                "(tokens that stop early skip the deeper loops)", "decode tokens/s", {"experiment": "mor_lm", "arm": "mor_expert"},
+                {"experiment": "mor_lm", "arm": "looped"}, +1, contrast="ratio"),
+        finding("MoR expert choice / fixed 1⊗R − 1, KV-cache bytes", "recursion-wise KV caching keeps only the active "
+                "tokens' keys and values at each depth: a smaller cache", "KV bytes",
+                {"experiment": "mor_lm", "arm": "mor_expert"}, {"experiment": "mor_lm", "arm": "looped"}, -1, contrast="ratio"),
     ),
     8: (
         finding("stage 2 at q = 0.5 − fixed loops at R", "140M Mamba-2: the stage-2 gate averages 38.87 vs 37.79 for the "
