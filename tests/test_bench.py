@@ -136,7 +136,7 @@ def test_router_part_measures_routed_and_fixed_depth(tmp_path, capsys):
     assert set(arms) == {"fixed", "expert_choice", "token_choice"}
     fixed = arms["fixed"]
     for name, a in arms.items():
-        for k in ("tokens_per_s", "flops_per_token_train", "decode_tokens_per_s", "decode_mean_depth"):
+        for k in ("tokens_per_s", "tokens_per_s_wall", "flops_per_token_train", "decode_tokens_per_s", "decode_mean_depth"):
             assert _positive_finite(a[k]), (name, k, a.get(k))
         # the same block: the routed arms add only the router's d·R weights
         assert 0 <= a["params"] - fixed["params"] <= r["config"]["d_model"] * r["config"]["n_loops"]
@@ -144,7 +144,7 @@ def test_router_part_measures_routed_and_fixed_depth(tmp_path, capsys):
         a = arms[name]
         assert 0 < a["flops_ratio"] < 1 and r[f"{short}_flops_ratio"] == a["flops_ratio"]
         assert 0 < r[f"{short}_flops_ratio_measured"] < 1
-        for k in ("tokens_per_s_ratio", "decode_tokens_per_s_ratio"):
+        for k in ("tokens_per_s_ratio", "tokens_per_s_ratio_wall", "decode_tokens_per_s_ratio"):
             assert _positive_finite(r[f"{short}_{k}"]), (short, k)
         assert a["gathered_fractions"][0] == 1.0 and min(a["gathered_fractions"]) < 1
         assert 1 <= a["decode_mean_depth"] <= r["config"]["n_loops"]

@@ -31,8 +31,9 @@ HEADLINE = {  # the figures SPEC §8 names, per part, and how to print them
     "data": ("min_ratio_vs_train_step", "train_steps_per_s"),
     # depth routing (issue 28): routed / fixed-depth training tokens/s and analytic training FLOPs (bench/router.py)
     "router": ("fixed_tokens_per_s", "ec_tokens_per_s_ratio", "ec_flops_ratio", "tc_tokens_per_s_ratio", "tc_flops_ratio",
-               "tc_flops_ratio_measured", "fixed_decode_tokens_per_s", "ec_decode_tokens_per_s_ratio",
-               "tc_decode_tokens_per_s_ratio"),
+               "tc_flops_ratio_measured", "ec_tokens_per_s_ratio_wall", "tc_tokens_per_s_ratio_wall",
+               "fixed_decode_tokens_per_s", "ec_decode_tokens_per_s_ratio", "ec_decode_mean_depth",
+               "tc_decode_tokens_per_s_ratio", "tc_decode_mean_depth"),
 }
 
 

@@ -13,7 +13,11 @@ Arms, each a copy of one llama 1⊗R model (the same block, embedding and head w
 One training step = forward, next-token cross-entropy + the router's losses, backward, AdamW step,
 zero_grad. The arms are timed round-robin in one process (common.time_side_by_side: warm-up steps
 untimed, ABBA order, medians), on ONE torch thread whatever --threads says: the gathered matmuls are
-small, and on a shared machine a second thread measures the neighbours. FLOPs are
+small, and on a shared machine a second thread measures the neighbours. tokens/s and the ratios are
+per second of this process's CPU time (one thread: the time it computed), the `*_wall` ones per wall
+second: on a shared machine the wall clock also counts the time the process waited for a core
+(measured here at nice 19 under load 4 on 2 cores: a 0.24 CPU-second decode took 10–16 wall seconds).
+Ratios are paired medians over rounds (fixed time / routed time, back to back). FLOPs are
 LoopedLM.flops_per_token(training=True): the routed count puts each loop at the fraction of tokens
 that runs it (expert choice: capacity_r; token choice: the balanced (R − r)/R — `flops_ratio`), and
 `flops_ratio_measured` at the fractions the timed steps gathered (token choice's untrained router is
@@ -91,40 +95,45 @@ def run(threads: int = 1, quick: bool = False, repeats: int | None = None) -> di
         base = build(d, None)
         models = {name: build(d, router, base) for name, router in ARMS.items()}
         steps = {name: make_step(m, d) for name, m in models.items()}
-        times = common.time_side_by_side({k: s for k, (s, _) in steps.items()}, warmup=1 if quick else 2,
-                                         repeats=repeats)
+        cpu: dict = {}
+        wall = common.time_side_by_side({k: s for k, (s, _) in steps.items()}, warmup=1 if quick else 2,
+                                        repeats=repeats, cpu_times=cpu)
         decode = _decode(models, d, repeats)
     finally:
         torch.set_num_threads(before)
-    med = {k: common.median(v) for k, v in times.items()}
-    tok = {k: B * T / s for k, s in med.items()}
     flops = {k: m.flops_per_token(T, training=True) for k, m in models.items()}
     measured = {k: (m.flops_per_token(T, training=True, loop_fractions=steps[k][1]) if m.router is not None
                     else flops[k]) for k, m in models.items()}
-
-    def paired(k: str) -> float:
-        """Median over rounds of fixed step time / arm step time (back to back within a round)."""
-        return common.median([f / t for f, t in zip(times["fixed"], times[k])])
-
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     arms = {}
     for k in models:
-        arms[k] = {"tokens_per_s": tok[k], "step_s": times[k], "flops_per_token_train": flops[k],
+        arms[k] = {"tokens_per_s": B * T / common.median(cpu[k]), "tokens_per_s_wall": B * T / common.median(wall[k]),
+                   "step_cpu_s": cpu[k], "step_wall_s": wall[k], "flops_per_token_train": flops[k],
                    "flops_per_token_train_measured": measured[k], "params": params[k],
-                   "loop_fractions": (models[k].config.depth_router.loop_fractions(R, T)),
+                   "loop_fractions": models[k].config.depth_router.loop_fractions(R, T),
                    "gathered_fractions": steps[k][1] or [1.0] * R, **decode[k]}
         if k != "fixed":
-            arms[k].update(tokens_per_s_ratio=paired(k), flops_ratio=flops[k] / flops["fixed"],
-                           flops_ratio_measured=measured[k] / flops["fixed"],
-                           decode_tokens_per_s_ratio=decode[k]["decode_tokens_per_s"] / decode["fixed"]["decode_tokens_per_s"])
-    out = {"config": d, "torch_threads": 1, "repeats": repeats, "arms": arms}
+            dec = decode["fixed"]
+            arms[k].update(tokens_per_s_ratio=_paired(cpu, k), tokens_per_s_ratio_wall=_paired(wall, k),
+                           flops_ratio=flops[k] / flops["fixed"], flops_ratio_measured=measured[k] / flops["fixed"],
+                           decode_tokens_per_s_ratio=decode[k]["decode_tokens_per_s"] / dec["decode_tokens_per_s"],
+                           decode_tokens_per_s_ratio_wall=(decode[k]["decode_tokens_per_s_wall"]
+                                                           / dec["decode_tokens_per_s_wall"]))
+    out = {"config": d, "torch_threads": 1, "repeats": repeats, "clock": "process CPU time (one thread); *_wall: wall clock",
+           "arms": arms}
     for k in ("expert_choice", "token_choice"):
         short = "ec" if k == "expert_choice" else "tc"
-        for key in ("tokens_per_s_ratio", "flops_ratio", "flops_ratio_measured", "decode_tokens_per_s_ratio"):
+        for key in ("tokens_per_s_ratio", "tokens_per_s_ratio_wall", "flops_ratio", "flops_ratio_measured",
+                    "decode_tokens_per_s_ratio", "decode_tokens_per_s_ratio_wall", "decode_mean_depth"):
             out[f"{short}_{key}"] = arms[k][key]
-    out["fixed_tokens_per_s"] = tok["fixed"]
+    out["fixed_tokens_per_s"] = arms["fixed"]["tokens_per_s"]
     out["fixed_decode_tokens_per_s"] = decode["fixed"]["decode_tokens_per_s"]
     return out
+
+
+def _paired(times: dict, k: str) -> float:
+    """Median over rounds of the fixed arm's step time / arm k's (back to back within a round): k's speed-up."""
+    return common.median([f / t for f, t in zip(times["fixed"], times[k])])
 
 
 def _decode(models: dict[str, LoopedLM], d: dict, repeats: int) -> dict:
@@ -144,7 +153,9 @@ def _decode(models: dict[str, LoopedLM], d: dict, repeats: int) -> dict:
                 generate(m, ids, new)
         return call
 
-    times = common.time_side_by_side({k: fn(m) for k, m in models.items()}, warmup=1, repeats=max(2, repeats // 2))
+    cpu: dict = {}
+    wall = common.time_side_by_side({k: fn(m) for k, m in models.items()}, warmup=1, repeats=max(2, repeats // 2),
+                                    cpu_times=cpu)
     out = {}
     for k, m in models.items():
         depth = float(m.config.n_loops)
@@ -153,7 +164,8 @@ def _decode(models: dict[str, LoopedLM], d: dict, repeats: int) -> dict:
                 seq = generate(m, ids, new)
                 routed = m(seq[:, :-1], depths="inference").routing.depth[:, d["prompt"]:]
             depth = float(routed.float().mean())
-        out[k] = {"decode_tokens_per_s": new / common.median(times[k]), "decode_mean_depth": depth}
+        out[k] = {"decode_tokens_per_s": new / common.median(cpu[k]), "decode_tokens_per_s_wall": new / common.median(wall[k]),
+                  "decode_mean_depth": depth}
     return out
 
 
