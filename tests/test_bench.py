@@ -123,3 +123,32 @@ def test_overhead_part_measures_plain_transformers_and_skip(tmp_path):
         assert _positive_finite(w["ms_per_token"][k]), k
     assert w["skip_overhead"] > -1 and math.isfinite(w["outside_loops_share"]) and w["outside_loops_share"] < 1
     assert o["skip_overhead"] == w["skip_overhead"] and o["ratio_vs_transformers"] == w["ratio_vs_transformers"]
+
+
+def test_router_part_measures_routed_and_fixed_depth(tmp_path, capsys):
+    """`make bench`'s depth-routing part (issue 28): training and decoding tokens/s of expert choice and
+    token choice against the fixed-depth model with the same block, and their analytic training FLOPs."""
+    out = tmp_path / "results.json"
+    runner.main(["--quick", "--threads", "1", "--only", "router", "--out", str(out)])
+    r = json.loads(out.read_text())["router"]
+    assert r["status"] == "ok", r
+    arms = r["arms"]
+    assert set(arms) == {"fixed", "expert_choice", "token_choice"}
+    fixed = arms["fixed"]
+    for name, a in arms.items():
+        for k in ("tokens_per_s", "tokens_per_s_wall", "flops_per_token_train", "decode_tokens_per_s", "decode_mean_depth"):
+            assert _positive_finite(a[k]), (name, k, a.get(k))
+        # the same block: the routed arms add only the router's d·R weights
+        assert 0 <= a["params"] - fixed["params"] <= r["config"]["d_model"] * r["config"]["n_loops"]
+    for short, name in (("ec", "expert_choice"), ("tc", "token_choice")):
+        a = arms[name]
+        assert 0 < a["flops_ratio"] < 1 and r[f"{short}_flops_ratio"] == a["flops_ratio"]
+        assert 0 < r[f"{short}_flops_ratio_measured"] < 1
+        for k in ("tokens_per_s_ratio", "tokens_per_s_ratio_wall", "decode_tokens_per_s_ratio"):
+            assert _positive_finite(r[f"{short}_{k}"]), (short, k)
+        assert a["gathered_fractions"][0] == 1.0 and min(a["gathered_fractions"]) < 1
+        assert 1 <= a["decode_mean_depth"] <= r["config"]["n_loops"]
+    # MoR's capacities: expert choice gathers exactly (R − r)/R of the tokens at loop r
+    R = r["config"]["n_loops"]
+    assert arms["expert_choice"]["gathered_fractions"] == pytest.approx([(R - i) / R for i in range(R)], abs=1 / r["config"]["seq_len"])
+    assert "ec_flops_ratio" in capsys.readouterr().out  # the headline table prints the part

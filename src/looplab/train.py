@@ -144,12 +144,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     params = module.model.num_parameters()
     seq_len = int(getattr(dm, "seq_len", model_cfg.max_seq_len))
-    # at the expected training depth when a sampler is active (R otherwise); the backward of
-    # E[min(k, depth)] loops under truncated backprop
-    expected_loops = depth.expected_loops()
-    flops_fwd = module.model.flops_per_token(seq_len, loops=expected_loops)
-    flops_train = module.model.flops_per_token(seq_len, training=True, loops=expected_loops,
-                                               backprop_loops=depth.expected_backprop_loops())
+    flops_fwd, flops_train = analytic_flops(module.model, depth, seq_len)
 
     run_name = f"{cfg.task_name}-{out_dir.name}" if not ctx["multirun"] else f"{cfg.task_name}-{out_dir.parent.name}-{out_dir.name}"
     loggers = build_loggers(cfg, out_dir, run_name)
@@ -304,6 +299,16 @@ def _series(metrics: dict[str, float], prefix: str, R: int) -> list[float | None
     return [metrics.get(f"{prefix}{r}") for r in range(1, R + 1)]
 
 
+def analytic_flops(model, depth, seq_len: int) -> tuple[int, int]:
+    """Forward and training FLOPs per token (LoopedLM.flops_per_token): at the expected training depth
+    when a sampler is active (R otherwise); the backward of E[min(k, depth)] loops under truncated
+    backprop. A depth-routed model runs R loops, each at the fraction of tokens its router gathers."""
+    loops = None if model.router is not None else depth.expected_loops()
+    back = depth.expected_backprop_loops()
+    return (model.flops_per_token(seq_len, loops=loops),
+            model.flops_per_token(seq_len, training=True, loops=loops, backprop_loops=back))
+
+
 def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, throughput, start, trainer,
                     flops_train: int | None = None, depth_metrics: dict | None = None) -> dict[str, Any]:
     wall = time.time() - start
@@ -325,6 +330,10 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         if any(v is not None for v in series):
             state_diag[key] = series
     base = params["total"] - params["state_branch"] - params["exit_gate"]
+    model = module.model
+    # a depth-routed run counts loop r at the fraction of tokens that runs it (after the capacity warm-up)
+    routed_fractions = ({"loop_fractions": model.config.depth_router.loop_fractions(model.config.n_loops, seq_len)}
+                        if getattr(model, "router", None) is not None else {})
     mc = module.model.config
     return {
         "status": "ok",
@@ -355,7 +364,7 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "params": params,
         "state_branch_overhead": params["state_branch"] / max(1, base),
         "flops_per_token": {"forward": flops_fwd, "training": 3 * flops_fwd if flops_train is None else flops_train,
-                            "seq_len": seq_len, "loops": module.depth.expected_loops()},
+                            "seq_len": seq_len, "loops": module.depth.expected_loops(), **routed_fractions},
         "depth": {**{k: v for k, v in asdict(module.depth).items() if k != "seed"},
                   "expected_loops": module.depth.expected_loops(), "eval_loops": [int(d) for d in (depth_metrics or {})]},
         "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens,

@@ -77,6 +77,29 @@ class RouterConfig:
             return list(self.capacity)
         return [(n_loops - i) / n_loops for i in range(n_loops)]
 
+    def loop_fractions(self, n_loops: int, seq_len: int | None = None) -> list[float]:
+        """The expected fraction of the T tokens that run each of the R loops in a training forward
+        (what LoopedLM.flops_per_token counts). none: 1 at every loop. expert_choice: capacity_r after the
+        capacity warm-up (during it more tokens run); with seq_len, exactly what the top-k gathers,
+        min(k_{r−1}, max(1, ⌊capacity_r·T⌋))/T. token_choice: the balanced assignment the balancing loss
+        pushes towards (each depth 1..R taken by 1/R of the tokens), so (R − r)/R run loop r."""
+        if self.name == "none":
+            return [1.0] * n_loops
+        if self.name == "token_choice":
+            return [(n_loops - r) / n_loops for r in range(n_loops)]
+        caps = self.capacities(n_loops)
+        if seq_len is None:
+            out, prev = [], 1.0
+            for c in caps:
+                prev = min(prev, c)
+                out.append(prev)
+            return out
+        out, k = [], seq_len
+        for c in caps:
+            k = min(k, max(1, int(c * seq_len)))
+            out.append(k / seq_len)
+        return out
+
     @classmethod
     def from_any(cls, value) -> "RouterConfig":
         if isinstance(value, RouterConfig):

@@ -149,7 +149,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         }
 
     def flops_per_token(self, seq_len: int, training: bool = False, loops: float | None = None,
-                        backprop_loops: float | None = None, all_readouts: bool = False) -> int:
+                        backprop_loops: float | None = None, all_readouts: bool = False,
+                        loop_fractions: list[float] | None = None) -> int:
         """Analytic FLOPs per token counting every loop (unique parameters undercount a looped model).
 
         Forward: prelude + R·(Σ_layers + state branch) + readout, readout = coda + LM head: once (the
@@ -159,8 +160,24 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         keys (the convention of FlopCounterMode). `loops` replaces R (a test-time depth, or a depth
         sampler's expected depth, hence a float); `backprop_loops` is the (expected) number of loops
         whose backward runs under truncated backprop (default: all of them).
+
+        With a depth router (models/router.py; a training forward's routing) loop r runs on the fraction
+        f_r of the T tokens that it gathers: `loop_fractions`, by default `RouterConfig.loop_fractions`
+        (expert choice: capacity_r after the warm-up, k_r/T exactly; token choice: the balanced (R − r)/R).
+        Per token of the sequence, loop r costs f_r · (the block at length L_r), where the seq-length term
+        is counted over the keys a gathered query sees, all of them: kv=recursion_wise L_r = f_r·T (the
+        k_r active tokens attend among themselves), kv=share_first L_r = f_0·T (loop 0's keys); the
+        StateLoop branch (its attention mixer is recursion-wise under either kv mode) at f_r·T, the
+        injection before loops 2..R at f_r. The router: expert choice a d→1 linear per loop on the tokens
+        that ran the previous loop (f_{r−1}, f_{−1} = 1), and the auxiliary router's alike when it is on
+        (its input is detached: its backward is its weight gradient, 1× forward); token choice one d→R
+        linear on every token before loop 0. Top-k, sort, gather and scatter are not counted (no FLOPs
+        for FlopCounterMode either). Truncated backprop: the last `backprop_loops` loops' backward, router
+        included. A routed model runs R loops: `loops` must be None or R.
         """
         cfg = self.config
+        if self.router is not None or loop_fractions is not None:
+            return self._routed_flops(seq_len, training, loops, backprop_loops, all_readouts, loop_fractions)
         loops = cfg.n_loops if loops is None else loops
         per_loop = sum(layer.flops_per_token(seq_len) for layer in self.block)
         if self.state is not None:
@@ -174,6 +191,44 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             return round(fwd)
         back = loops if backprop_loops is None else min(backprop_loops, loops)
         return round(fwd + 2 * (prelude + back * per_loop + min(back, max(loops - 1, 0)) * inj + readout))
+
+    def _routed_flops(self, seq_len, training, loops, backprop_loops, all_readouts, loop_fractions) -> int:
+        """flops_per_token of a depth-routed model (its docstring says what is counted)."""
+        cfg, rt = self.config, self.router
+        R = cfg.n_loops
+        if rt is None:
+            raise ValueError("loop_fractions= counts a depth-routed model's loops; this model has depth_router=none")
+        if loops is not None and loops != R:
+            raise ValueError(f"depth_router={rt.cfg.name} runs R={R} loops; flops_per_token(loops={loops}) is not "
+                             "a depth it runs (give loops=None)")
+        fr = [float(f) for f in (rt.cfg.loop_fractions(R, seq_len) if loop_fractions is None else loop_fractions)]
+        if len(fr) != R or any(not 0 <= f <= 1 for f in fr):
+            raise ValueError(f"loop_fractions={fr}: give R={R} fractions in [0, 1]")
+        d = cfg.d_model
+        share = rt.cfg.kv == "share_first"
+        prelude = sum(layer.flops_per_token(seq_len) for layer in self.prelude)
+        readout = sum(layer.flops_per_token(seq_len) for layer in self.coda) + 2 * d * cfg.vocab_size
+        readout *= R if all_readouts else 1
+        inj = self.inject.flops_per_token() if self.inject is not None else 0
+        expert = rt.cfg.name == "expert_choice"
+        aux_on = expert and getattr(rt, "aux_routers", None) is not None and rt.cfg.aux_router_coeff > 0
+        loop_f, aux_f = [], []
+        for r, f in enumerate(fr):
+            keys = (fr[0] if share and r > 0 else f) * seq_len
+            block = sum(layer.flops_per_token(keys) for layer in self.block)
+            if self.state is not None:
+                block += self.state.flops_per_token(f * seq_len)
+            cand = 1.0 if r == 0 else fr[r - 1]  # expert choice scores the tokens that ran the previous loop
+            router = 2 * d * cand if expert else (2 * d * R if r == 0 else 0)
+            loop_f.append(f * (block + (inj if r > 0 else 0)) + router)
+            aux_f.append(2 * d * cand if aux_on else 0)
+        fwd = prelude + sum(loop_f) + sum(aux_f) + readout
+        if not training:
+            return round(fwd)
+        back = R if backprop_loops is None else min(backprop_loops, R)
+        w = [min(1.0, max(0.0, back - (R - 1 - r))) for r in range(R)]  # the last `back` loops get a backward
+        return round(fwd + 2 * (prelude + readout + sum(wr * lf for wr, lf in zip(w, loop_f)))
+                     + sum(wr * af for wr, af in zip(w, aux_f)))
 
     # ----------------------------------------------------------------- cache
     def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None) -> LoopCache:
