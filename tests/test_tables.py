@@ -916,3 +916,28 @@ def test_table12_plans_every_arm_per_seed_then_decoding_and_judges_mor_claims(tm
     assert any("make table12" in m for m in t2.missing) and "decode tokens/s" in t2.columns
     report.write(t, tmp_path / "tables", plot=False)
     assert "MoR expert choice / unrolled" in (tmp_path / "tables" / "table12.md").read_text()
+
+
+@pytest.mark.parametrize("experiment", sorted(spec.MOR_STEPS_TINY))
+def test_table12_mor_arms_train_to_the_fixed_models_training_flops(experiment):
+    """The MoR arms' step counts give them 1⊗R's training FLOPs (MoR compares at equal FLOPs), never more and at
+    most 4% less, by LoopedLM.flops_per_token at MoR's capacities; the unrolled (N·R)⊗1 arm costs what 1⊗R costs."""
+    from looplab.models import LoopedLM
+    from looplab.training.compose import model_config_from_cfg
+
+    sweeps = {sw.folder: sw for sw in spec.get(12).sweeps_for("tiny")}
+    seq = {"mor_lm_tiny": 128, "mor_phop_tiny": 33}[experiment]
+    vocab = {"mor_lm_tiny": 1024, "mor_phop_tiny": 8}[experiment]
+
+    def train_flops(sw, combo):
+        cfg = compose([*sw.combo_overrides(combo), f"+experiment={sw.experiment}", *sw.fixed])
+        with torch.device("meta"):
+            model = LoopedLM(model_config_from_cfg(cfg, vocab_size=vocab))
+        return model.flops_per_token(seq, training=True) * cfg.trainer.max_steps
+
+    fixed = train_flops(sweeps[experiment], {"arm": "looped"})
+    for arm in ("mor_expert", "mor_token"):
+        routed = train_flops(sweeps[f"{experiment}_mor"], {"arm": arm})
+        assert 0.96 * fixed <= routed <= fixed, (arm, routed / fixed)  # measured: 0.969–0.976
+    unrolled = train_flops(sweeps[f"{experiment}_unrolled"], {"arm": "vanilla"})
+    assert unrolled == pytest.approx(fixed, rel=0.02)

@@ -263,10 +263,12 @@ def _exit_sweeps(experiments: list[str], stage1: tuple[str, ...] = (), per_seed:
     return tuple(out)
 
 
-# Table 12 (issue 28): MoR's comparisons are at equal training FLOPs, so the MoR arms train for more steps, to
-# the fixed-depth model's training FLOPs: steps × (1⊗R's FLOPs/token) / (the routed model's at MoR's capacities),
-# rounded (LoopedLM.flops_per_token; tests/test_tables.py checks these numbers against it). Token choice gets the
-# expert-choice count: balanced, its depths spend the same. The unrolled (N·R)⊗1 arm costs what 1⊗R costs.
+# Table 12 (issue 28): MoR's comparisons are at equal training FLOPs, so the MoR arms train for more steps, up to
+# the fixed-depth model's training FLOPs: steps × (1⊗R's FLOPs/token) / (the routed model's at MoR's capacities).
+# The counts were set before LoopedLM.flops_per_token counted a routed loop's shorter attention; by that exact
+# count the MoR arms get 2.4–3.1% fewer training FLOPs than 1⊗R (tests/test_tables.py), which leans, if anything,
+# against MoR. Token choice gets the expert-choice count: balanced, its depths spend the same. The unrolled
+# (N·R)⊗1 arm costs what 1⊗R costs.
 MOR_STEPS_TINY = {"mor_lm_tiny": 834, "mor_phop_tiny": 1280}
 DEFAULT_ROUTING_JSON = Path("bench/routing.json")  # table 12's decoding measurements (bench/routed_decode.py)
 
