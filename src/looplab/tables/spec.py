@@ -384,7 +384,7 @@ TABLES: dict[int, TableSpec] = {
                                   "checkpoints"}),
     12: TableSpec(12, "Routed depth (Mixture-of-Recursions) against the other ways to spend depth", "routing",
                   {"tiny": (*_mor_sweeps("mor_lm_tiny", 3), *_mor_sweeps("mor_phop_tiny", 4)), "paper": ()}, "perplexity",
-                  notes={"tiny": "lm_tiny (table 2's setting: d 128, 600 steps) with a 1-layer llama block at R = 3 and p-hop "
+                  notes={"tiny": "language modelling on lm_tiny (table 2's setting: d 128, 600 steps) with a 1-layer llama block at R = 3 and p-hop "
                                  "(n 32, p 3, d 64, 800 steps) at R = 4; arms: fixed depth 1⊗R, expert-choice and "
                                  "token-choice MoR (MoR's defaults) trained to 1⊗R's training FLOPs "
                                  f"({MOR_STEPS_TINY['mor_lm_tiny']} / {MOR_STEPS_TINY['mor_phop_tiny']} steps), the Ouro "
