@@ -22,6 +22,20 @@ keys/values (of the tokens that ran it) in each attention layer: loop r's active
 attending to the first loop's keys at original positions <= theirs (only the queries are reduced; the
 StateLoop attention mixer keeps attending over the routed tokens).
 
+Mamba-2 layers (backbone mamba2 / hybrid, and the stateloop_mamba2 mixer; issue 28 item 5) are
+recursion-wise: loop r's causal conv and SSM scan run over the gathered subsequence of tokens active at
+loop r, so a token that stopped before loop r neither updates loop r's SSM state nor enters its conv
+window — it leaves nothing for the tokens behind it, as it leaves no key in recursion_wise attention.
+The SSM half is exit_compute's ssm_skip (dt = 0: no decay, no write); unlike ssm_skip, which keeps an
+exited token's frozen conv input in the deeper loops' conv windows (it does not gather), the conv here
+runs over the active tokens only, which the gather gives for free and which keeps the SSM and attention
+layers of a hybrid block seeing the same tokens at each depth. Padded slots (inactive tokens) always
+come after every active token of their row (`active_slots`), and reach the layer as padding (`valid`
+False: conv input, x, B and dt zeroed), so a causal scan and conv never carry them into an active token;
+a masked slot between two active ones would still sit in the conv window. kv=share_first changes the
+attention layers only: Mamba-2 layers keep their recursion-wise state (a recurrent state is not a set of
+keys a later loop could attend to), and a block without attention layers refuses share_first.
+
 Expert choice is not causal (the top-k of a sequence depends on later tokens). MoR's two remedies are
 offered as losses: `aux_loss_coeff` · BCE(main router logit, top-k membership), and with `aux_router`
 a separate linear classifier per loop, fed the detached input, trained with `aux_router_coeff` · BCE to
@@ -41,15 +55,16 @@ loop r runs the tokens with d_t > r (0-based r), with the same gather/scatter an
 reference that cached decoding equals given the same decisions (`out.routing.depth` reports them).
 With a cache (LoopedLM.allocate_cache) each (loop, layer) entry is a cache.RoutedKVCache holding only
 the tokens that ran that loop (recursion_wise: its own length per depth; share_first: loop 0's entries
-only, read by every loop). Prefill and steps are calls of the same routed forward. Compute: a loop that
+only, read by every loop), or, in a Mamba-2 layer, a cache.RoutedSSMCache: that loop's conv history and
+SSM state over the tokens that ran it; a row whose token stopped keeps both bit for bit. Prefill and steps are calls of the same routed forward. Compute: a loop that
 no token of the call runs is skipped (at batch 1, every loop after the token stops); in a batch, a loop
 runs when some row's token runs it, and the rows whose token stopped compute one discarded slot that
 writes nothing (the batch is not regathered by row).
 
 The loop calls `RoutedLoop.loop_step` in place of `LoopedLM.loop_step` (same signature), which gathers,
 calls the model's own loop_step on the active tokens, and scatters back. Not yet supported, and refused
-with the option named: Mamba-2 / hybrid blocks, stateloop_mamba2, the exit gate, exit options and
-skip_compute, self-speculation (speculative_loops), static_cache, a call depth n_loops ≠ R.
+with the option named: kv=share_first without an attention layer in the block, the exit gate, exit
+options and skip_compute, self-speculation (speculative_loops), static_cache, a call depth n_loops ≠ R.
 """
 
 from __future__ import annotations
