@@ -56,10 +56,11 @@ reference that cached decoding equals given the same decisions (`out.routing.dep
 With a cache (LoopedLM.allocate_cache) each (loop, layer) entry is a cache.RoutedKVCache holding only
 the tokens that ran that loop (recursion_wise: its own length per depth; share_first: loop 0's entries
 only, read by every loop), or, in a Mamba-2 layer, a cache.RoutedSSMCache: that loop's conv history and
-SSM state over the tokens that ran it; a row whose token stopped keeps both bit for bit. Prefill and steps are calls of the same routed forward. Compute: a loop that
-no token of the call runs is skipped (at batch 1, every loop after the token stops); in a batch, a loop
-runs when some row's token runs it, and the rows whose token stopped compute one discarded slot that
-writes nothing (the batch is not regathered by row).
+SSM state over the tokens that ran it (a row whose token stopped keeps both bit for bit). Prefill and
+steps are calls of the same routed forward. Compute: a loop that no token of the call runs is skipped
+(at batch 1, every loop after the token stops); in a batch, a loop runs when some row's token runs it,
+and the rows whose token stopped compute one discarded slot that writes nothing (the batch is not
+regathered by row).
 
 The loop calls `RoutedLoop.loop_step` in place of `LoopedLM.loop_step` (same signature), which gathers,
 calls the model's own loop_step on the active tokens, and scatters back. Not yet supported, and refused
@@ -143,7 +144,7 @@ class DepthRouter(nn.Module):
 
             if not isinstance(cache.get((0, 0)), (RoutedKVCache, RoutedSSMCache)):
                 raise ValueError(f"{name}: the cache must come from this model's allocate_cache (per-depth routed "
-                                 "KV caches)")
+                                 "KV / SSM caches)")
 
     def check_generate(self, **options) -> None:
         """Refuse the decoding options that do not route, naming them (generate, stream, decode_step)."""
