@@ -270,10 +270,10 @@ def test_aux_losses_finite_nonzero_and_aux_router_sees_detached_input(router):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(backbone="mamba2", d_state=8, headdim=8, chunk_size=8), ["depth_router", "backbone=mamba2"]),
-    (dict(backbone="hybrid", d_state=8, headdim=8, chunk_size=8), ["depth_router", "backbone=hybrid"]),
+    (dict(backbone="mamba2", d_state=8, headdim=8, chunk_size=8,
+          depth_router={"name": "expert_choice", "kv": "share_first"}),  # Mamba-2 routing: tests/test_depth_router_ssm.py
+     ["depth_router.kv=share_first", "backbone=mamba2"]),
     (dict(exit_gate="ouro"), ["depth_router", "exit_gate=ouro"]),
-    (dict(state_mode="stateloop_mamba2", d_state=8, headdim=8), ["depth_router", "stateloop_mamba2"]),
     (dict(depth_router={"name": "expert_choice", "kv": "shared"}), ["depth_router.kv"]),
     (dict(depth_router={"name": "expert_choice", "capacity": [0.3, 0.6, 1.0]}), ["depth_router.capacity"]),
     (dict(depth_router={"name": "token_choice", "activation": "tanh"}), ["depth_router.activation"]),

@@ -242,8 +242,8 @@ def test_other_misuse_is_refused_by_name():
         make({"name": "expert_choice", "inference": "aux_router"})
     with pytest.raises(ConfigError, match="depth_router.inference_threshold"):
         make({"name": "expert_choice", "inference_threshold": 1.5})
-    with pytest.raises(ConfigError, match="backbone=mamba2"):  # Mamba-2 / hybrid routing: not yet
-        make({"name": "token_choice"}, backbone="mamba2", d_state=8, headdim=8, chunk_size=8)
+    with pytest.raises(ConfigError, match="kv=share_first"):  # a Mamba-2 block has no keys/values to share
+        make({"name": "token_choice", "kv": "share_first"}, backbone="mamba2", d_state=8, headdim=8, chunk_size=8)
 
 
 def test_prelude_coda_and_injection_decode_as_routed():

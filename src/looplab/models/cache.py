@@ -89,6 +89,15 @@ class SSMCache:
     trail: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = None
     mark: tuple[int, torch.Tensor, torch.Tensor] | None = None  # length, conv and SSM state at checkpoint()
 
+    def write_conv(self, window: torch.Tensor) -> None:
+        """Keep the conv history after a call: the last K−1 inputs of its window (B, K−1+T, conv_dim)."""
+        self.conv_state.copy_(window[:, window.shape[1] - self.conv_state.shape[-1]:].transpose(1, 2))
+
+    def write_state(self, state: torch.Tensor, T: int) -> None:
+        """Keep the SSM state after a call of T tokens."""
+        self.ssm_state.copy_(state)
+        self.length += T
+
     def checkpoint(self) -> None:
         self.trail = []
         self.mark = (self.length, self.conv_state.clone(), self.ssm_state.clone())
@@ -248,3 +257,53 @@ class RoutedKVCache:
     def nbytes(self, used_only: bool = True) -> int:
         n = self.length if used_only else self.max_len
         return 2 * self.k[:, :, :n].numel() * self.k.element_size()
+
+
+@dataclass
+class RoutedSSMCache(SSMCache):
+    """depth_router decoding in a Mamba-2 layer (or a StateLoop Mamba-2 mixer): one loop's conv history
+    and SSM state over ONLY the tokens that ran that loop, the recurrent counterpart of RoutedKVCache
+    (models/router.py: a token that stopped is absent from the deeper loops' scans and conv windows).
+
+    Before each call the routed loop hands the entry `live` (B, n): which of the call's n gathered slots
+    run the loop (None = all). Live slots come first in every row (router.active_slots), and the others
+    reach the mixer as padding (conv input, x, B and dt zeroed: the state neither decays nor is written),
+    so the scan over a row's slots leaves the state after its last live token; the conv history keeps the
+    K−1 inputs up to that token (not the zeroed slots after it), and a row with no live slot keeps both
+    states exactly. `lengths` (B,): the tokens each row has written. No rollback (nothing routed speculates)."""
+
+    lengths: torch.Tensor | None = None
+    live: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:
+            self.lengths = torch.zeros(self.conv_state.shape[0], dtype=torch.long, device=self.conv_state.device)
+
+    def route(self, live: torch.Tensor | None) -> "RoutedSSMCache":
+        self.live = live
+        return self
+
+    def _counts(self, n: int) -> torch.Tensor:
+        if self.live is None:
+            return torch.full_like(self.lengths, n)
+        return self.live.sum(1)
+
+    def write_conv(self, window: torch.Tensor) -> None:
+        K1 = self.conv_state.shape[-1]
+        n = window.shape[1] - K1
+        cols = self._counts(n)[:, None] + torch.arange(K1, device=window.device)  # (B, K−1): up to the last live input
+        kept = window.gather(1, cols[..., None].expand(-1, -1, window.shape[2]))
+        self.conv_state.copy_(kept.transpose(1, 2))
+
+    def write_state(self, state: torch.Tensor, T: int) -> None:
+        count = self._counts(T)
+        ran = (count > 0)[:, None, None, None]  # a row whose token stopped keeps its state bit for bit
+        self.ssm_state.copy_(torch.where(ran, state, self.ssm_state))
+        self.lengths += count
+        self.length = int(self.lengths.max())
+
+    def checkpoint(self) -> None:
+        raise ValueError("a depth_router cache takes nothing back (self-speculation does not route)")
+
+    def rollback(self, keep: int) -> None:
+        self.checkpoint()

@@ -40,7 +40,11 @@ class RouterConfig:
 
     name: str = "none"  # none | expert_choice | token_choice
     kv: str = "recursion_wise"  # recursion_wise: depth r attends over the tokens active at r | share_first: every
-    #                             depth's queries attend to the first loop's keys/values
+    #                             depth's queries attend to the first loop's keys/values. Mamba-2 layers and the
+    #                             stateloop_mamba2 mixer are recursion-wise under either: loop r's scan and causal
+    #                             conv run over the tokens active at r (a token that stopped before r neither
+    #                             updates loop r's SSM state nor enters its conv window); share_first needs an
+    #                             attention layer in the block
     router_type: str = "linear"  # MoR's default router head (MoR's mlp / wide_mlp are not offered yet)
     temperature: float = 1.0  # the router reads x / temperature
     activation: str | None = None  # expert_choice: sigmoid | tanh (None = sigmoid); token_choice: softmax | sigmoid (None = softmax)
@@ -247,16 +251,16 @@ class LoopedLMConfig:
         if rc.name == "none":
             return
         r = f"depth_router={rc.name}"
-        need(self.backbone == "llama",
-             f"{r} with backbone={self.backbone}: routed depth runs on the llama (attention) backbone only so far; "
-             f"what a stopped token leaves for the tokens behind it in a Mamba-2 layer is not defined yet "
-             f"(use backbone=llama or depth_router=none)")
-        need(self.state_mode != "stateloop_mamba2",
-             f"{r} with state_mode=stateloop_mamba2 is not supported yet (a Mamba-2 mixer over the routed state "
-             f"sequence); use stateloop, stateloop_attn, stateloop_reset or vanilla")
         need(self.exit_gate == "none", f"{r} with exit_gate={self.exit_gate}: a router and an exit gate both choose "
              f"the depth; combine them with exit_gate=none only")
         need(rc.kv in ROUTER_KV, f"depth_router.kv={rc.kv!r} is unknown; choose one of {ROUTER_KV}")
+        # Mamba-2 layers (backbone mamba2 / hybrid, the stateloop_mamba2 mixer) are recursion-wise under
+        # either kv mode: loop r's scan and conv run over the tokens active at loop r. share_first only
+        # changes attention layers, so a block without one would silently run recursion_wise.
+        need(rc.kv != "share_first" or "A" in self.layer_types,
+             f"depth_router.kv=share_first with backbone={self.backbone} (block layers {self.layer_types!r}): "
+             f"share_first reuses the first loop's attention keys/values and this block has no attention layer "
+             f"(Mamba-2 layers keep a recursion-wise state); use depth_router.kv=recursion_wise")
         need(rc.router_type == "linear", f"depth_router.router_type={rc.router_type!r}: only 'linear' is offered")
         acts = ("sigmoid", "tanh") if rc.name == "expert_choice" else ("softmax", "sigmoid")
         need(rc.activation in acts, f"depth_router.activation={rc.activation!r} with {r}: choose one of {acts}")

@@ -235,8 +235,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         """Caches for decoding at depth n_loops (default R): one entry per (loop, layer), one per
         prelude layer ("prelude", l) and one per (loop, coda layer) (r, ("coda", l)). max_len is at
         most max_seq_len, so the positions a cache hands out need no bound check (RoPE skips it).
-        With a depth router the block's (and the StateLoop mixer's) entries are RoutedKVCaches holding
-        only the tokens that reached their loop; kv=share_first keeps loop 0's block entries only."""
+        With a depth router the block's (and the StateLoop mixer's) entries are RoutedKVCaches (attention)
+        or RoutedSSMCaches (Mamba-2) holding only the tokens that reached their loop; kv=share_first keeps
+        loop 0's attention entries only."""
         if max_len > self.config.max_seq_len:
             raise ValueError(f"allocate_cache(max_len={max_len}) exceeds max_seq_len={self.config.max_seq_len}; "
                              "decode fewer tokens or raise backbone.max_seq_len")
@@ -250,8 +251,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             for l, layer in enumerate(self.block):
                 if rt is None:
                     entries[(r, l)] = layer.allocate_cache(batch_size, max_len, device, dtype)
-                elif r == 0 or rt.cfg.kv == "recursion_wise":
-                    entries[(r, l)] = rt.allocate_entry(layer.attn, batch_size, max_len, device, dtype)
+                elif r == 0 or not rt.shares_first(layer):
+                    entries[(r, l)] = rt.allocate_entry(layer, batch_size, max_len, device, dtype)
             if self.state is not None and self.state.mixer is not None:
                 entries[(r, "state")] = (self.state.allocate_cache(batch_size, max_len, device, dtype) if rt is None
                                          else rt.allocate_entry(self.state.mixer, batch_size, max_len, device, dtype))

@@ -373,8 +373,7 @@ class Mamba2Mixer(nn.Module):
                 out = self.scan_fn(xs, dt, A, Bm, Cm, self.chunk_size, D=D, initial_state=init, return_final_state=want_state)
             y, state = out if want_state else (out, None)
         if cache is not None:
-            cache.ssm_state.copy_(state)
-            cache.length += T
+            cache.write_state(state, T)
             if cache.trail is not None:
                 cache.trail[-1][1].extend(states)  # the window was appended by _conv
 
@@ -393,7 +392,7 @@ class Mamba2Mixer(nn.Module):
         history = cache.conv_state.transpose(1, 2).to(xBC.dtype)  # (B, K-1, conv_dim)
         out = causal_conv_silu(xBC, w, self.conv1d.bias, history)
         window = torch.cat([history, xBC], dim=1)
-        cache.conv_state.copy_(window[:, window.shape[1] - (self.d_conv - 1) :].transpose(1, 2))
+        cache.write_conv(window)
         if cache.trail is not None:  # the conv history after every position of this call lies in it
             cache.trail.append((window, []))
         return out

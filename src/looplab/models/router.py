@@ -22,6 +22,20 @@ keys/values (of the tokens that ran it) in each attention layer: loop r's active
 attending to the first loop's keys at original positions <= theirs (only the queries are reduced; the
 StateLoop attention mixer keeps attending over the routed tokens).
 
+Mamba-2 layers (backbone mamba2 / hybrid, and the stateloop_mamba2 mixer; issue 28 item 5) are
+recursion-wise: loop r's causal conv and SSM scan run over the gathered subsequence of tokens active at
+loop r, so a token that stopped before loop r neither updates loop r's SSM state nor enters its conv
+window — it leaves nothing for the tokens behind it, as it leaves no key in recursion_wise attention.
+The SSM half is exit_compute's ssm_skip (dt = 0: no decay, no write); unlike ssm_skip, which keeps an
+exited token's frozen conv input in the deeper loops' conv windows (it does not gather), the conv here
+runs over the active tokens only, which the gather gives for free and which keeps the SSM and attention
+layers of a hybrid block seeing the same tokens at each depth. Padded slots (inactive tokens) always
+come after every active token of their row (`active_slots`), and reach the layer as padding (`valid`
+False: conv input, x, B and dt zeroed), so a causal scan and conv never carry them into an active token;
+a masked slot between two active ones would still sit in the conv window. kv=share_first changes the
+attention layers only: Mamba-2 layers keep their recursion-wise state (a recurrent state is not a set of
+keys a later loop could attend to), and a block without attention layers refuses share_first.
+
 Expert choice is not causal (the top-k of a sequence depends on later tokens). MoR's two remedies are
 offered as losses: `aux_loss_coeff` · BCE(main router logit, top-k membership), and with `aux_router`
 a separate linear classifier per loop, fed the detached input, trained with `aux_router_coeff` · BCE to
@@ -41,15 +55,17 @@ loop r runs the tokens with d_t > r (0-based r), with the same gather/scatter an
 reference that cached decoding equals given the same decisions (`out.routing.depth` reports them).
 With a cache (LoopedLM.allocate_cache) each (loop, layer) entry is a cache.RoutedKVCache holding only
 the tokens that ran that loop (recursion_wise: its own length per depth; share_first: loop 0's entries
-only, read by every loop). Prefill and steps are calls of the same routed forward. Compute: a loop that
-no token of the call runs is skipped (at batch 1, every loop after the token stops); in a batch, a loop
-runs when some row's token runs it, and the rows whose token stopped compute one discarded slot that
-writes nothing (the batch is not regathered by row).
+only, read by every loop), or, in a Mamba-2 layer, a cache.RoutedSSMCache: that loop's conv history and
+SSM state over the tokens that ran it (a row whose token stopped keeps both bit for bit). Prefill and
+steps are calls of the same routed forward. Compute: a loop that no token of the call runs is skipped
+(at batch 1, every loop after the token stops); in a batch, a loop runs when some row's token runs it,
+and the rows whose token stopped compute one discarded slot that writes nothing (the batch is not
+regathered by row).
 
 The loop calls `RoutedLoop.loop_step` in place of `LoopedLM.loop_step` (same signature), which gathers,
 calls the model's own loop_step on the active tokens, and scatters back. Not yet supported, and refused
-with the option named: Mamba-2 / hybrid blocks, stateloop_mamba2, the exit gate, exit options and
-skip_compute, self-speculation (speculative_loops), static_cache, a call depth n_loops ≠ R.
+with the option named: kv=share_first without an attention layer in the block, the exit gate, exit
+options and skip_compute, self-speculation (speculative_loops), static_cache, a call depth n_loops ≠ R.
 """
 
 from __future__ import annotations
@@ -124,11 +140,11 @@ class DepthRouter(nn.Module):
             raise ValueError(f"{name}: depths={depths!r} must be None (training's routing; a cached call: the "
                              "inference router), 'inference' or a (B, T) tensor of per-token depths in 0..R")
         if cache is not None:
-            from looplab.models.cache import RoutedKVCache
+            from looplab.models.cache import RoutedKVCache, RoutedSSMCache
 
-            if not isinstance(cache.get((0, 0)), RoutedKVCache):
+            if not isinstance(cache.get((0, 0)), (RoutedKVCache, RoutedSSMCache)):
                 raise ValueError(f"{name}: the cache must come from this model's allocate_cache (per-depth routed "
-                                 "KV caches)")
+                                 "KV / SSM caches)")
 
     def check_generate(self, **options) -> None:
         """Refuse the decoding options that do not route, naming them (generate, stream, decode_step)."""
@@ -138,10 +154,22 @@ class DepthRouter(nn.Module):
                              f"{', '.join(bad)} does not combine with a depth router (each token's depth is the "
                              "router's); decode without it, or use depth_router=none")
 
-    def allocate_entry(self, attn, batch_size: int, max_len: int, device, dtype):
-        from looplab.models.cache import RoutedKVCache
+    def allocate_entry(self, module, batch_size: int, max_len: int, device, dtype):
+        """The routed cache of one (loop, layer) or StateLoop mixer: module is a block layer or a mixer."""
+        from looplab.models.cache import RoutedKVCache, RoutedSSMCache
+        from looplab.models.mamba2 import Mamba2Layer, Mamba2Mixer
 
+        if isinstance(module, (Mamba2Layer, Mamba2Mixer)):
+            mixer = getattr(module, "mixer", module)
+            base = mixer.allocate_cache(batch_size, max_len, device, dtype)
+            return RoutedSSMCache(conv_state=base.conv_state, ssm_state=base.ssm_state)
+        attn = getattr(module, "attn", module)
         return RoutedKVCache(batch_size, attn.n_kv_heads, max_len, attn.head_dim, device, dtype)
+
+    def shares_first(self, module) -> bool:
+        """kv=share_first reuses loop 0's keys/values in attention only; a Mamba-2 layer keeps its own
+        recursion-wise state at every loop (there are no keys to share, only a scan over the active tokens)."""
+        return self.cfg.kv == "share_first" and getattr(module, "kind", None) == "A"
 
     def begin(self, model, x: torch.Tensor, depths=None, cache=None) -> "RoutedLoop":
         return RoutedLoop(self, model, x, depths, cache)
@@ -245,16 +273,12 @@ class TokenChoiceRouter(DepthRouter):
 
     def select(self, r: int, depth: torch.Tensor, weight: torch.Tensor):
         """Loop r's tokens: depth > r, in original order; rows with fewer are padded with inactive
-        tokens placed after all active ones (live False: computed, never seen, discarded)."""
-        active = depth > r  # (B, T)
-        counts = active.sum(1)
-        kmax = int(counts.max())
-        if kmax == depth.shape[1]:
-            return None, active if not bool(active.all()) else None, weight[..., None]
-        T = depth.shape[1]
-        key = (~active).long() * T + torch.arange(T, device=depth.device)
-        idx = key.argsort(dim=1)[:, :max(kmax, 1)]
-        return idx, active.gather(1, idx), weight.gather(1, idx)[..., None]
+        tokens placed after all active ones (live False: computed, never seen, discarded; active_slots)."""
+        idx, live = active_slots(depth > r)
+        if idx is False:  # no token runs loop r (training assigns depths >= 1, given depths may not)
+            idx = torch.zeros_like(depth[:, :1])
+            live = torch.zeros_like(idx, dtype=torch.bool)
+        return idx, live, gather_tokens(weight, idx)[..., None]
 
 
 def _add(losses: dict, name: str, value: torch.Tensor) -> None:
@@ -287,15 +311,18 @@ class _SharedKVEntry:
 
 
 class _SharedKV:
-    """The `cache` a routed loop_step gets under kv=share_first: cache[r, l] → _SharedKVEntry."""
+    """The `cache` a routed loop_step gets under kv=share_first: cache[r, l] → _SharedKVEntry for an
+    attention layer, None for a Mamba-2 layer (recursion-wise: its scan runs over the routed tokens)."""
 
-    def __init__(self, store: dict, r: int, tokens: torch.Tensor, valid: torch.Tensor | None, B: int):
-        self.store, self.r = store, r
+    def __init__(self, store: dict, r: int, tokens: torch.Tensor, valid: torch.Tensor | None, B: int, shared_layers):
+        self.store, self.r, self.shared_layers = store, r, shared_layers
         self.q_tok = tokens.expand(B, tokens.shape[1])  # the gathered tokens' indices in the sequence
         if r == 0:
             store["tokens"], store["valid"] = self.q_tok, valid
 
     def __getitem__(self, key):
+        if key[1] not in self.shared_layers:
+            return None
         return _SharedKVEntry(self.store, key[1], self.r, self.q_tok)
 
     def get(self, key, default=None):  # the StateLoop mixer keeps its own attention over the routed tokens
@@ -320,9 +347,10 @@ class _RoutedWrite:
 
 
 class _RoutedCacheView:
-    """The `cache` a routed loop_step gets in cached decoding: cache[r, l] → _RoutedWrite of that entry
-    (kv=share_first, r > 0: a read of loop 0's entry); cache.get((r, "state")): the StateLoop attention
-    mixer's own per-loop entry (recursion-wise under either kv mode, as in the cache-free forward)."""
+    """The `cache` a routed loop_step gets in cached decoding: cache[r, l] → _RoutedWrite of an attention
+    entry (kv=share_first, r > 0: a read of loop 0's entry, the only one allocated), or the layer's
+    RoutedSSMCache told which slots are live; cache.get((r, "state")): the StateLoop mixer's own per-loop
+    entry (recursion-wise under either kv mode, as in the cache-free forward)."""
 
     def __init__(self, cache, r: int, tok, live, valid, n_call: int, share_first: bool):
         self.cache, self.r, self.share_first = cache, r, share_first
@@ -330,25 +358,35 @@ class _RoutedCacheView:
 
     def __getitem__(self, key):
         r, l = key
-        if self.share_first and r > 0:
+        if self.share_first and r > 0 and key not in self.cache.entries:
             return _RoutedWrite(self.cache[0, l], self, share_read=True)
-        return _RoutedWrite(self.cache[key], self)
+        return self._wrap(self.cache[key])
 
     def get(self, key, default=None):
         entry = self.cache.get(key)
-        return default if entry is None else _RoutedWrite(entry, self)
+        return default if entry is None else self._wrap(entry)
+
+    def _wrap(self, entry):
+        from looplab.models.cache import RoutedSSMCache
+
+        if isinstance(entry, RoutedSSMCache):
+            return entry.route(self.live)
+        return _RoutedWrite(entry, self)
 
 
 def active_slots(active: torch.Tensor):
     """(B, T) mask of the tokens that run a loop → (idx, live): idx (B, k) their indices in original order,
     rows with fewer padded with inactive tokens placed after every active one (live False), k = the most
-    active tokens of a row; idx None = every token in order; live None = every slot; k = 0: idx is False."""
+    active tokens of a row; idx None = every token in order (live None); k = 0: idx is False.
+    Inactive tokens always follow a row's active ones, also when some row runs all T: in a Mamba-2 layer
+    a masked slot between two active tokens would still sit in the conv window (as zeros), while one
+    after them is seen by nobody, in a causal scan as in causal attention."""
     T = active.shape[1]
     kmax = int(active.sum(1).max())
     if kmax == 0:
         return False, None
-    if kmax == T:
-        return None, (None if bool(active.all()) else active)
+    if bool(active.all()):
+        return None, None
     key = (~active).long() * T + torch.arange(T, device=active.device)
     idx = key.argsort(dim=1)[:, :kmax]
     return idx, active.gather(1, idx)
@@ -369,6 +407,7 @@ class RoutedLoop:
         self.cand: torch.Tensor | None = None  # expert choice: the tokens that ran the previous loop
         self.assigned = None
         self.shared: dict = {}  # kv=share_first: loop 0's keys/values per layer, with their positions
+        self.shared_layers = {l for l, layer in enumerate(model.block) if router.shares_first(layer)}
         self.causal = depths is not None or cache is not None
         self.given = depths if isinstance(depths, torch.Tensor) else None
         if self.given is not None:
@@ -423,7 +462,7 @@ class RoutedLoop:
             kv = _RoutedCacheView(cache, r, idx, live, valid_a, T, share)
         elif share:
             tok = idx if idx is not None else torch.arange(T, device=x.device)[None]
-            kv = _SharedKV(self.shared, r, tok, valid_a, B)
+            kv = _SharedKV(self.shared, r, tok, valid_a, B, self.shared_layers)
         else:
             kv = None
         h_a, xn_a, sn_a, a = self.model.loop_step(x_a, s_a, e_a, r, pos_a, valid_a, kv, gate=gate)
