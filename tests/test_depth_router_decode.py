@@ -43,16 +43,23 @@ def ids_for(B, T, seed=1):
     return torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def decode(model, ids, prompt_len, attention_mask=None):
+def decode(model, ids, prompt_len, attention_mask=None, on_step=None):
     """Prefill ids[:, :prompt_len], then one cached step per remaining token (teacher forcing) →
-    (logits (B, T, V), depths (B, T), cache)."""
+    (logits (B, T, V), depths (B, T), cache). on_step(before, cache, depth): after each step, with the
+    Mamba-2 entries' (conv, SSM) states from before it (tests/test_depth_router_ssm.py)."""
+    from looplab.models.cache import RoutedSSMCache
+
     B, T = ids.shape
     cache = model.allocate_cache(B, T)
     with torch.no_grad():
         out = model(ids[:, :prompt_len], attention_mask=attention_mask, cache=cache)
         logits, depths = [out.logits], [out.routing.depth]
         for t in range(prompt_len, T):
+            before = {k: (e.conv_state.clone(), e.ssm_state.clone()) for k, e in cache.entries.items()
+                      if isinstance(e, RoutedSSMCache)} if on_step is not None else None
             out = model(ids[:, t:t + 1], cache=cache)
+            if on_step is not None:
+                on_step(before, cache, out.routing.depth[:, 0])
             logits.append(out.logits)
             depths.append(out.routing.depth)
     return torch.cat(logits, 1), torch.cat(depths, 1), cache

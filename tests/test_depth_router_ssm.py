@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from conftest import compose
+from test_depth_router_decode import decode  # prefill + one cached step per token, with an on_step hook
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.cache import RoutedKVCache, RoutedSSMCache
 from looplab.models.llama import apply_rope
@@ -164,24 +165,6 @@ def test_gradients_reach_the_mamba_parameters_and_the_router():
 
 
 # ------------------------------------------------------------------ (b) cached decoding
-def decode(model, ids, prompt_len, attention_mask=None, on_step=None):
-    """Prefill ids[:, :prompt_len], then one cached step per remaining token → (logits, depths, cache)."""
-    B, T = ids.shape
-    cache = model.allocate_cache(B, T)
-    with torch.no_grad():
-        out = model(ids[:, :prompt_len], attention_mask=attention_mask, cache=cache)
-        logits, depths = [out.logits], [out.routing.depth]
-        for t in range(prompt_len, T):
-            before = {k: (e.conv_state.clone(), e.ssm_state.clone()) for k, e in cache.entries.items()
-                      if isinstance(e, RoutedSSMCache)}
-            out = model(ids[:, t:t + 1], cache=cache)
-            if on_step is not None:
-                on_step(before, cache, out.routing.depth[:, 0])
-            logits.append(out.logits)
-            depths.append(out.routing.depth)
-    return torch.cat(logits, 1), torch.cat(depths, 1), cache
-
-
 @pytest.mark.parametrize("router, backbone, state_mode", [
     ("ec_aux_router", "mamba2", "vanilla"), ("ec_threshold", "hybrid", "stateloop"),
     ("token_choice", "hybrid", "vanilla"), ("tc_share_first", "hybrid", "vanilla"),
