@@ -84,14 +84,17 @@ def router_from_cfg(cfg: DictConfig) -> dict[str, Any] | None:
                           f"{loop.get('eval_loops')!r}: the router is trained for the configured R loops; use "
                           "loop_depth.sampler=fixed and eval_loops=null")
     if router.get("capacity_warmup_steps") is None:
-        optim = _plain(cfg.get("optim"))
-        warm = optim.get("warmup_steps")
-        if warm is None:  # as LoopedLMModule.configure_optimizers resolves it
-            total = (cfg.get("trainer") or {}).get("max_steps") or 0
-            total = int(total) if int(total) > 0 else 1000
-            warm = int(optim.get("warmup_frac", 0.02) * total)
+        _, warm = schedule_steps(_plain(cfg.get("optim")), (cfg.get("trainer") or {}).get("max_steps"))
         router["capacity_warmup_steps"] = int(warm)
     return router
+
+
+def schedule_steps(optim: dict[str, Any], max_steps: int | None) -> tuple[int, float]:
+    """(total, warm-up) steps of the learning-rate schedule (training/module.py lr_factor): total = max_steps,
+    1000 when it is unset or not positive; warm-up = optim.warmup_steps, else warmup_frac (0.02) of total."""
+    total = int(max_steps) if max_steps and int(max_steps) > 0 else 1000
+    warm = optim.get("warmup_steps")
+    return total, (int(optim.get("warmup_frac", 0.02) * total) if warm is None else warm)
 
 
 def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from looplab.checkpoint import looplab_meta
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.exit_gate import logits_at_depth, stage1_loss, stage2_loss, threshold_exit_steps
 from looplab.models.exits import ExitPolicy
+from looplab.training.compose import schedule_steps
 from looplab.training.depth import DepthSampler, step_rng
 
 IGNORE = -100
@@ -316,10 +317,7 @@ class LoopedLMModule(L.LightningModule):
         opt = torch.optim.AdamW(
             [g for g in groups if g["params"]], lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.95))), eps=o.get("eps", 1e-8), **kwargs
         )
-        total = max(int(self.trainer.max_steps), 1) if self.trainer and self.trainer.max_steps and self.trainer.max_steps > 0 else 1000
-        warmup = o.get("warmup_steps")
-        if warmup is None:
-            warmup = int(o.get("warmup_frac", 0.02) * total)
+        total, warmup = schedule_steps(o, self.trainer.max_steps if self.trainer else None)
         floor = o.get("min_lr_ratio", 0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, warmup, total, floor))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
