@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 install: $(STAMP) ## create .venv and install looplab with its dev/eval/bench extras
+	@$(PY) -c "import looplab, torch; print(f'looplab {looplab.__version__} with torch {torch.__version__} is installed in $(VENV) (remove $(STAMP) to reinstall)')"
 
 demo: $(STAMP) ## train a tiny looped model on p-hop on the CPU (a few minutes) and print what it learned
 	$(PY) -m looplab.train

@@ -706,6 +706,23 @@ def test_make_table4_report_writes_fresh_files(tmp_path):
     shutil.rmtree(tmp_path / "experiments")
 
 
+def test_make_install_reports_the_installed_versions_when_up_to_date(tmp_path):
+    """`make install` on an installed checkout (the README's set-up) says what is installed, importing both, instead of
+    make's silent "Nothing to be done"."""
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    for f in ("pyproject.toml", "constraints.txt"):
+        (tmp_path / f).write_text("")
+        os.utime(tmp_path / f, (0, 0))  # older than the venv's install stamp: make installs nothing
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    if not (ROOT / ".venv" / ".looplab-installed").exists():
+        pytest.skip("the venv was not created by make")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
+    proc = subprocess.run(["make", "install"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Nothing to be done" not in proc.stdout + proc.stderr
+    assert f"with torch {torch.__version__} is installed in .venv" in proc.stdout and "pip install" not in proc.stdout
+
+
 def test_table10_plans_the_hybrid_gates_then_the_grid_and_reports_the_target(tmp_path):
     cmds = runner.plan(10, "tiny", tmp_path, dry_run=True, jobs=2)
     assert len(cmds) == 9 and all("exit_gate=none" in c.argv for c in cmds[:2])
