@@ -137,10 +137,9 @@ def _deep_block(warmup: int, repeats: int, n_layers: int = 24, ctx: int = 64) ->
 
 def exit_checkpoints(run_dirs) -> list[Path]:
     """The last.ckpt of every finished run (results.json status ok) under the sweep folders run_dirs."""
-    from looplab.tables.report import load_runs
+    from looplab.runs import finished_checkpoints
 
-    return [r.path / "checkpoints" / "last.ckpt" for d in run_dirs for r in load_runs(d)
-            if r.ok and (r.path / "checkpoints" / "last.ckpt").exists()]
+    return finished_checkpoints(run_dirs)
 
 
 def skip_compute_section(run_dirs, threads: int, n_sequences: int = 128) -> dict:

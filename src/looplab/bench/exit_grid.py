@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from looplab.models.exit_compute import forward_with_exits, has_ssm
 from looplab.models.exits import ExitPolicy
 from looplab.models.generation import decode_step
+from looplab.targets import EXIT_LOSS_TARGET as TARGET_LOSS, EXIT_SPEEDUP_TARGET as TARGET_SPEEDUP, EXIT_TARGET_TASK as TARGET_TASK
 
 # thresholds per rule (exit_rules.py): the gate's CDF level q, nats for entropy and KL, a relative
 # hidden change, loops without an argmax change
@@ -55,8 +56,6 @@ GRID_LM: dict[str, tuple[float, ...]] = {
     "hidden_delta": (0.05, 0.1, 0.2),
     "argmax_stable": (1, 2),
 }
-TARGET_SPEEDUP, TARGET_LOSS = 1.5, 0.01  # issue 16: ≥ 1.5× decoding speed-up losing ≤ 1 point of accuracy
-TARGET_TASK = "phop"  # … on p-hop
 
 
 def handlings_for(config) -> tuple[str, ...]:

@@ -25,62 +25,13 @@ from looplab.stats import (  # noqa: F401  (t_quantile, z_quantile: part of the 
     LEVEL, Stat, adjusted_verdict, decisive_p, eval_batches, holm, judge, t_interval, t_quantile, wilson_interval,
     z_quantile,
 )
+from looplab.runs import Run, load_runs, parse_overrides  # noqa: F401  (part of the report's surface)
 from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SPECULATION_JSON, SCALES, Finding, Sweep, TableSpec,
                                  default_seeds, get)
 
 DEFAULT_OUT_ROOT = Path("outputs/tables")
 DEFAULT_TABLE_DIR = Path("experiments/tables")
 DEFAULT_DECODE_JSON = Path("bench/decode.json")
-
-
-# ----------------------------------------------------------------------------- runs
-@dataclass
-class Run:
-    path: Path  # the run folder
-    data: dict[str, Any]
-
-    @property
-    def ok(self) -> bool:
-        return self.data.get("status") == "ok"
-
-    @property
-    def swept(self) -> dict[str, str]:
-        return parse_overrides(self.data.get("overrides") or [])
-
-    @property
-    def seed(self):
-        return self.data.get("seed", self.swept.get("seed"))
-
-    def zeroshot(self) -> dict[str, Any] | None:
-        p = self.path / "zeroshot.json"
-        try:
-            return json.loads(p.read_text()) if p.exists() else None
-        except (OSError, json.JSONDecodeError):
-            return None
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, str]:
-    """Hydra task overrides ['+arm=looped', 'loop_depth=1x4'] → {'arm': 'looped', 'loop_depth': '1x4'}."""
-    out = {}
-    for o in overrides:
-        if "=" in o:
-            k, v = o.split("=", 1)
-            out[k.lstrip("+~")] = v
-    return out
-
-
-def load_runs(folder: Path) -> list[Run]:
-    """Every results.json below `folder` (a sweep folder); unreadable files become failed runs."""
-    runs = []
-    for p in sorted(Path(folder).rglob("results.json")):
-        if ".submitit" in p.parts:
-            continue
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            data = {"status": "failed", "error": f"unreadable results.json: {e}", "overrides": []}
-        runs.append(Run(p.parent, data))
-    return runs
 
 
 # ----------------------------------------------------------------------------- stats (looplab/stats.py)
@@ -839,7 +790,7 @@ def _causal(d: dict[str, Any], what: str) -> float | None:
     """Table 12: a run's perplexity / accuracy / mean depth with each token's depth chosen causally, as decoding
     chooses it: a depth router's inference routing (results.json routing.causal_*), the exit gate's exit at
     q = EXIT_Q (exit.<q>), every loop for a fixed-depth model."""
-    from looplab.bench.routed_decode import EXIT_Q
+    from looplab.targets import EXIT_Q
 
     routing, gate = d.get("routing"), (d.get("exit") or {}).get(str(EXIT_Q))
     if routing:
@@ -1130,7 +1081,7 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
                    exits_json: Path | None = None) -> Table:
     """Table 10 from bench/exit_grid.py's JSON: one row per backbone × rule × threshold × handling, mean ± 95% t over
     the checkpoints (seeds); the target line says which configurations reach it."""
-    from looplab.bench.exit_grid import TARGET_LOSS, TARGET_SPEEDUP, TARGET_TASK
+    from looplab.targets import EXIT_LOSS_TARGET as TARGET_LOSS, EXIT_SPEEDUP_TARGET as TARGET_SPEEDUP, EXIT_TARGET_TASK as TARGET_TASK
 
     table, _ = _build_runs(spec, scale, out_root, seeds)  # table 10's own sweeps (the hybrid gates): missing/failed
     table.method = ("rows: mean ± 95% t over the checkpoints (one per seed) of each backbone; accuracies also show the "
