@@ -412,12 +412,15 @@ def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None
     overhead = f" (state branch +{100 * results['state_branch_overhead']:.2f}%)" if results["params"]["state_branch"] else ""
     console.print(f"steps {results['global_step']} · {tps or 0:,.0f} training tokens/s · wall {results['wall_time_s']:.0f} s"
                   f" · params {results['params']['total']:,}{overhead}")
-    console.print(f"run folder:  {out_dir}")
-    console.print(f"results:     {out_dir / 'results.json'}")
-    console.print(f"checkpoint:  {results['checkpoint']}")
+    # soft_wrap: a path is printed whole on its line, never broken at the console's width (80 when piped)
+    console.print(f"run folder:  {out_dir}", soft_wrap=True)
+    console.print(f"results:     {out_dir / 'results.json'}", soft_wrap=True)
+    console.print(f"checkpoint:  {results['checkpoint']}", soft_wrap=True)
     for lg in loggers:
         where = getattr(lg, "save_dir", None) or getattr(lg, "log_dir", None)
-        console.print(f"logs ({type(lg).__name__}): {where}" + ("  (offline; `make sync-wandb` uploads)" if "Wandb" in type(lg).__name__ and os.environ.get("WANDB_MODE") == "offline" else ""))
+        offline = getattr(lg, "_offline", False)  # WandbLogger's own flag (wandb resets WANDB_MODE when its run ends)
+        console.print(f"logs ({type(lg).__name__}): {where}" + ("  (offline; `make sync-wandb` uploads)" if offline else ""),
+                      soft_wrap=True)
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
