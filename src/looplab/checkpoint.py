@@ -343,7 +343,7 @@ def check_compatible(meta: dict[str, Any], cfg: LoopedLMConfig, *, allow_new_bra
     """Raise ConfigError naming every architecture field that differs.
 
     allow_new_branches: warm-starting a StateLoop / gated model from a vanilla one
-    (SPEC §3) may differ in state_mode, state fields, exit_gate, injection and depth_router only.
+    (docs/formulations.md#stateloop) may differ in state_mode, state fields, exit_gate, injection and depth_router only.
     """
     old = LoopedLMConfig.from_dict(meta["model_config"]).architecture_dict()
     new = cfg.architecture_dict()

@@ -1,4 +1,4 @@
-"""Pretrained transformers checkpoints in, looplab folders out (issue 17).
+"""Pretrained transformers checkpoints in, looplab folders out (docs/interop.md).
 
     python -m looplab.convert from-hf SRC --out DIR [--loops R] [--block-layers i,j,...] [--sharing cycle|middle_cycle]
     python -m looplab.convert to-hf CKPT --out DIR

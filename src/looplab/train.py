@@ -65,7 +65,7 @@ def build_run(cfg: DictConfig) -> RunParts:
     dm = build_datamodule(cfg)
     model_cfg = model_config_from_cfg(cfg, vocab_size=getattr(dm, "vocab_size", None))
     objective = objective_from_cfg(cfg)
-    depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop (issue 15)
+    depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop
     eval_loops = eval_loops_from_cfg(cfg)
     use_compile, compile_why = resolve_compile(cfg.get("compile", False), model_cfg.d_model, str(cfg.trainer.accelerator))
     dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
@@ -88,7 +88,7 @@ def build_run(cfg: DictConfig) -> RunParts:
 
 
 def load_warm_start(model, path: str) -> list[str]:
-    """Load a (vanilla / stage-1) checkpoint into a model that may have extra branches (SPEC §3)."""
+    """Load a (vanilla / stage-1) checkpoint into a model that may have extra branches (docs/formulations.md#stateloop)."""
     from looplab.checkpoint import check_compatible, model_state_dict, read_checkpoint
 
     ckpt = read_checkpoint(path)

@@ -1,4 +1,4 @@
-"""Mano: modular arithmetic expressions in prefix notation (SPEC §5, after Physics of LMs 4.1).
+"""Mano: modular arithmetic expressions in prefix notation (after Physics of LMs 4.1; docs/formulations.md#tasks).
 
 A random expression tree with `ops` operators from {+, −, ×}: the operators
 below a node are split uniformly between its left and right subtrees, and the

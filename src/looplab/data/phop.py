@@ -1,4 +1,4 @@
-"""p-hop induction (SPEC §5).
+"""p-hop induction (docs/formulations.md#tasks).
 
 A string of n symbols over an alphabet of size a, no two equal neighbours. One
 hop from position i goes to the most recent earlier occurrence j of symbol[i]

@@ -13,7 +13,7 @@ Layouts (token names as `decode` prints them):
 The answer is predicted from the <ans>/<query> position; accuracy is always
 scored there. Loss: p-hop with `per_position_loss` adds, at every symbol
 position t from which p hops exist, the symbol reached after p hops from t
-(SPEC §5: with the loss on the last position alone nothing beat the ≈ 0.49
+(docs/formulations.md#tasks: with the loss on the last position alone nothing beat the ≈ 0.49
 shortcut at tiny scale in 2,500 steps). Mano's loss is on the answer (SPEC);
 `task_args.subtree_loss` adds the value of each operator subtree at its last
 token, which tiny CPU Mano runs need (answer-only loss stayed near chance).
@@ -37,8 +37,8 @@ from looplab.data.sampler import STREAM_LENGTH, ResumableSampler
 IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
 TASKS = ("phop", "mano")
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "phop": {"n": 32, "p": 3, "alphabet": 4, "test_fraction": 0.5},  # SPEC §5 tiny setting
-    "mano": {"L": 24, "modulus": 23, "test_fraction": 0.5, "subtree_loss": False},  # SPEC §5 paper setting
+    "phop": {"n": 32, "p": 3, "alphabet": 4, "test_fraction": 0.5},  # the tiny setting (docs/formulations.md#tasks)
+    "mano": {"L": 24, "modulus": 23, "test_fraction": 0.5, "subtree_loss": False},  # the paper setting
 }
 
 

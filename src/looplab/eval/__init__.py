@@ -1,4 +1,4 @@
-"""Evaluation: perplexity per loop depth and zero-shot tasks through lm-evaluation-harness (SPEC §6).
+"""Evaluation: perplexity per loop depth and zero-shot tasks through lm-evaluation-harness (docs/evaluation.md).
 
 Importing this package registers `LooplabLM` with lm-eval under the model name `looplab`.
 """
@@ -15,7 +15,7 @@ import torch
 from looplab.eval.lm_eval_adapter import LooplabLM
 from looplab.eval.perplexity import evaluate_perplexity
 
-# The StateLoop authors' suite (SPEC §6); every entry is an lm-eval task name.
+# The StateLoop authors' suite (docs/evaluation.md#zero-shot); every entry is an lm-eval task name.
 DEFAULT_TASKS = ["lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "sciq", "race"]
 LOCAL_TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 

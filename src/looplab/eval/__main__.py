@@ -11,7 +11,7 @@ folder (<run>/checkpoints/X.ckpt next to <run>/results.json), the run's
 metric of results.json is compared with the recomputed one (`agreement`).
 
   python -m looplab.eval outputs/.../checkpoints/last.ckpt --thresholds 0.3 0.5 0.7 0.9
-  python -m looplab.eval last.ckpt --zeroshot                 # SPEC §6 suite (needs the hub)
+  python -m looplab.eval last.ckpt --zeroshot                 # the 8-task suite (needs the hub)
   python -m looplab.eval last.ckpt --zeroshot looplab_tiny_mc # a local task, offline
 """
 

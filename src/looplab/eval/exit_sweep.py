@@ -1,6 +1,6 @@
 """Accuracy / perplexity against exit depth: one forward per batch serves every threshold q.
 
-Each row of the sweep is one inference mode (SPEC §4): a fixed depth k
+Each row of the sweep is one inference mode (docs/formulations.md#exit-gate): a fixed depth k
 (`exit_at_step=k`), a threshold q (first depth whose cumulative exit probability
 ≥ q), `expected` (probability-weighted logits), or a zero-shot exit rule at a threshold
 (`kl`, `entropy`, `hidden_delta`, `argmax_stable`; models/exit_rules.py). Every row reports its metric
@@ -97,7 +97,7 @@ def exit_sweep(
                 for q, row in zip(thresholds, q_rows):
                     steps = threshold_exit_steps(out.exit_probs, q)
                     row.update(logits_at_depth(out.loop_logits, steps), targets, scored, steps)
-                mixed = torch.einsum("btr,rbtv->btv", out.exit_probs, out.loop_logits)  # SPEC §4: weighted logits
+                mixed = torch.einsum("btr,rbtv->btv", out.exit_probs, out.loop_logits)  # the gate's expected logits
                 expected.update(mixed, targets, scored, out.exit_probs)
             for tau, row in zip(rule_thresholds, rule_rows):
                 steps = first_exit(rule, tau, R, min_loops=min_loops, logits=out.loop_logits, hidden=out.loop_hidden)

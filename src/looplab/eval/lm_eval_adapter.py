@@ -1,4 +1,4 @@
-"""`looplab.eval.LooplabLM`: the lm-evaluation-harness adapter (SPEC §6, §8).
+"""`looplab.eval.LooplabLM`: the lm-evaluation-harness adapter (docs/evaluation.md#lm-eval-adapter).
 
 Registered with lm-eval as model `looplab` when `looplab.eval` is imported:
 
@@ -104,7 +104,7 @@ class LooplabLM(LM):
         self._max_length = min(want, model.config.max_seq_len)
         self.exit_threshold = float(exit_threshold) if exit_threshold is not None else None
         self.exit_rule, self.exit_min_loops = exit_rule or None, _as_int(exit_min_loops, 1)
-        # test-time depth R′ (issue 15): every forward pass and generation applies the shared block R′ times
+        # test-time depth R′: every forward pass and generation applies the shared block R′ times
         self.n_loops = None if n_loops in (None, "", "None") else _as_int(n_loops, 0)
         if self.n_loops is not None and self.n_loops < 1:
             raise ValueError(f"n_loops must be ≥ 1, got {n_loops!r}")

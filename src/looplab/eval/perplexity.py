@@ -1,4 +1,4 @@
-"""Token-weighted perplexity, overall and per loop depth (SPEC §6).
+"""Token-weighted perplexity, overall and per loop depth (docs/evaluation.md#perplexity-and-per-depth-metrics).
 
     NLL = Σ_batches Σ_tokens −log p(target) / (number of target tokens)
     perplexity = exp(NLL)
@@ -9,7 +9,7 @@ loop depth is decoded through the shared final norm and head
 (`return_all_loops=True`), so `loop_perplexity[r]` is the perplexity the model
 would have if it stopped after loop r + 1. With `exit_threshold=q` the
 gate-selected depth per token is scored instead, and the mean exit step is
-reported next to it (SPEC §4).
+reported next to it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`looplab_tiny`: a zero-shot suite a tiny Shakespeare model can score above chance on (issue 14).
+"""`looplab_tiny`: a zero-shot suite a tiny Shakespeare model can score above chance on (docs/evaluation.md#tiny-suite).
 
 The paper's 8-task hub suite needs a model that has read the web; a few hundred
 steps on the embedded corpus leave any model at chance there. This suite asks

@@ -1,4 +1,4 @@
-"""Decoding caches (SPEC §7).
+"""Decoding caches (docs/decoding.md#caches).
 
 A looped block applies layer l at every loop r, and each application sees a
 different input, so one cache entry is kept per (loop, layer) — not per layer
@@ -185,7 +185,7 @@ class LoopCache:
 
 
 class RoutedKVCache:
-    """depth_router decoding (issue 28, models/router.py): one (loop, layer)'s keys/values of ONLY the
+    """depth_router decoding (models/router.py, docs/decoding.md#routed-decoding): one (loop, layer)'s keys/values of ONLY the
     tokens that ran that loop, so each depth's cache has its own length (MoR's recursion-wise caching).
 
     The batch's rows share one buffer (B, Hkv, max_len, hd); row b holds its own `lengths[b]` tokens in

@@ -1,4 +1,4 @@
-"""The one dataclass that describes a looped model (SPEC §1–4, §8).
+"""The one dataclass that describes a looped model (docs/formulations.md).
 
 Every option the papers leave open is a field here, never a constant in the
 model code. `validate()` runs in `__post_init__`, so an impossible model fails
@@ -14,7 +14,7 @@ BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
 EXIT_GATES = ("none", "ouro")
 INJECTIONS = ("none", "add", "concat", "diag")  # models/injection.py
-DEPTH_ROUTERS = ("none", "expert_choice", "token_choice")  # models/router.py (issue 28, Mixture-of-Recursions)
+DEPTH_ROUTERS = ("none", "expert_choice", "token_choice")  # models/router.py (Mixture-of-Recursions)
 ROUTER_KV = ("recursion_wise", "share_first")
 KERNELS = ("auto", "torch", "mamba_ssm")
 # causal-conv1d's CUDA conv (csrc/causal_conv1d.cpp) has kernels for these widths only. kernel=auto
@@ -35,7 +35,7 @@ def fused_conv_width_error(d_conv: int) -> str:
 
 @dataclass
 class RouterConfig:
-    """Per-token depth chosen by a router (issue 28, Mixture-of-Recursions; models/router.py).
+    """Per-token depth chosen by a router (Mixture-of-Recursions; models/router.py, docs/formulations.md#routed-depth).
     Defaults are MoR's (raymin0223/mixture_of_recursions); conf/depth_router/*.yaml names them all."""
 
     name: str = "none"  # none | expert_choice | token_choice
@@ -121,14 +121,14 @@ class RouterConfig:
 
 @dataclass
 class LoopedLMConfig:
-    # --- shape -------------------------------------------------------------
+    # --- shape ---------------------------------------------------------------
     vocab_size: int = 256
     d_model: int = 64
     n_heads: int = 4
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
     n_layers: int = 1  # N: distinct layers in the looped block
     n_loops: int = 4  # R: how often the block is applied
-    prelude_layers: int = 0  # non-shared layers applied once before the looped block (issue 15)
+    prelude_layers: int = 0  # non-shared layers applied once before the looped block (docs/formulations.md#prelude-and-coda)
     coda_layers: int = 0  # non-shared layers applied to a loop's readout before the final norm and head
     ffn_hidden: int | None = None  # SwiGLU hidden width; None = 8/3·d rounded up to 64
     backbone: str = "llama"  # llama | mamba2 | hybrid
@@ -137,9 +137,9 @@ class LoopedLMConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    init_std: float | None = None  # None = sqrt(2 / (5 d)) (SPEC §2)
+    init_std: float | None = None  # None = sqrt(2 / (5 d)) (docs/formulations.md#initialisation)
 
-    # --- Mamba-2 (SPEC §1) ---------------------------------------------------
+    # --- Mamba-2 (docs/formulations.md#backbones) ----------------------------
     d_state: int = 128
     headdim: int = 64
     expand: int = 2
@@ -151,7 +151,7 @@ class LoopedLMConfig:
     mamba_A_init: tuple[float, float] = (1.0, 16.0)  # A = −exp(A_log), exp(A_log) ~ U[a, b]
     mamba_dt_init: tuple[float, float] = (1e-3, 1e-1)  # softplus(dt_bias) ~ logU[a, b]
 
-    # --- StateLoop (SPEC §3) -------------------------------------------------
+    # --- StateLoop (docs/formulations.md#stateloop) --------------------------
     state_mode: str = "vanilla"
     state_dim: int | None = None  # d_s; None = d_model
     state_init: str = "zeros"  # zeros | learned  (s_0)
@@ -159,13 +159,13 @@ class LoopedLMConfig:
     state_A_init: tuple[float, float] = (1.0, 16.0)  # exp(A_log) ~ U[a, b], as in Mamba
     state_dt_init: tuple[float, float] = (1e-3, 1e-1)  # softplus(b_Δ) ~ logU[a, b]
 
-    # --- exit gate (SPEC §4) -------------------------------------------------
+    # --- exit gate (docs/formulations.md#exit-gate) --------------------------
     exit_gate: str = "none"  # none | ouro
 
-    # --- input injection (issue 15) --------------------------------------------
+    # --- input injection (docs/formulations.md#input-injection) --------------
     injection: str = "none"  # none | add | concat | diag: the embedding re-enters before loops 2..R
 
-    # --- depth router (issue 28, Mixture-of-Recursions) ------------------------
+    # --- depth router (docs/formulations.md#routed-depth) --------------------
     depth_router: RouterConfig = field(default_factory=RouterConfig)  # name none = today's model exactly
 
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, never read by the model
@@ -337,7 +337,7 @@ class LoopedLMConfig:
         for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
             d[name] = list(getattr(self, name))
         if self.depth_router.name == "none":
-            d.pop("depth_router")  # a model without router: the dict (and its checkpoints' hash) as before issue 28
+            d.pop("depth_router")  # a model without router: the dict (and its checkpoints' hash) as before routing existed
         return d
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Exits that save compute (SPEC §4, issue 16): what a token that exited at loop e leaves in the deeper loops.
+"""Exits that save compute (docs/decoding.md#exits-that-save-compute): what a token that exited at loop e leaves in the deeper loops.
 
 A token's exit depth e picks the loop whose readout the head uses. With `skip_compute` the loops
 after e are not run for that token, but later tokens still read, at every deeper loop, what the
@@ -22,7 +22,7 @@ kept"). `exit_gate.skip_compute` chooses how those entries are filled:
 One definition serves the reference and the decoder. In loop r, every layer (and the StateLoop
 state mixer, and each coda layer at depth r) gets, for a token whose exit depth e is below r, the
 input it had at loop e ("frozen"); under ssm_skip its Mamba-2 layers also get dt = 0 for that token.
-Prelude and coda (issue 15): the prelude runs once per token before the loops, with no exits and
+Prelude and coda (docs/formulations.md#prelude-and-coda): the prelude runs once per token before the loops, with no exits and
 nothing to freeze. Each loop's readout goes through the coda, with that depth's coda caches, before
 the rule reads it, so the coda entries of a depth r beyond a token's exit are filled by the same
 rule: the coda layer at depth r gets the token's exit-depth coda input (attention and kv_copy:

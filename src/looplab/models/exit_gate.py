@@ -1,4 +1,4 @@
-"""Ouro-style exit gate (SPEC §4): which loop's output a token uses.
+"""Ouro-style exit gate (docs/formulations.md#exit-gate): which loop's output a token uses.
 
 Per token and loop t = 1..R:  λ_t = σ(w·FinalNorm(z_t) + b),  S_t = Π_{j≤t}(1 − λ_j),
 p(t) = λ_t·S_{t−1} for t < R and p(R) = S_{R−1}, so p sums to one by construction

@@ -1,4 +1,4 @@
-"""Exit rules: at which loop a token stops (issue 16; SPEC §4 for the gate).
+"""Exit rules: at which loop a token stops (docs/formulations.md#exit-rules).
 
 One rule decides, per token, after each loop t whether to stop there. Every rule looks only at
 loops 1..t, so the same decision can be taken online while decoding (loop by loop) or read off

@@ -1,4 +1,4 @@
-"""Which loop's readout each token's prediction uses (SPEC §4): the ExitPolicy a caller hands to a forward.
+"""Which loop's readout each token's prediction uses (docs/formulations.md#exit-gate): the ExitPolicy a caller hands to a forward.
 
 `LoopedLM.forward` runs the loops and the readout; what is read out is chosen here, by the policy:
 

@@ -1,4 +1,4 @@
-"""Cached decoding (SPEC §7): plain, exit rules with skip handling (SPEC §4), self-speculation.
+"""Cached decoding (docs/decoding.md): plain, exit rules with skip handling, self-speculation.
 
     prefill:  one pass over the (left-padded) prompt fills every (loop, layer) cache
     decode:   a strategy over the same LoopCache, producing the next token(s)

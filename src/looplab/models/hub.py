@@ -1,4 +1,4 @@
-"""Hub-style folders for LoopedLM: `save_pretrained(dir)` / `from_pretrained(dir)` (issue 17).
+"""Hub-style folders for LoopedLM: `save_pretrained(dir)` / `from_pretrained(dir)` (docs/interop.md#hub-folders).
 
 A folder holds `config.json` (LoopedLMConfig.to_dict()), `model.safetensors`, a model
 card (`README.md`) naming N⊗R, the backbone, the state mode and the exit gate, and,

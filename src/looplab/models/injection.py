@@ -1,4 +1,4 @@
-"""Input injection (issue 15): the embedding output e = h_0 re-enters the stream before every loop after the first.
+"""Input injection (docs/formulations.md#input-injection): the embedding output e = h_0 re-enters the stream before every loop after the first.
 
     none     x_{r+1} = x_{r+1}                                  (today)
     add      x_{r+1} = x_{r+1} + W_in e                         W_in = 0 at init

@@ -1,4 +1,4 @@
-"""LLaMA-style decoder pieces (SPEC §1 `llama`): RMSNorm → RoPE attention → SwiGLU.
+"""LLaMA-style decoder pieces (docs/formulations.md#backbones): RMSNorm → RoPE attention → SwiGLU.
 
 Read top to bottom: norm, rotary embedding, attention (with its KV cache),
 MLP, and the pre-norm layer that the looped block stacks.

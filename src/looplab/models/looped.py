@@ -1,4 +1,4 @@
-"""LoopedLM: a prelude, a block of N layers applied R times (N⊗R), and a coda, SPEC §2–4.
+"""LoopedLM: a prelude, a block of N layers applied R times (N⊗R), and a coda (docs/formulations.md#looping).
 
     e = Prelude(Embed(tokens));  for r = 1..R:  h_r = Block(x_r),  x_1 = e
         vanilla:    x_{r+1} = h_r
@@ -6,7 +6,7 @@
         injection:  x_{r+1} ← Inject(x_{r+1}, e)     (r < R; none | add | concat | diag)
     logits = Head(FinalNorm(Coda(readout_R))),  readout_r = h_r (+ W_o s_r)
 
-Prelude and coda (issue 15, Huginn's prelude/core/coda): `prelude_layers` and `coda_layers`
+Prelude and coda (Huginn's prelude/core/coda; docs/formulations.md#prelude-and-coda): `prelude_layers` and `coda_layers`
 non-shared layers of the block's kinds (hybrid: `hybrid_pattern` tiled over each); at the default
 0 / 0 the model is exactly the plain N⊗R one (no parameters, no state-dict keys). The prelude runs
 once per token; its output e is the first loop's input and what injection re-injects. The coda is
@@ -33,7 +33,7 @@ The final norm and head are shared by every depth, so any loop's readout can
 be decoded (per-depth metrics, exit gates). Plain PyTorch: no Lightning, Hydra
 or data code is imported here.
 
-Depth is a call-time knob (issue 15): `model(ids, n_loops=R′)` runs the shared block R′ times for
+Depth is a call-time knob (docs/formulations.md#depth-as-a-knob): `model(ids, n_loops=R′)` runs the shared block R′ times for
 any R′ ≥ 1, also beyond the configured R (`None` = R); `allocate_cache(..., n_loops=R′)` sizes the
 decoding caches for R′ and a cache only serves forwards at the depth it was allocated for. Beyond R
 nothing changes in the equations: StateLoop keeps updating its per-token state, and the exit gate's

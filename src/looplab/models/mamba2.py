@@ -1,4 +1,4 @@
-"""Mamba-2 backbone layer (SPEC §1 `mamba2`): mixer, gated norm, and the pre-norm layer.
+"""Mamba-2 backbone layer (docs/formulations.md#backbones): mixer, gated norm, and the pre-norm layer.
 
     in_proj(x) → z, xBC, dt_raw
     xBC = SiLU(causal depthwise conv1d(xBC));  x, B, C = split(xBC)

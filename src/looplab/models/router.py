@@ -1,4 +1,4 @@
-"""Depth routers (issue 28, Mixture-of-Recursions): a router picks, at every loop, the tokens that run it.
+"""Depth routers (Mixture-of-Recursions; docs/formulations.md#routed-depth): a router picks, at every loop, the tokens that run it.
 
     expert_choice   loop r keeps the top-k_r of the tokens that ran loop r−1, k_r = ⌊capacity_r · T⌋
                     (MoR's default capacity_r = (R − r)/R, r = 0..R−1), scored by a linear router per loop:
@@ -22,7 +22,7 @@ keys/values (of the tokens that ran it) in each attention layer: loop r's active
 attending to the first loop's keys at original positions <= theirs (only the queries are reduced; the
 StateLoop attention mixer keeps attending over the routed tokens).
 
-Mamba-2 layers (backbone mamba2 / hybrid, and the stateloop_mamba2 mixer; issue 28 item 5) are
+Mamba-2 layers (backbone mamba2 / hybrid, and the stateloop_mamba2 mixer) are
 recursion-wise: loop r's causal conv and SSM scan run over the gathered subsequence of tokens active at
 loop r, so a token that stopped before loop r neither updates loop r's SSM state nor enters its conv
 window — it leaves nothing for the tokens behind it, as it leaves no key in recursion_wise attention.
@@ -44,7 +44,7 @@ optional router z-loss; token choice adds `balancing_loss_coeff` · Σ_i P_i·f_
 depth i, f_i = R · fraction of tokens assigned to depth i). The losses (already weighted) come back in
 `LoopedLMOutput.routing.losses`; the training module adds them to the loss and logs them.
 
-Causal routing and cached decoding (issue 28 item 4). Top-k needs the whole sequence, so decoding
+Causal routing and cached decoding (docs/decoding.md#routed-decoding). Top-k needs the whole sequence, so decoding
 routes each new token on its own: expert choice by `inference` (aux_router: the auxiliary classifier's
 logit > 0; threshold: sigmoid(main router logit) >= `inference_threshold`; default aux_router when the
 aux router is on, else threshold at 0.5, the probability the aux_loss BCE calibrates), a token that is

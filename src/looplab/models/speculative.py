@@ -1,4 +1,4 @@
-"""Lossless self-speculative decoding (issue 27): the first k loops draft, the full depth verifies.
+"""Lossless self-speculative decoding (docs/decoding.md#self-speculative-decoding): the first k loops draft, the full depth verifies.
 
     prefill   the prompt through all R loops; the coda also runs at depth k, whose cache the draft reads
     round     draft   the last emitted token and then γ greedy draft tokens, one at a time, through

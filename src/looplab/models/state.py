@@ -1,4 +1,4 @@
-"""StateLoop's persistent per-token state (SPEC §3).
+"""StateLoop's persistent per-token state (docs/formulations.md#stateloop).
 
     u_r = W_u h_r                          Δ_r = softplus(W_Δ h_r + b_Δ)
     a_r = exp(−Δ_r ⊙ exp(A_log))           s_r = a_r ⊙ s_{r−1} + (1 − a_r) ⊙ u_r

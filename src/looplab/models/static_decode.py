@@ -1,4 +1,4 @@
-"""A cached decoding step with static shapes (issue 27, item 3): capturable by CUDA graphs.
+"""A cached decoding step with static shapes (docs/decoding.md#static-shape-decoding): capturable by CUDA graphs.
 
 Plain cached decoding (models/generation.py) slices the key/value buffers to the current length
 and counts lengths in Python, so every step has new shapes and new Python state: fine eagerly,

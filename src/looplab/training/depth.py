@@ -1,4 +1,4 @@
-"""Randomized training depth (issue 15): how many loops one optimizer step runs.
+"""Randomized training depth (docs/formulations.md#randomized-training-depth): how many loops one optimizer step runs.
 
     fixed               R (today)
     uniform             U{min_loops, …, max_loops}

@@ -1,12 +1,12 @@
 """LoopedLMModule: the LightningModule that trains and evaluates a LoopedLM.
 
-Objectives (SPEC §4): plain next-token cross-entropy on supervised positions;
+Objectives (docs/formulations.md#exit-gate): plain next-token cross-entropy on supervised positions;
 exit-gate stage 1 (Σ_t p(t)L^(t) − β·H(p)); stage 2 (gate-only BCE, everything
 else frozen). Validation reports loss/accuracy from every loop depth through
 the shared final norm and head, exit statistics at each threshold q, and the
 StateLoop diagnostics (retention, state norm, ‖W_o s_r‖/‖h_r‖ per loop).
 
-Training depth (issue 15): each optimizer step runs `depth.draw(global_step)` loops
+Training depth (docs/formulations.md#randomized-training-depth): each optimizer step runs `depth.draw(global_step)` loops
 (training/depth.py; R when the sampler is fixed), with gradients through the last
 `backprop_loops` of them. Stage 1 of the exit gate works at any drawn depth: the
 gate's distribution and the per-depth losses are taken over the loops that step ran
@@ -170,7 +170,7 @@ class LoopedLMModule(L.LightningModule):
         return loss
 
     def routing_loss(self, out) -> torch.Tensor | float:
-        """depth_router (issue 28): the router's weighted auxiliary losses, summed; each is logged, with the
+        """depth_router (docs/formulations.md#routed-depth): the router's weighted auxiliary losses, summed; each is logged, with the
         fraction of tokens run at each loop and the mean depth."""
         routing = out.routing
         if routing is None:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger("looplab")
 
 
-# torch.compile of the looped block, measured here (2 CPU cores, fp32, issue 9): per training
+# torch.compile of the looped block, measured here (2 CPU cores, fp32; docs/performance.md#training-step): per training
 # step at d_model 512, llama 4x4 +1-14% and Mamba-2 +17-33% (element-wise passes fused into
 # each layer's one graph); no gain at d_model 64 (tiny tasks: 24.8k vs 25.0k tokens/s), where
 # it only adds compile time.

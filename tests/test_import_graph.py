@@ -1,13 +1,15 @@
-"""`looplab.models` has no import circle (issue 27, item 6): read from the source, lazy imports included."""
+"""looplab's import graph, read from the source with lazy imports included: no circle anywhere in src/, and the
+layers STYLE fixes — tables and bench never import each other (what they share lives in looplab.stats,
+looplab.runs and looplab.targets)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import looplab.models
+import looplab
 
-PKG = Path(looplab.models.__file__).parent
+PKG = Path(looplab.__file__).parent
 
 
 def _module_name(path: Path) -> str:
@@ -16,7 +18,7 @@ def _module_name(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module → the looplab.models modules it imports anywhere in its body (inside functions too)."""
+    """module → the looplab modules it imports anywhere in its body (inside functions too)."""
     modules = {_module_name(p): p for p in PKG.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
@@ -57,7 +59,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_models_package_has_no_import_circle():
+def test_no_import_circle_in_src():
     graph = import_graph()
     assert {"looplab.models.looped", "looplab.models.generation", "looplab.models.speculative",
             "looplab.models.exit_compute"} <= set(graph)
@@ -69,3 +71,21 @@ def test_models_package_has_no_import_circle():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _imports_of(graph, prefix):
+    return {(m, d) for m, deps in graph.items() if m == prefix or m.startswith(prefix + ".") for d in deps}
+
+
+def test_tables_and_bench_do_not_import_each_other():
+    graph = import_graph()
+    crossing = [f"{m} → {d}" for m, d in _imports_of(graph, "looplab.tables") if d.startswith("looplab.bench")]
+    crossing += [f"{m} → {d}" for m, d in _imports_of(graph, "looplab.bench") if d.startswith("looplab.tables")]
+    assert not crossing, crossing
+
+
+def test_model_code_imports_no_training_data_or_eval_code():
+    graph = import_graph()
+    upward = [f"{m} → {d}" for m, d in _imports_of(graph, "looplab.models")
+              if d.split(".")[1] in {"training", "data", "eval", "tables", "bench", "train", "checkpoint"}]
+    assert not upward, upward
