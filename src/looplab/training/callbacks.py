@@ -286,7 +286,7 @@ def preemption_signals() -> tuple[int, ...]:
     Left to submitit, that signal checkpoints the *launcher* and calls sys.exit() from inside the handler,
     wherever training is (under FSDP2 on rank 0 alone), losing every step since the last periodic save; and
     when submitit counts the job as timed out too often (hydra-submitit's default max_num_timeout=0) it
-    raises an error there instead of requeueing. README (SLURM) describes the one behaviour looplab keeps."""
+    raises an error there instead of requeueing. docs/distributed.md#slurm describes the one behaviour looplab keeps."""
     sigs = [signal.SIGUSR1]
     if under_submitit():
         sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
