@@ -30,9 +30,10 @@ the exit depth's key/values; Mamba-2: that input under ssm_skip / ssm_propagate)
 attention recomputes exactly the exit loop's key/values, so kv_copy is the same rule.
 `forward_with_exits` applies it to a whole sequence without caches (the reference the cached
 decoder is tested against; `model(ids, exits=ExitPolicy(skip=H, steps=S))` runs it as the model's own
-forward, so that what wraps the forward — FSDP2's root all-gather in exit-aware fine-tuning — runs); `skip_compute_step` applies it one token at a time from the caches,
-and once every row of the batch has exited it advances the deeper loops' caches directly (copies,
-plus the state write under ssm_propagate) without running a layer.
+forward, so that what wraps the forward — FSDP2's root all-gather in exit-aware fine-tuning — runs).
+`SkipDecoding` decodes one token at a time from the caches: a row whose token has exited is not computed
+at the deeper loops, and their cache entries are filled directly (copies, plus the state write under
+ssm_propagate) without running a layer.
 """
 
 from __future__ import annotations
@@ -108,22 +109,12 @@ def _is_ssm(module) -> bool:
     return isinstance(module, (Mamba2Layer, Mamba2Mixer))
 
 
-def run_loop(model, x, s, r: int, positions, valid, cache: LoopCache | None, frozen: FrozenInputs, e=None):
-    """One application of the block (loop r, 0-based), the state branch and the coda with frozen inputs
-    → (x, s, readout), the readout after the coda (what the final norm reads).
-    e: the prelude output, re-injected before every loop after the first when the model has input injection."""
-    if model.inject is not None and r > 0:
-        x = model.inject(x, e)
-    for l, layer in enumerate(model.block):
-        x = frozen.call(layer, l, x, positions, valid, cache[r, l] if cache is not None else None)
-    h = x
-    if model.state is not None:
-        s, x, _ = model.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None, frozen=frozen)
-    readout = model.readout(h, x)
-    for l, layer in enumerate(model.coda):
-        key = ("coda", l)
-        readout = frozen.call(layer, key, readout, positions, valid, cache[r, key] if cache is not None else None)
-    return x, s, readout
+def frozen_loop(model, frozen: FrozenInputs):
+    """The loop step of the reference: model.loop_step with every layer (and the StateLoop mixer) fed its
+    frozen inputs."""
+    def step(st, r, cache):
+        return model.loop_step(st, r, cache, call=frozen.call)
+    return step
 
 
 def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor | None, handling: str,
@@ -151,16 +142,21 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
             raise ValueError("exit rule 'gate' needs a model with an exit gate (exit_gate=ouro)")
         exit_steps = torch.full(input_ids.shape, R, dtype=torch.long, device=input_ids.device)
         decided = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-    positions, valid = model._positions(input_ids, attention_mask, None)
-    x = e = model.run_prelude(model.embed(input_ids), positions, valid, None)
-    s = model.state.initial_state(x) if model.state is not None else None
+    positions, valid = model.positions(input_ids, attention_mask)
+    stream = model.start(input_ids, positions, valid)
     frozen = FrozenInputs(handling)
     readouts, hidden, probs = [], [], []
     survival = None
-    for r in range(R):
-        gone = exit_steps <= r  # exited after loops 1..r, so absent from loop r + 1
-        frozen.set_loop(gone & decided if online else gone)
-        x, s, readout = run_loop(model, x, s, r, positions, valid, None, frozen, e)
+    state = {"steps": exit_steps, "decided": decided if online else None}
+
+    def rows(r, st):  # every row computes; the frozen inputs say who left (exited after loops 1..r)
+        gone = state["steps"] <= r
+        frozen.set_loop(gone & state["decided"] if online else gone)
+        return None
+
+    def after(r, st, idx):
+        nonlocal survival
+        readout = model.coda_at(model.readout(st), r, st.positions, st.valid, call=frozen.call)
         readouts.append(readout)
         t = r + 1
         if online and t < R:
@@ -174,98 +170,138 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
                 h = torch.stack(hidden)
                 stop = stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
                                 logits=model.head(h) if rule in ("kl", "entropy", "argmax_stable") else None, hidden=h)
-                new = stop & ~decided
-                exit_steps = torch.where(new, torch.full_like(exit_steps, t), exit_steps)
-                decided |= new
+                new = stop & ~state["decided"]
+                state["steps"] = torch.where(new, torch.full_like(state["steps"], t), state["steps"])
+                state["decided"] = state["decided"] | new
+
+    model.run_loops(stream, range(R), step=frozen_loop(model, frozen), rows=rows, after=after)
+    exit_steps = state["steps"]
     loop_hidden = model.final_norm(torch.stack(readouts))  # (R, B, T, d)
     loop_logits = model.head(loop_hidden)
     return LoopedLMOutput(logits=logits_at_depth(loop_logits, exit_steps), loop_logits=loop_logits,
                           loop_hidden=loop_hidden, exit_steps=exit_steps)
 
 
-def _advance_exited(model, cache: LoopCache, r: int, exit_loop: torch.Tensor, pos: int, handling: str) -> None:
-    """Every row has exited: fill loop r's caches at `pos` from each row's exit loop without running a layer."""
-    keys = [k for (rr, k) in cache.entries if rr == r]
-    for e in exit_loop.unique().tolist():
-        rows = exit_loop == e
-        sel = None if bool(rows.all()) else rows
-        for key in keys:
-            dst, src = cache[r, key], cache[e, key]
+def fill_exited(model, cache: LoopCache, r: int, idx: torch.Tensor, exit_loop: torch.Tensor, handling: str) -> None:
+    """Loop r's entries of the call's rows idx (b,), whose token exited after loop exit_loop[idx] (0-based) < r,
+    without running a layer: attention entries take the exit loop's key/values at the token's column (kv_copy —
+    what recomputing from the frozen input gives), Mamba-2 entries its exit-loop conv input, and under
+    ssm_propagate also the state write (Mamba2Mixer.step_from)."""
+    st = cache.step
+    exits = exit_loop[idx]
+    for e in exits.unique().tolist():
+        sel = idx[exits == e]
+        rows = sel if st.rows is None else st.rows[sel]  # the batch rows of these tokens
+        cols = st.cols[sel, -1]
+        for (rr, key), dst in cache.entries.items():
+            if rr != r:
+                continue
+            src = cache[e, key]
             if isinstance(dst, KVCache):
-                dst.copy_position_from(src, pos, sel)
-                dst.length = max(dst.length, pos + 1)
+                dst.copy_columns_from(src, rows, cols)
             elif isinstance(dst, SSMCache):
                 if key == "state":
                     mixer = model.state.mixer
                 else:
                     mixer = (model.coda[key[1]] if isinstance(key, tuple) else model.block[key]).mixer
-                mixer.step_from(dst, src, sel, write=handling == "ssm_propagate")
-                dst.length = max(dst.length, src.length)
+                mixer.step_from(dst, src, rows, write=handling == "ssm_propagate")
 
 
-def skip_compute_step(model, input_ids: torch.Tensor, cache: LoopCache, threshold: float, rule: str = "gate",
-                      min_loops: int = 1, handling: str = "kv_copy", n_loops: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One T = 1 decoding step that stops running loops for rows that have exited → (logits (B, V), exit steps (B,)).
+class SkipDecoding:
+    """One T = 1 decoding step in which a row stops running loops once its token has exited (skip handling).
 
-    The exit decision is forward(exit_rule=rule, exit_threshold=threshold)'s, taken online after
-    each loop from loops 1..t (`exit_rules.stops_at`); for the gate, p(t) = λ_t S_{t−1} with
-    S_t = S_{t−1}(1 − λ_t) and p(R) = S_{R−1}. While some rows still run, the whole batch is
-    computed (caches are batched) with the exited rows' inputs frozen, which is exactly what a
-    per-row skip leaves in the caches; once every row has exited the remaining loops only fill caches.
-    """
-    R = model.loops(n_loops)
-    model._check_cache_depth(cache, R)
-    check_rule(rule, threshold, min_loops, R)
-    B = input_ids.shape[0]
-    positions, valid = cache.advance(None, 1)
-    pos = cache.length - 1
+    The exit decision is forward(exits=ExitPolicy(threshold, rule))'s, taken online after each loop from
+    loops 1..t (`exit_rules.stops_at`); for the gate, p(t) = λ_t S_{t−1} with S_t = S_{t−1}(1 − λ_t) and
+    p(R) = S_{R−1}. Loop r runs on the rows still going only (`LoopedLM.run_loops`' rows: gathered, their
+    cache entries indexed), and the rows that have exited get loop r's entries filled by the handling
+    (`fill_exited`), which is exactly what the frozen-input reference leaves there. `block_rows` records how
+    many rows each loop's block call received (what a test counts)."""
 
-    x = e = model.run_prelude(model.embed(input_ids), positions, valid, cache)
-    s = model.state.initial_state(x) if model.state is not None else None
-    frozen = FrozenInputs(handling)
-    exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running
-    logits = None
-    survival = x.new_ones(B)
-    probs, seen_logits, seen_hidden = [], [], []  # loops 1..t: what the rule reads
-    none_exited = True  # the common case, kept in Python: no mask ops or syncs until some row exits
-    for r in range(R):
-        running = None if none_exited else exit_loop < 0
-        if running is not None and not bool(running.any()):
-            _advance_exited(model, cache, r, exit_loop, pos, handling)
-            continue
-        frozen.set_loop(None if running is None else ~running[:, None])
-        x, s, readout = run_loop(model, x, s, r, positions, valid, cache, frozen, e)
+    def __init__(self, model, policy, n_loops: int):
+        self.model, self.policy, self.R = model, policy, n_loops
+        self.block_rows: list[int] = []
 
-        normed = model.final_norm(readout[:, -1])  # (B, d)
-        t = r + 1
-        if t == R:
-            new = running
-        else:
-            if rule == "gate":
-                lam = model.exit_gate(normed)
-                probs.append(lam * survival)
-                survival = survival * (1 - lam)
-            elif rule == "hidden_delta":
-                seen_hidden.append(normed)
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, cache: LoopCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (logits (B, V) at each row's exit, exit steps (B,), 1-based)."""
+        model, pol, R = self.model, self.policy, self.R
+        rule, q, handling = pol.rule_name, pol.threshold, pol.skip
+        B = input_ids.shape[0]
+        positions, valid = model.positions(input_ids, None, cache)
+        stream = model.start(input_ids, positions, valid, cache)
+        exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running
+        logits = None
+        hist = {"probs": [], "logits": [], "hidden": []}  # loops 1..t, full-batch rows (exited rows stale)
+        survival = stream.x.new_ones(B)
+        live = {"idx": None}  # None: every row runs (the common case: no mask ops until some row exits)
+
+        def rows(r, st):
+            idx = live["idx"]
+            if idx is not None and idx.numel() < B:
+                gone = (exit_loop >= 0).nonzero().squeeze(1)
+                fill_exited(model, cache, r, gone, exit_loop, handling)
+            self.block_rows.append(B if idx is None else int(idx.numel()))
+            return idx
+
+        def after(r, st, idx):
+            nonlocal logits, survival
+            if idx is not None and idx.numel() == 0:  # every row has exited: loop r only filled caches
+                return
+            sub = st if idx is None else st.select(idx)
+            with cache.restrict(idx):
+                readout = model.coda_at(model.readout(sub), r, sub.positions, sub.valid, cache)
+            normed = model.final_norm(readout[:, -1])  # (b, d)
+            t = r + 1
+            if t == R:
+                new = torch.ones(normed.shape[0], dtype=torch.bool, device=normed.device)
             else:
-                seen_logits.append(model.head(normed))
-            new = None  # (B,) bool: the rows that stop at t (None: none can, t < min_loops)
-            if t >= min_loops:
-                new = stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
-                               logits=torch.stack(seen_logits) if seen_logits else None,
-                               hidden=torch.stack(seen_hidden) if seen_hidden else None)
-                new = new if running is None else running & new
-        if t == R and none_exited:  # every row ran every loop: no masked writes
-            return model.head(normed), exit_loop.fill_(R)
-        if new is not None and bool(new.any()):
-            none_exited = False
-            if seen_logits and t < R:  # the rule already read this loop's logits
-                step_logits = seen_logits[-1][new] if not bool(new.all()) else seen_logits[-1]
+                if rule == "gate":
+                    lam = model.exit_gate(normed)
+                    s_rows = survival if idx is None else survival[idx]
+                    hist["probs"].append(_put(hist["probs"], lam * s_rows, idx, B))
+                    survival = (s_rows * (1 - lam)) if idx is None else survival.index_copy(0, idx, s_rows * (1 - lam))
+                elif rule == "hidden_delta":
+                    hist["hidden"].append(_put(hist["hidden"], normed, idx, B))
+                else:
+                    hist["logits"].append(_put(hist["logits"], model.head(normed), idx, B))
+                new = None
+                if t >= pol.min_loops:
+                    def stacked(key):
+                        h = hist[key]
+                        if not h:
+                            return None
+                        full = torch.stack(h, -1 if key == "probs" else 0)
+                        if idx is None:
+                            return full
+                        return full[idx] if key == "probs" else full[:, idx]
+                    new = stops_at(rule, t, q, exit_probs=stacked("probs"), logits=stacked("logits"),
+                                   hidden=stacked("hidden"))
+            if new is None or not bool(new.any()):
+                return
+            if t == R and idx is None:  # every row ran every loop
+                logits = model.head(normed)
+                exit_loop.fill_(r)
+                return
+            at = new.nonzero().squeeze(1)  # indices into this loop's rows
+            glob = at if idx is None else idx[at]
+            if hist["logits"] and t < R:
+                step_logits = hist["logits"][-1][glob]  # the rule already read this loop's logits
             else:
-                step_logits = model.head(normed[new] if not bool(new.all()) else normed)
+                step_logits = model.head(normed[at])
             if logits is None:
                 logits = step_logits.new_zeros(B, step_logits.shape[-1])
-            logits[new] = step_logits
-            exit_loop[new] = r
-    return logits, exit_loop + 1
+            logits[glob] = step_logits
+            exit_loop[glob] = r
+            running = (exit_loop < 0).nonzero().squeeze(1)
+            live["idx"] = running
+
+        model.run_loops(stream, range(R), cache, rows=rows, after=after)
+        return logits, exit_loop + 1
+
+
+def _put(history: list, value: torch.Tensor, idx, B: int) -> torch.Tensor:
+    """A loop's per-row value in a full-batch tensor: rows idx get value, the others the previous loop's."""
+    if idx is None:
+        return value
+    prev = history[-1] if history else value.new_zeros(B, *value.shape[1:])
+    return prev.index_copy(0, idx, value)

@@ -14,9 +14,9 @@
                             the loops after a token's exit are not run for it (exit_compute.forward_with_exits:
                             the reference of skip decoding and exit-aware training's forward)
 
-Cached decoding strategies are siblings over the same cache (models/generation.py: plain steps,
-exit rules with skip handling, self-speculation); they run loops through `LoopedLM.loop_step` and
-read depths through `LoopedLM.logits_at`, not through flags of `forward`.
+Cached decoding (models/generation.py: plain steps, exit rules with skip handling, self-speculation) takes
+the same policy; every decoder runs its loops through `LoopedLM.run_loops` and reads depths through
+`LoopedLM.logits_at`, and none is chosen by a flag of `forward`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from looplab.models.exit_compute import forward_with_exits, resolve_handling
+from looplab.models.exit_compute import forward_with_exits, resolve_handling, skip_compute_unsupported
 from looplab.models.exit_gate import exit_distribution, logits_at_depth
-from looplab.models.exit_rules import EXIT_RULES, first_exit
+from looplab.models.exit_rules import EXIT_RULES, check_rule, first_exit
 from looplab.models.outputs import LoopedLMOutput
-
-# the keyword arguments forward took before ExitPolicy (still accepted: ExitPolicy.from_kwargs)
-LEGACY_KWARGS = ("exit_threshold", "exit_rule", "exit_min_loops", "exit_at_step", "expected_exit", "skip_compute",
-                 "exit_steps")
-
 
 @dataclass(frozen=True)
 class ExitPolicy:
+    """Which depth each token's prediction reads, for a forward or a decoder (see the module docstring).
+    The flat keys of the CLIs and the lm-eval adapter build one with `from_kwargs`."""
+
     threshold: float | None = None  # the rule's threshold (gate: q in (0, 1])
     rule: str | None = None  # exit_rules.EXIT_RULES; None = "gate"
     min_loops: int = 1  # no token stops before this loop
@@ -48,34 +46,39 @@ class ExitPolicy:
     def __post_init__(self):
         if self.rule is not None and self.threshold is None:
             raise ValueError(f"exit_rule={self.rule!r} needs exit_threshold (the rule's threshold)")
+        if self.skip is not None:
+            object.__setattr__(self, "skip", resolve_handling(self.skip))
         if self.steps is not None and self.skip is None:
             raise ValueError("exit_steps needs skip_compute (kv_copy, ssm_skip or ssm_propagate), got skip_compute=None")
+
+    @property
+    def rule_name(self) -> str:
+        return self.rule or "gate"
+
+    def check(self, model, n_loops: int) -> None:
+        """Refuse, naming the option, what this model cannot do at depth n_loops (before anything runs)."""
+        if self.threshold is not None:
+            if self.rule_name == "gate" and model.exit_gate is None:
+                raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot "
+                                 f"exit_rule ({', '.join(EXIT_RULES[1:])})")
+            check_rule(self.rule_name, self.threshold, self.min_loops, n_loops)
+        if self.skip is not None:
+            reason = skip_compute_unsupported(model.config, self.rule, self.skip)
+            if reason:
+                raise ValueError(reason)
+            if self.threshold is None and self.steps is None:
+                raise ValueError(f"skip_compute={self.skip} needs exit_threshold=q (the depth at which a token stops)")
 
     @classmethod
     def from_kwargs(cls, exit_threshold=None, exit_rule=None, exit_min_loops: int = 1, exit_at_step=None,
                     expected_exit: bool = False, skip_compute=None, exit_steps=None) -> "ExitPolicy | None":
-        """The policy of forward's former keyword arguments (None when they ask for nothing)."""
+        """The policy of the flat keys (`python -m looplab.generate exit_threshold=...`, lm-eval model_args);
+        None when they ask for nothing."""
         skip = resolve_handling(skip_compute)
-        if exit_steps is not None and skip is None:
-            raise ValueError(f"exit_steps needs skip_compute (kv_copy, ssm_skip or ssm_propagate), "
-                             f"got skip_compute={skip_compute!r}")
-        if exit_rule is not None and exit_threshold is None:
-            raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
-        if (exit_threshold is None and exit_at_step is None and not expected_exit and skip is None):
+        if (exit_threshold is None and exit_rule is None and exit_at_step is None and not expected_exit
+                and skip is None and exit_steps is None):
             return None
         return cls(exit_threshold, exit_rule, exit_min_loops, exit_at_step, bool(expected_exit), skip, exit_steps)
-
-
-def forward_kwargs_policy(exits: ExitPolicy | None, legacy: dict) -> ExitPolicy | None:
-    """forward(exits=...) or forward(exit_threshold=..., ...) — not both; unknown names are a TypeError."""
-    bad = sorted(set(legacy) - set(LEGACY_KWARGS))
-    if bad:
-        raise TypeError(f"LoopedLM.forward() got unexpected keyword argument(s) {', '.join(bad)}")
-    if not legacy:
-        return exits
-    if exits is not None:
-        raise ValueError(f"give exits=ExitPolicy(...) or {', '.join(legacy)}, not both")
-    return ExitPolicy.from_kwargs(**legacy)
 
 
 def forward_with_skips(model, input_ids, attention_mask, policy: ExitPolicy, n_loops, **unsupported) -> LoopedLMOutput:
@@ -95,10 +98,10 @@ def read_depths(model, readouts: list[torch.Tensor], policy: ExitPolicy | None, 
     """The output of a forward from its loops' readouts (R′ of (B, T, d)), as the policy asks."""
     R = len(readouts)
     if policy is None and not return_all_loops:  # the coda on the last readout only
-        z = model._coda(readouts[-1], R - 1, positions, valid, cache)
+        z = model.coda_at(readouts[-1], R - 1, positions, valid, cache)
         return LoopedLMOutput(logits=model.head(model.final_norm(z)), diagnostics=diagnostics)
 
-    coda_out = [model._coda(z, r, positions, valid, cache) for r, z in enumerate(readouts)]
+    coda_out = [model.coda_at(z, r, positions, valid, cache) for r, z in enumerate(readouts)]
     loop_hidden = model.final_norm(torch.stack(coda_out))  # (R′, B, T, d)
     loop_logits = model.head(loop_hidden)  # (R′, B, T, V)
     out = LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden, diagnostics=diagnostics)

@@ -149,7 +149,7 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        valid: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,  # (B, T): which of these tokens are real (without a cache)
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
@@ -160,14 +160,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         cos, sin = self.rope(positions, checked=cache is not None)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, L, hd), L = cached + T (a static cache: L = max_len)
-            # an entry that knows which rows a query may read hands over its own mask: depth_router
-            # kv=share_first (models/router.py), a static cache whose buffers are read whole (static_decode.py)
-            mask = getattr(cache, "attn_mask", None)
-        if mask is None:
-            mask = attention_mask(valid, T, k.shape[2], x.device)
+            # (b, Hkv, L, hd) and the (b, 1, T, L) mask of what each query reads (None: causal), from the
+            # entry: the cache's columns (models/cache.py), or a routed loop's own (models/router.py)
+            k, v, mask = cache.update(k, v)
+        else:
+            mask = attention_mask(valid, T, T, x.device)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=Hkv != H
         )

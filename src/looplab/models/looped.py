@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -55,8 +56,7 @@ import torch.nn as nn
 from looplab.models.cache import LoopCache
 from looplab.models.config import LoopedLMConfig
 from looplab.models.exit_gate import ExitGate
-from looplab.models.exits import ExitPolicy, forward_kwargs_policy, forward_with_skips, read_depths
-from looplab.models.generation import decode_step, generate
+from looplab.models.exits import ExitPolicy, forward_with_skips, read_depths
 from looplab.models.hub import LoopedHubMixin
 from looplab.models.injection import build_injection
 from looplab.models.llama import AttentionLayer, RMSNorm
@@ -64,6 +64,7 @@ from looplab.models.outputs import LoopedLMOutput
 from looplab.models.rng import draw_init_seed, named_generator
 from looplab.models.router import build_router
 from looplab.models.state import StateBranch
+from looplab.models.stream import Stream
 
 
 def build_layer(kind: str, cfg: LoopedLMConfig) -> nn.Module:
@@ -231,10 +232,12 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                      + sum(wr * af for wr, af in zip(w, aux_f)))
 
     # ----------------------------------------------------------------- cache
-    def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None) -> LoopCache:
+    def allocate_cache(self, batch_size: int, max_len: int, device=None, dtype=None, n_loops: int | None = None,
+                       static: bool = False) -> LoopCache:
         """Caches for decoding at depth n_loops (default R): one entry per (loop, layer), one per
         prelude layer ("prelude", l) and one per (loop, coda layer) (r, ("coda", l)). max_len is at
         most max_seq_len, so the positions a cache hands out need no bound check (RoPE skips it).
+        static=True: fixed-shape reads (a compiled or CUDA-graph step; attention layers only).
         With a depth router the block's (and the StateLoop mixer's) entries are RoutedKVCaches (attention)
         or RoutedSSMCaches (Mamba-2) holding only the tokens that reached their loop; kv=share_first keeps
         loop 0's attention entries only."""
@@ -258,9 +261,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                                          else rt.allocate_entry(self.state.mixer, batch_size, max_len, device, dtype))
             for l, layer in enumerate(self.coda):
                 entries[(r, ("coda", l))] = layer.allocate_cache(batch_size, max_len, device, dtype)
-        cache = LoopCache(entries, batch_size, max_len, device)
-        cache.n_loops = R
-        return cache
+        return LoopCache(entries, batch_size, max_len, device, n_loops=R, static=static)
 
     def loops(self, n_loops: int | None = None) -> int:
         """The depth a call runs: n_loops (any R′ ≥ 1, also beyond the trained R) or the config's R."""
@@ -284,10 +285,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         return_diagnostics: bool = False,
         exits: ExitPolicy | None = None,
         depths: torch.Tensor | str | None = None,  # depth_router only: 'inference' or (B, T) given depths (models/router.py)
-        **legacy,  # exit_threshold=, exit_rule=, ... (models/exits.py: ExitPolicy.from_kwargs)
     ) -> LoopedLMOutput:
         """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
-        exits = forward_kwargs_policy(exits, legacy)
         if self.router is not None:
             self.router.check_call(n_loops, cache, exits, depths)
         elif depths is not None:
@@ -298,28 +297,109 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             return forward_with_skips(self, input_ids, attention_mask, exits, n_loops, cache=cache,
                                       return_diagnostics=return_diagnostics, backprop_loops=backprop_loops)
         R = self.loops(n_loops)
-        self._check_cache_depth(cache, R)
-        no_grad_loops = self._no_grad_loops(R, backprop_loops)
-        positions, valid = self._positions(input_ids, attention_mask, cache)
-
-        x = e = self.run_prelude(self.embed(input_ids), positions, valid, cache)
-        s = self.state.initial_state(x) if self.state is not None else None
-        route = self.router.begin(self, x, depths, cache) if self.router is not None else None  # routed loops: models/router.py
+        if cache is not None:
+            cache.check_depth(R)
+        positions, valid = self.positions(input_ids, attention_mask, cache)
+        stream = self.start(input_ids, positions, valid, cache)
+        route = self.router.begin(self, stream.x, depths, cache) if self.router is not None else None  # models/router.py
         readouts, diag = [], {"retention": [], "state_norm": [], "state_to_stream": []}
-        for r in range(R):
-            # truncated backprop: the loops before the last k run without a graph (their output is a constant)
-            with torch.no_grad() if r < no_grad_loops else contextlib.nullcontext():
-                h, x, s, a = (route or self).loop_step(x, s, e, r, positions, valid, cache)
-                readouts.append(self.readout(h, x))
-                if return_diagnostics and a is not None:
-                    with torch.no_grad():
-                        diag["retention"].append(a.mean().item())
-                        diag["state_norm"].append(s.norm(dim=-1).mean().item())
-                        diag["state_to_stream"].append(((x - h).norm() / h.norm().clamp_min(1e-12)).item())
+
+        def after(r, st, rows):
+            readouts.append(self.readout(st))
+            if return_diagnostics and st.retention is not None:
+                with torch.no_grad():
+                    diag["retention"].append(st.retention.mean().item())
+                    diag["state_norm"].append(st.s.norm(dim=-1).mean().item())
+                    diag["state_to_stream"].append(((st.x - st.h).norm() / st.h.norm().clamp_min(1e-12)).item())
+
+        self.run_loops(stream, range(R), cache, step=route.loop_step if route else None,
+                       rows=route.rows if route else None, after=after,
+                       no_grad_loops=self._no_grad_loops(R, backprop_loops))
         diagnostics = {k: v for k, v in diag.items() if v}
         out = read_depths(self, readouts, exits, return_all_loops, positions, valid, cache, diagnostics)
         out.routing = route.finish() if route is not None else None
         return out
+
+    # ---------------------------------------------------- the loop body, once
+    def start(self, input_ids: torch.Tensor, positions, valid, cache=None) -> Stream:
+        """Embed → prelude → s_0: the first loop's input (the prelude runs once per token, no exits there)."""
+        x = self.embed(input_ids)
+        for l, layer in enumerate(self.prelude):
+            x = layer(x, positions, valid, cache["prelude", l] if cache is not None else None)
+        s = self.state.initial_state(x) if self.state is not None else None
+        return Stream(x=x, e=x, s=s, h=None, positions=positions, valid=valid)
+
+    def run_loops(self, stream: Stream, loops: range, cache=None, *, step: Callable | None = None,
+                  rows: Callable | None = None, after: Callable | None = None, no_grad_loops: int = 0) -> Stream:
+        """Loops `loops` (0-based) over the stream: the only driver of the shared block. Forward, prefill, plain,
+        draft, verify, skip and routed decoding all run their loops here.
+
+        step(stream, r, cache) → stream: one loop (default `loop_step`; a depth router's routed step).
+        rows(r, stream) → None (every row runs loop r) or a (b′,) index tensor of the rows that do — the
+        others keep their stream and are not computed (an exited or stopped token; b′ may be 0); the cache
+        covers only those rows meanwhile (`LoopCache.restrict`).
+        after(r, stream, rows): once loop r has run (readouts, exit decisions), with the merged stream.
+        no_grad_loops: truncated backprop, the first loops run without a graph (their output a constant)."""
+        step = step or self.loop_step
+        for r in loops:
+            with torch.no_grad() if r < no_grad_loops else contextlib.nullcontext():
+                idx = rows(r, stream) if rows is not None else None
+                if idx is None:
+                    stream = step(stream, r, cache)
+                elif idx.numel():
+                    with cache.restrict(idx) if cache is not None else contextlib.nullcontext():
+                        sub = step(stream.select(idx), r, cache)
+                    stream = stream.merge(idx, sub)
+                if after is not None:
+                    after(r, stream, idx)
+        return stream
+
+    def loop_step(self, st: Stream, r: int, cache=None, gate=None, call=None) -> Stream:
+        """Loop r (0-based): re-inject e (r > 0), apply the block, update the state branch.
+        gate(x, h): a depth router's weighting of the block's update; call(layer, key, x, positions, valid,
+        entry): how each layer is applied (the exit reference's frozen inputs, models/exit_compute.py)."""
+        x = st.x
+        if self.inject is not None and r > 0:
+            x = self.inject(x, st.e)
+        h = self._run_block(x, r, st.positions, st.valid, cache, call)
+        if gate is not None:
+            h = gate(x, h)
+        if self.state is None:
+            return Stream(h, st.e, None, h, st.positions, st.valid)
+        s, x, a = self.state(h, st.s, st.positions, st.valid, cache.get((r, "state")) if cache is not None else None,
+                             call=call)
+        return Stream(x, st.e, s, h, st.positions, st.valid, a)
+
+    def readout(self, st: Stream) -> torch.Tensor:
+        """What a loop's prediction reads: h_r + W_o s_r under StateLoop (state_in_output), else h_r."""
+        return st.x if self.state is not None and self.config.state_in_output else st.h
+
+    def coda_at(self, z, r: int, positions, valid, cache=None, call=None) -> torch.Tensor:
+        """The coda on loop r's readout z (0-based r), with that depth's coda caches."""
+        for l, layer in enumerate(self.coda):
+            key = ("coda", l)
+            entry = None
+            if cache is not None:
+                entry = cache[r, key]
+                cache.check_filled((r, key), entry)
+            z = layer(z, positions, valid, entry) if call is None else call(layer, key, z, positions, valid, entry)
+        return z
+
+    def logits_at(self, z, r: int, positions, valid, cache=None) -> torch.Tensor:
+        """Head(FinalNorm(Coda(readout))) of loop r's readout z (b, T, d), with depth r's coda caches."""
+        return self.head(self.final_norm(self.coda_at(z, r, positions, valid, cache)))
+
+    def positions(self, input_ids, attention_mask=None, cache=None):
+        """RoPE positions (b|1, T) and validity (b, T) (None = all real) of a call's tokens; with a cache they
+        continue each row's own tokens (`LoopCache.advance`)."""
+        if cache is not None:
+            return cache.advance(attention_mask, input_ids.shape[1])
+        T = input_ids.shape[1]
+        if attention_mask is None:
+            return torch.arange(T, device=input_ids.device)[None], None
+        valid = attention_mask.to(torch.bool)
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        return positions, (None if bool(valid.all()) else valid)
 
     @staticmethod
     def _no_grad_loops(R: int, backprop_loops: int | None) -> int:
@@ -330,53 +410,21 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             raise ValueError(f"backprop_loops={backprop_loops!r} must be an integer >= 1 (or None = every loop)")
         return max(0, R - backprop_loops)
 
-    @staticmethod
-    def _check_cache_depth(cache: LoopCache | None, R: int) -> None:
-        if cache is None:
-            return
-        cached = getattr(cache, "n_loops", None) or 1 + max(r for r, _ in cache.entries if isinstance(r, int))
-        if cached != R:
-            raise ValueError(f"this call runs n_loops={R} but the cache was allocated for {cached} loops; "
-                             f"allocate_cache(..., n_loops={R}) and decode every step at that depth")
-
-    def loop_step(self, x, s, e, r: int, positions, valid, cache, gate=None):
-        """Loop r (0-based): re-inject e (r > 0), apply the block, update the state branch.
-        → (h_r, x_{r+1}, s_r, retention a_r or None); the readout is x_{r+1} under StateLoop with
-        state_in_output, else h_r (`readout`). Cached decoders (models/generation.py,
-        models/speculative.py) run loops through this one function, as forward does; a depth router
-        (models/router.py) calls it on the tokens it selected, with `gate` weighting the block's update."""
-        if self.inject is not None and r > 0:
-            x = self.inject(x, e)
-        h = self._run_block(x, r, positions, valid, cache)
-        if gate is not None:
-            h = gate(x, h)
-        if self.state is None:
-            return h, h, None, None
-        s, x, a = self.state(h, s, positions, valid, cache.get((r, "state")) if cache is not None else None)
-        return h, x, s, a
-
-    def readout(self, h, x):
-        """What loop r's prediction reads: h_r + W_o s_r under StateLoop (state_in_output), else h_r."""
-        return x if self.state is not None and self.config.state_in_output else h
-
-    def logits_at(self, z, r: int, positions, valid, cache):
-        """Head(FinalNorm(Coda(readout))) of loop r's readout z (B, T, d), with depth r's coda caches."""
-        return self.head(self.final_norm(self._coda(z, r, positions, valid, cache)))
-
-    def _run_block(self, x, r, positions, valid, cache):
+    def _run_block(self, x, r, positions, valid, cache, call=None):
         """One application of the shared block (loop r); per-loop activation checkpointing trades
         recomputation for memory that otherwise grows with N·R."""
-        if self.checkpoint_loops and self.training and cache is None and torch.is_grad_enabled():
+        if self.checkpoint_loops and self.training and cache is None and call is None and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._block_forward, x, positions, valid, None, r, use_reentrant=False)
-        return self._block_forward(x, positions, valid, cache, r)
+        return self._block_forward(x, positions, valid, cache, r, call)
 
     def compile_block(self, **compile_kwargs) -> None:
         """`torch.compile` each block layer once for training; the R loops reuse the compiled code.
 
         Only cache-free training forwards use it. Evaluation, scoring and cached decoding keep
         the eager layers: their shapes change from call to call, and each new shape would be
-        another compilation. Parameters stay shared with the eager layers (same state dict). The
-        prelude and coda layers stay eager (not compiled).
+        another compilation (a compiled decoding step is models/generation.py's, over a static cache).
+        Parameters stay shared with the eager layers (same state dict). The prelude and coda layers
+        stay eager (not compiled).
         """
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.block]
 
@@ -384,53 +432,24 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     def is_compiled(self) -> bool:
         return self._compiled_layers is not None
 
-    def _block_forward(self, x, positions, valid, cache, r):
-        compiled = self._compiled_layers is not None and self.training and cache is None
+    def _block_forward(self, x, positions, valid, cache, r, call=None):
+        compiled = self._compiled_layers is not None and self.training and cache is None and call is None
         for l, layer in enumerate(self._compiled_layers if compiled else self.block):
-            x = layer(x, positions, valid, cache[r, l] if cache is not None else None)
+            entry = cache[r, l] if cache is not None else None
+            x = layer(x, positions, valid, entry) if call is None else call(layer, l, x, positions, valid, entry)
         return x
-
-    def run_prelude(self, x, positions, valid, cache):
-        """The prelude layers, once per token (no exits there): Embed(tokens) → e."""
-        for l, layer in enumerate(self.prelude):
-            x = layer(x, positions, valid, cache["prelude", l] if cache is not None else None)
-        return x
-
-    def _coda(self, z, r, positions, valid, cache):
-        """The coda on loop r's readout (0-based), with that depth's coda caches."""
-        for l, layer in enumerate(self.coda):
-            entry = None
-            if cache is not None:
-                entry = cache[r, ("coda", l)]
-                if entry.length != cache.length - z.shape[1]:
-                    raise ValueError(
-                        f"the coda cache of loop {r + 1} holds {entry.length} tokens but the cache {cache.length - z.shape[1]}: "
-                        "the coda runs at every depth only in calls that read per-depth outputs (return_all_loops, "
-                        "exit_threshold, exit_at_step, expected_exit), so use one cache with such outputs on every "
-                        "call or on none")
-            z = layer(z, positions, valid, entry)
-        return z
-
-    def _positions(self, input_ids, attention_mask, cache):
-        B, T = input_ids.shape
-        if cache is not None:
-            return cache.advance(attention_mask, T)
-        if attention_mask is None:
-            return torch.arange(T, device=input_ids.device)[None], None
-        valid = attention_mask.to(torch.bool)
-        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
-        return positions, (None if bool(valid.all()) else valid)
 
     # -------------------------------------------------------------- generate
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *args, **kwargs):
-        """Cached generation; see looplab.models.generation.generate for the options."""
-        return generate(self, input_ids, max_new_tokens, *args, **kwargs)
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **options):
+        """Cached generation; see looplab.models.generation.generate for the options (keyword-only groups)."""
+        from looplab.models.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, **options)
 
     @torch.no_grad()
-    def decode_step(self, input_ids: torch.Tensor, cache: LoopCache, **kwargs):
-        """One cached T = 1 step → (logits (B, V), exit_steps or None); exit_threshold=q,
-        skip_compute=True skips the loops after each token's exit (attention backbones)."""
-        if self.router is not None:
-            self.router.check_generate(**{k: kwargs.get(k) for k in ("exit_threshold", "exit_rule", "skip_compute")})
-        return decode_step(self, input_ids, cache, **kwargs)
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int, **options):
+        """Token-by-token generation; the options of `generate`."""
+        from looplab.models.generation import stream
+
+        return stream(self, input_ids, max_new_tokens, **options)

@@ -328,7 +328,7 @@ class Mamba2Mixer(nn.Module):
         ops = self._fused_ops(x)
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, H), dim=-1)
         if cache is not None:  # an exited token's deeper loops reuse these (models/exit_compute.py)
-            cache.last_xBC, cache.last_dt_raw = xBC[:, -1].detach(), dt[:, -1].detach()
+            cache.write_last(xBC[:, -1].detach(), dt[:, -1].detach())
 
         # Left padding must leave real tokens untouched: zero the conv input (else it leaks through
         # the conv window), then x, B and dt after the conv (the conv bias makes them non-zero), so
@@ -351,21 +351,21 @@ class Mamba2Mixer(nn.Module):
 
         states = None  # the state after each position, when the cache records them for a rollback
         if cache is not None and T == 1:
-            y, state = ssd_step(cache.ssm_state, xs[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], D)
+            y, state = ssd_step(cache.state(), xs[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], D)
             y, states = y[:, None], [state]
         elif cache is not None and cache.trail is not None:
             # a speculative verify (models/speculative.py) may keep any prefix of these T tokens, so it
             # needs the state after each one: the step recurrence gives them, with the arithmetic of
             # one-token decoding, on every device (the fused chunk scan returns the final state only).
             # Cost: T small steps instead of one chunked scan, T ≤ draft_tokens + 1.
-            ys, states, state = [], [], cache.ssm_state
+            ys, states, state = [], [], cache.state()
             for t in range(T):
                 y_t, state = ssd_step(state, xs[:, t], dt[:, t], A, Bm[:, t], Cm[:, t], D)
                 ys.append(y_t)
                 states.append(state)
             y = torch.stack(ys, 1)
         else:
-            init = cache.ssm_state if cache is not None and cache.length > 0 else None
+            init = cache.state() if cache is not None else None  # a fresh row's state is zeros: the same scan
             want_state = cache is not None
             if ops is not None:
                 out = _fused_chunk_scan(ops.chunk_scan, xs, dt, A, Bm, Cm, self.chunk_size, D, init, want_state)
@@ -389,7 +389,7 @@ class Mamba2Mixer(nn.Module):
             _count_conv("torch")
             return causal_conv_silu(xBC, w, self.conv1d.bias)
         _count_conv("torch_cached")
-        history = cache.conv_state.transpose(1, 2).to(xBC.dtype)  # (B, K-1, conv_dim)
+        history = cache.history().transpose(1, 2).to(xBC.dtype)  # (b, K-1, conv_dim)
         out = causal_conv_silu(xBC, w, self.conv1d.bias, history)
         window = torch.cat([history, xBC], dim=1)
         cache.write_conv(window)
@@ -399,7 +399,7 @@ class Mamba2Mixer(nn.Module):
 
     # ------------------------------------------------------------------ exited tokens
     @torch.no_grad()
-    def step_from(self, cache: SSMCache, source: SSMCache, rows: torch.Tensor | None, write: bool) -> None:
+    def step_from(self, cache: SSMCache, source: SSMCache, rows: torch.Tensor, write: bool) -> None:
         """Advance this loop's cache by one token that exited at an earlier loop, whose cache is `source`.
 
         The block is shared across loops, so the exit loop's in-projection of the token's (frozen)
@@ -407,26 +407,24 @@ class Mamba2Mixer(nn.Module):
         projection runs. write=False (`ssm_skip`): the conv history takes the raw input, the SSM state
         is left as it is (dt = 0). write=True (`ssm_propagate`): this loop's conv over its own history
         gives x and B, and the state is decayed and written with the exit loop's dt (output path skipped).
-        rows: (B,) bool, the rows to advance (None: all).
+        rows: (b,) indices of the rows to advance.
         """
-        sel = slice(None) if rows is None else rows
-        xBC = source.last_xBC[sel]  # (b, conv_dim)
-        history = cache.conv_state[sel]  # (b, conv_dim, K-1)
+        xBC = source.last_xBC[rows]  # (b, conv_dim)
+        history = cache.conv_state[rows]  # (b, conv_dim, K-1)
         if write:
             w = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
             conv = causal_conv_silu(xBC[:, None].to(history.dtype), w, self.conv1d.bias, history.transpose(1, 2))[:, 0]
             xs, Bm, Cm = conv.split((self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state), dim=-1)
-            dt = F.softplus(source.last_dt_raw[sel].float() + self.dt_bias.float())
-            _, state = ssd_step(cache.ssm_state[sel], xs.unflatten(-1, (self.nheads, self.headdim)), dt,
+            dt = F.softplus(source.last_dt_raw[rows].float() + self.dt_bias.float())
+            _, state = ssd_step(cache.ssm_state[rows], xs.unflatten(-1, (self.nheads, self.headdim)), dt,
                                 -torch.exp(self.A_log.float()), Bm.unflatten(-1, (self.ngroups, self.d_state)),
                                 Cm.unflatten(-1, (self.ngroups, self.d_state)))
-            cache.ssm_state[sel] = state
+            cache.ssm_state[rows] = state
         if self.d_conv > 1:
-            cache.conv_state[sel] = torch.cat([history[..., 1:], xBC[..., None].to(history.dtype)], dim=-1)
-        if rows is None or cache.last_xBC is None:
-            cache.last_xBC, cache.last_dt_raw = source.last_xBC.clone(), source.last_dt_raw.clone()
-        else:
-            cache.last_xBC[sel], cache.last_dt_raw[sel] = xBC, source.last_dt_raw[sel]
+            cache.conv_state[rows] = torch.cat([history[..., 1:], xBC[..., None].to(history.dtype)], dim=-1)
+        if cache.last_xBC is None:
+            cache.last_xBC, cache.last_dt_raw = torch.zeros_like(source.last_xBC), torch.zeros_like(source.last_dt_raw)
+        cache.last_xBC[rows], cache.last_dt_raw[rows] = xBC, source.last_dt_raw[rows]
 
     # ------------------------------------------------------------------ cache / cost
     def allocate_cache(self, batch_size: int, max_len: int, device, dtype) -> SSMCache:

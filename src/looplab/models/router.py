@@ -71,13 +71,14 @@ options and skip_compute, self-speculation (speculative_loops), static_cache, a 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from looplab.models.config import LoopedLMConfig
+from looplab.models.stream import Stream
 
 
 @dataclass
@@ -306,8 +307,17 @@ class _SharedKVEntry:
     def update(self, k: torch.Tensor, v: torch.Tensor):
         if self.r == 0:
             self.store[self.l] = (k, v)
-            return k, v
-        return self.store[self.l]
+            return k, v, self.attn_mask_for(k.shape[2])
+        return (*self.store[self.l], self.attn_mask)
+
+    def attn_mask_for(self, T: int):
+        """Loop 0 attends causally among its gathered tokens, padding excluded (its own key always kept)."""
+        valid0 = self.store["valid"]
+        if valid0 is None:
+            return None
+        causal = torch.ones(T, T, dtype=torch.bool, device=valid0.device).tril()
+        own = torch.eye(T, dtype=torch.bool, device=valid0.device)
+        return ((causal & valid0[:, None, :]) | own)[:, None]
 
 
 class _SharedKV:
@@ -335,15 +345,12 @@ class _RoutedWrite:
 
     def __init__(self, entry, view: "_RoutedCacheView", share_read: bool = False):
         self.entry, self.view, self.share_read = entry, view, share_read
-        self.attn_mask = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         w = self.view
         if self.share_read:
-            k, v, self.attn_mask = self.entry.read_shared(w.tok, k.shape[2])
-        else:
-            k, v, self.attn_mask = self.entry.write(k, v, w.tok, w.live, w.valid, w.n_call)
-        return k, v
+            return self.entry.read_shared(w.tok, k.shape[2])
+        return self.entry.write(k, v, w.tok, w.live, w.valid, w.n_call)
 
 
 class _RoutedCacheView:
@@ -393,7 +400,8 @@ def active_slots(active: torch.Tensor):
 
 
 class RoutedLoop:
-    """One routed forward: `loop_step` has LoopedLM.loop_step's signature and runs it on the selected tokens.
+    """One routed forward: `loop_step` runs the model's loop step on the selected tokens (LoopedLM.run_loops'
+    `step`), and in cached one-token decoding `rows` gathers the rows whose token runs a loop (its `rows`).
 
     depths=None without a cache: training's routing (expert choice top-k, token choice argmax).
     depths='inference', or any cached call: causal routing per token (ExpertChoiceRouter.decide; token
@@ -401,7 +409,7 @@ class RoutedLoop:
     1..depths[t] (0 = none) — the reference that cached decoding equals given the same decisions."""
 
     def __init__(self, router: DepthRouter, model, x: torch.Tensor, depths=None, cache=None):
-        self.router, self.model = router, model
+        self.router, self.model, self.cache = router, model, cache
         self.info = RoutingInfo(depth=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device))
         self.h = x  # a token that never ran a loop reads its input
         self.cand: torch.Tensor | None = None  # expert choice: the tokens that ran the previous loop
@@ -409,6 +417,8 @@ class RoutedLoop:
         self.shared: dict = {}  # kv=share_first: loop 0's keys/values per layer, with their positions
         self.shared_layers = {l for l, layer in enumerate(model.block) if router.shares_first(layer)}
         self.causal = depths is not None or cache is not None
+        self.by_rows = cache is not None and x.shape[1] == 1  # one token per row: gather rows, not tokens
+        self.weight_now: torch.Tensor | None = None  # by_rows: the gathered rows' router weights (b, 1)
         self.given = depths if isinstance(depths, torch.Tensor) else None
         if self.given is not None:
             if self.given.shape != x.shape[:2]:
@@ -428,17 +438,40 @@ class RoutedLoop:
         depth, weight = self.assigned
         return depth > r, weight
 
-    def loop_step(self, x, s, e, r: int, positions, valid, cache):
+    def rows(self, r: int, st):
+        """Cached one-token decoding: the rows whose token runs loop r (None = all; the others are not computed
+        and their entries not touched — a stopped token leaves nothing at the deeper loops)."""
+        if not self.by_rows:
+            return None
+        active, w = self._decide(r, st.x)  # (B, 1)
+        ran = active.clone()
+        self._record(r, None, ran)
+        if bool(active.all()):
+            self.weight_now = w[..., None]
+            return None
+        idx = active[:, 0].nonzero().squeeze(1)
+        self.weight_now = w[idx][..., None]
+        return idx
+
+    def loop_step(self, st, r: int, cache):
         router = self.router
+        update = router.cfg.update
+        if self.by_rows:  # every gathered row's token runs this loop
+            w = self.weight_now
+
+            def gate(x_in, h_block):
+                return x_in + w * (h_block if update == "mor" else h_block - x_in)
+
+            kv = _RoutedCacheView(cache, r, None, None, st.valid, 1, router.cfg.kv == "share_first")
+            return self.model.loop_step(st, r, kv, gate=gate)
+        x, s, e, positions, valid = st.x, st.s, st.e, st.positions, st.valid
         B, T = x.shape[:2]
-        if cache is not None and valid is not None:
-            valid = valid[:, -T:]  # the cache's mask covers every cached column; this call's tokens
         if self.causal:
             active, w_full = self._decide(r, x)
             idx, live = active_slots(active)
             if idx is False:  # no token runs this loop
                 self._record(r, idx, torch.zeros_like(active))
-                return self.h, x, s, None
+                return replace(st, h=self.h)
             w = gather_tokens(w_full, idx)[..., None]
         elif isinstance(router, ExpertChoiceRouter):
             idx, live, w = router.select(r, x, self.cand, self.info)
@@ -452,7 +485,6 @@ class RoutedLoop:
         pos_a, valid_a = gather_tokens(positions, idx), gather_tokens(valid, idx)
         if live is not None:  # slots that do not run this loop are no key for anyone (idx None: they sit in between)
             valid_a = live if valid_a is None else valid_a & live
-        update = router.cfg.update
         share = router.cfg.kv == "share_first"
 
         def gate(x_in, h_block):  # the router weight multiplies the update (called by model.loop_step)
@@ -465,7 +497,8 @@ class RoutedLoop:
             kv = _SharedKV(self.shared, r, tok, valid_a, B, self.shared_layers)
         else:
             kv = None
-        h_a, xn_a, sn_a, a = self.model.loop_step(x_a, s_a, e_a, r, pos_a, valid_a, kv, gate=gate)
+        sub = self.model.loop_step(Stream(x_a, e_a, s_a, None, pos_a, valid_a), r, kv, gate=gate)
+        h_a, xn_a, sn_a = sub.h, sub.x, sub.s
         if live is not None:  # padded slots: keep what they were
             keep = live[..., None]
             h_a = torch.where(keep, h_a, gather_tokens(self.h, idx))
@@ -480,7 +513,7 @@ class RoutedLoop:
             src = torch.ones_like(idx, dtype=torch.bool) if live is None else live
             ran = torch.zeros_like(self.info.depth, dtype=torch.bool).scatter(1, idx, src)
         self._record(r, idx, ran)
-        return h, x, s, a
+        return Stream(x, e, s, h, positions, valid, sub.retention)
 
     def _record(self, r: int, idx, ran: torch.Tensor) -> None:
         self.info.depth = torch.where(ran, r + 1, self.info.depth)

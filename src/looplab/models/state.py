@@ -73,12 +73,13 @@ class StateBranch(nn.Module):
         positions: torch.Tensor,
         valid: torch.Tensor | None = None,
         cache=None,
-        frozen=None,
+        call=None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (s_r, x_{r+1} = h_r + W_o s_r, retention a_r).
 
-        frozen: exit handling (models/exit_compute.FrozenInputs): tokens that exited at an earlier
-        loop feed the mixer their exit-loop input, as the backbone layers do."""
+        call(module, key, x, positions, valid, cache): how the mixer is applied (the exit reference's frozen
+        inputs, models/exit_compute.py: tokens that exited at an earlier loop feed the mixer their exit-loop
+        input, as the backbone layers do)."""
         if self.reset_each_loop:
             s_prev = self.initial_state(h)
         u = self.in_proj(h)
@@ -87,10 +88,10 @@ class StateBranch(nn.Module):
         s = a * s_prev + (1 - a) * u
         if self.mixer is not None:
             m_in = self.mixer_norm(s)
-            if frozen is None:
+            if call is None:
                 s = s + self.mixer(m_in, positions, valid, cache)
             else:
-                s = s + frozen.call(self.mixer, "state", m_in, positions, valid, cache)
+                s = s + call(self.mixer, "state", m_in, positions, valid, cache)
         return s, h + self.state_out(s), a
 
     def allocate_cache(self, batch_size, max_len, device, dtype):
