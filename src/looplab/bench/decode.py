@@ -21,7 +21,7 @@ per-token times inflate ~15× and scatter (measured here: 0.4 s instead of 27 ms
 
 skip_compute (the exit columns): trained, gated checkpoints (table 8's stage-2 runs of the
 attention-only backbones) decode their own task's test sequences with all loops, with the gate's
-exit depth and every loop computed, and with `skip_compute` (bench/exit_decode.py): answer
+exit depth and every loop computed, and with `skip_compute` (bench/exit_grid.py): answer
 accuracy, agreement, exit depths and per-token latency. Without checkpoints
 (`--exit-runs DIR ...`, each DIR a sweep folder of such runs) the section is skipped and says so:
 exits of an untrained or hand-set gate would measure nothing.
@@ -145,7 +145,7 @@ def exit_checkpoints(run_dirs) -> list[Path]:
 
 
 def skip_compute_section(run_dirs, threads: int, n_sequences: int = 128) -> dict:
-    from looplab.bench import exit_decode
+    from looplab.bench import exit_grid
 
     ckpts = exit_checkpoints(run_dirs or [])
     if not ckpts:
@@ -155,7 +155,7 @@ def skip_compute_section(run_dirs, threads: int, n_sequences: int = 128) -> dict
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return exit_decode.run(ckpts, n_sequences=n_sequences)
+        return exit_grid.decode_checkpoints(ckpts, n_sequences=n_sequences)
     finally:
         torch.set_num_threads(old)
 

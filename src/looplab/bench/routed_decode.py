@@ -89,8 +89,7 @@ def _arm(run_dir: Path, res: dict) -> str:
 
 def run(paths, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 5, threads: int | None = 1,
         exit_q: float = EXIT_Q) -> dict[str, Any]:
-    from looplab.bench.exit_grid import _results, _run_seed, checkpoints_in
-    from looplab.bench.speculative import _prompts
+    from looplab.bench.trained_runs import checkpoints_in, held_out_prompts, run_results, run_seed
     from looplab.checkpoint import load_model
 
     if threads:
@@ -100,14 +99,14 @@ def run(paths, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 5, thr
         raise SystemExit(f"no trained checkpoint in {', '.join(map(str, paths))}")
     groups: dict[str, list[Path]] = defaultdict(list)
     for c in ckpts:
-        groups[str(_run_seed(c))].append(Path(c))
+        groups[str(run_seed(c))].append(Path(c))
     runs = []
     for seed, members in sorted(groups.items()):
         models, info, ids = {}, {}, None
         for c in members:
             model, meta = load_model(c, map_location="cpu")
             model.eval()
-            res = _results(c)
+            res = run_results(c)
             run_dir = Path(c).parent.parent if Path(c).name == "last.ckpt" else Path(c)
             name = f"{_arm(run_dir, res)} {model.config.n_layers}x{model.config.n_loops} ({run_dir})"
             models[name] = model
@@ -115,7 +114,7 @@ def run(paths, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 5, thr
                           "n_layers": model.config.n_layers, "n_loops": model.config.n_loops,
                           "depth_router": model.config.depth_router.name, "exit_gate": model.config.exit_gate}
             if ids is None:
-                ids = _prompts(model, meta, 1, prompt_len)
+                ids = held_out_prompts(model, meta, 1, prompt_len)
         measured = measure_group(models, ids, new_tokens, repeats, exit_q)
         runs += [{**info[name], **measured[name]} for name in models]
         print(f"[routed_decode] seed {seed}: " + ", ".join(f"{info[n]['arm']} {measured[n]['tokens_per_s']:.0f} tok/s "

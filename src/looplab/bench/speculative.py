@@ -6,7 +6,7 @@ decoding against speculative greedy decoding (models/speculative.py) of the same
                                         [--threads 1] [--out bench/speculation.json]
 
 Without a path: a random-init llama 1⊗4 at d 64 (its loops disagree, so little is accepted). Paths
-are checkpoints or sweep folders (every run with an ok results.json, as bench/exit_grid.py reads them). Prompts
+are checkpoints or sweep folders (every run with an ok results.json: bench/trained_runs.py). Prompts
 are the first --prompt tokens of the checkpoint's test sequences (a language model's held-out
 windows, a task's test sequences), one per row, all of one length (no padding). For each checkpoint
 and batch size every configuration decodes the same prompts, timed round-robin (repeat i of every
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from looplab.bench.common import device_of, time_round_robin
+from looplab.bench.trained_runs import held_out_prompts
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.generation import generate
 from looplab.targets import SPECULATION_SPEEDUP_TARGET as TARGET_SPEEDUP
@@ -40,19 +41,6 @@ GAMMAS = (2, 3, 4, 5, 6, 7, 8)
 def _random_model(seed: int = 0) -> LoopedLM:
     torch.manual_seed(seed)
     return LoopedLM(LoopedLMConfig(vocab_size=512, d_model=64, n_heads=4, n_layers=1, n_loops=4, max_seq_len=512)).eval()
-
-
-def _prompts(model, meta: dict | None, batch: int, prompt_len: int, seed: int = 0) -> torch.Tensor:
-    dataset = (meta or {}).get("dataset") or {}
-    if dataset:
-        from looplab.bench.exit_decode import _test_examples
-
-        rows = [ex["input_ids"][:prompt_len] for ex in _test_examples(meta, batch, every_token=True)]
-        if len(rows) < batch or any(len(r) < prompt_len for r in rows):
-            raise ValueError(f"the test split has fewer than {batch} sequences of {prompt_len} tokens")
-        return torch.stack(rows)
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
 
 
 @torch.no_grad()
@@ -120,13 +108,13 @@ def run_checkpoint(path: str | Path | None, ks=None, gammas=GAMMAS, batches=(1,)
                            "d_model": cfg.d_model, "prelude_layers": cfg.prelude_layers, "coda_layers": cfg.coda_layers,
                            "vocab_size": cfg.vocab_size, "batches": {}}
     if path:
-        from looplab.bench.exit_grid import _results, _run_seed, body_training
+        from looplab.bench.trained_runs import body_training, run_results, run_seed
 
-        res = _results(path)
-        out.update(seed=_run_seed(path), training=body_training(path), perplexity=res.get("perplexity"),
+        res = run_results(path)
+        out.update(seed=run_seed(path), training=body_training(path), perplexity=res.get("perplexity"),
                    accuracy=res.get("accuracy"), init_from=(res.get("config") or {}).get("init_from"))
     for b in batches:
-        ids = _prompts(model, meta, b, prompt_len)
+        ids = held_out_prompts(model, meta, b, prompt_len)
         gs = gammas if b == 1 or not batch_gammas else batch_gammas
         out["batches"][str(b)] = measure(model, ids, ks, gs, new_tokens, repeats)
     return out
@@ -155,7 +143,7 @@ def run(paths=(), ks=None, gammas=GAMMAS, batches=(1,), prompt_len: int = 32, ne
     if threads:
         torch.set_num_threads(threads)
     if paths:
-        from looplab.bench.exit_grid import checkpoints_in
+        from looplab.bench.trained_runs import checkpoints_in
 
         ckpts = checkpoints_in(paths)
         if not ckpts:
