@@ -1,7 +1,7 @@
 """`make gpu-check` (looplab.gpu_check): its refusal on this CPU machine, the checks and commands it builds,
 how it reads a run's output (pytest's outcomes among them), its time budget and its report. The GPU work
-itself runs only with CUDA: here the GPU tests are collected and skipped, and the subprocesses that would
-need a GPU are stand-ins that never report a GPU result as passed."""
+itself runs only with CUDA: here the real GPU tests are collected and skipped, and where a subprocess would
+need a GPU it is a stand-in or a real run on the CPU; no stand-in makes a GPU check pass in a report."""
 
 from __future__ import annotations
 
@@ -305,12 +305,14 @@ def test_run_check_keeps_the_tests_that_finished_when_pytest_times_out(tmp_path)
 
 # ----------------------------------------------------------------------------- running, the budget, the report
 def test_run_check_runs_reads_times_out_and_skips(tmp_path):
-    check = _train_check(tmp_path)
-    script = f"import json; open({str(check.output)!r}, 'w').write(json.dumps({_results()!r})); print('trained')"
+    check = _train_check(tmp_path)  # a stand-in run that stopped short: read as a fail, its output kept
+    script = (f"import json; open({str(check.output)!r}, 'w').write(json.dumps({_results(global_step=7)!r})); "
+              "print('trained')")
     check.cmd = [sys.executable, "-c", script]
     far = gpu_check.time.monotonic() + 600
     r = run_check(check, tmp_path, far)
-    assert r["status"] == "pass" and r["returncode"] == 0 and "trained" in Path(r["log"]).read_text()
+    assert r["status"] == "fail" and r["why"] == "global_step 7 != 20" and r["returncode"] == 0
+    assert "trained" in Path(r["log"]).read_text() and r["command"] == " ".join(check.cmd)
 
     check.cmd = [sys.executable, "-c", "import time; time.sleep(120)"]  # and the old results.json is not read
     check.timeout_s = 1
