@@ -62,8 +62,11 @@ def test_gpu_tests_command_is_pytest_on_the_gpu_marker(tmp_path):
     check = next(c for c in build_checks(tmp_path, python="python") if c.name == "gpu-tests")
     cmd = check.cmd
     assert cmd[:3] == ["python", "-m", "pytest"] and cmd[cmd.index("-m", 2) + 1] == "gpu"
-    assert cmd[cmd.index("-p", 3) + 1 :][:3] == ["no:cacheprovider", "-p", "looplab.testing.pytest_report"]
+    assert "looplab.testing.pytest_report" in cmd[cmd.index("-p", 3):] and "no:cacheprovider" in cmd
     assert cmd[cmd.index("--test-report") + 1] == str(check.output) == str(tmp_path / "gpu-tests.jsonl")
+    assert cmd[cmd.index("-n") + 1] == str(gpu_check.GPU_TEST_WORKERS) == "2"  # whole files per process
+    assert cmd[cmd.index("--dist") + 1] == "loadfile"
+    assert "-n" not in gpu_check.pytest_command(tmp_path / "r.jsonl", "py", workers=1)
     assert cmd[-1] == str(ROOT / "tests") and gpu_check.TESTS_DIR == ROOT / "tests"
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith(f"{gpu_check.GPU_MARK}:") for m in markers)
@@ -195,12 +198,28 @@ def test_param(n):
 '''
 
 
+STAND_IN_CRASH = '''
+import os
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+def test_crashes_its_process():  # as a fault in a CUDA extension would
+    os._exit(3)
+
+def test_after_the_crash():
+    pass
+'''
+
+
 def _stand_in_suite(tmp_path) -> Path:
     """A folder of CPU tests marked gpu (its own pytest.ini registers the marker), one deselected."""
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
     (suite / "test_stand_in.py").write_text(STAND_IN_TESTS)
+    (suite / "test_stand_in_crash.py").write_text(STAND_IN_CRASH)
     (suite / "test_cpu_only.py").write_text("def test_not_marked():\n    pass\n")
     return suite
 
@@ -212,26 +231,33 @@ def _tests_check(tmp_path, paths) -> Check:
 
 
 def test_pytest_outcomes_and_recorded_figures_reach_the_report(tmp_path):
-    """A real `pytest -m gpu` with the report plugin over stand-in CPU tests: every outcome, in the order
-    collected, with the figures each test recorded, and the run's status the worst of them."""
+    """The real `pytest -m gpu` command, report plugin and xdist workers, over stand-in CPU tests: every outcome
+    in the order collected, with the figures each test recorded; a crashed worker's test is an error, the rest
+    of its file not reached, the other file's tests all run; the run's status is the worst of them."""
     suite = _stand_in_suite(tmp_path)
     r = run_check(_tests_check(tmp_path, [suite]), tmp_path, gpu_check.time.monotonic() + 120)
     names = {n.split("::")[1]: t for n, t in r["tests"].items()}
     assert list(names) == ["test_records_and_passes", "test_records_then_fails", "test_setup_error", "test_skipped",
-                           "test_expected_failure", "test_param[1]", "test_param[2]"]  # test_not_marked deselected
-    assert names["test_records_and_passes"] == {"status": "pass", "wall_s": names["test_records_and_passes"]["wall_s"],
-                                                "worst": {"forward": 0.001}, "tokens_per_s": 123.5}
+                           "test_expected_failure", "test_param[1]", "test_param[2]", "test_crashes_its_process",
+                           "test_after_the_crash"]  # test_not_marked deselected
+    passed = names["test_records_and_passes"]
+    assert passed["status"] == "pass" and passed["worst"] == {"forward": 0.001} and passed["tokens_per_s"] == 123.5
     failed = names["test_records_then_fails"]
     assert failed["status"] == "fail" and failed["why"].startswith("AssertionError: forward 0.5 > 0.02")
     assert failed["worst"] == {"forward": 0.5}  # recorded before the assertion: kept
     assert names["test_setup_error"]["status"] == "error" and "illegal memory access" in names["test_setup_error"]["error"]
     assert names["test_skipped"]["status"] == "skipped" and names["test_skipped"]["reason"] == "needs CUDA: none here"
-    assert names["test_expected_failure"]["status"] == "skipped"  # an expected failure confirms nothing
-    assert r["collected"] == 7 and r["counts"] == {"pass": 3, "fail": 1, "error": 1, "skipped": 2}
+    assert names["test_expected_failure"] == {"status": "skipped", "wall_s": names["test_expected_failure"]["wall_s"],
+                                              "reason": "expected to fail: known"}  # it confirms nothing
+    crashed = names["test_crashes_its_process"]
+    assert crashed["status"] == "error" and "crashed while running" in crashed["error"]
+    assert names["test_after_the_crash"] == {"status": "skipped", "reason": "not run: pytest or its worker stopped before it"}
+    assert r["collected"] == 9 and r["counts"] == {"pass": 3, "fail": 1, "error": 2, "skipped": 3}
     assert r["status"] == "error" and r["returncode"] == 1 and "test_setup_error" in r["why"]
-    assert "test_stand_in.py::test_records_and_passes PASSED" in Path(r["log"]).read_text()  # -v: a line per test
+    log = Path(r["log"]).read_text()
+    assert "PASSED" in log and "test_stand_in.py::test_records_and_passes" in log  # -v: a line per test
     table = summary_table(make_report({"gpu-tests": r}, {}, tmp_path, "now", 1))
-    assert "3 pass, 1 fail, 1 error, 2 skipped" in table
+    assert "3 pass, 1 fail, 2 error, 3 skipped" in table
     row = next(line for line in table.splitlines() if "test_records_and_passes" in line)
     assert row.startswith("  ") and "worst forward 1.00e-03" in row and "tokens_per_s 124" in row
 
@@ -263,7 +289,7 @@ def test_parse_tests_when_pytest_died_or_found_nothing(tmp_path):
     r = gpu_check.parse_tests(check, -11, "")  # a CUDA fault killed pytest in test B
     assert r["tests"][A] == {"status": "fail", "wall_s": 1.5, "grad": 0.09, "why": "AssertionError: grad 0.09 > 0.05"}
     assert r["tests"][B] == {"status": "error", "error": "pytest stopped while this test ran (exit code -11)"}
-    assert r["tests"][C] == {"status": "skipped", "reason": "not reached: pytest stopped"}
+    assert r["tests"][C] == {"status": "skipped", "reason": "not run: pytest or its worker stopped before it"}
     assert r["status"] == "error" and r["counts"] == {"fail": 1, "error": 1, "skipped": 1}
 
     check.output.write_text(_report_lines({"collected": []}))

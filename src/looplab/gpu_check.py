@@ -53,6 +53,11 @@ DEFAULT_BUDGET_S = 290  # `make gpu-check` promises about five minutes
 START_MARGIN_S = 20  # a check is not started with less than this left of the budget
 TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"  # the clone's tests/: gpu-check runs from a clone
 GPU_MARK = "gpu"  # pyproject.toml's marker of the tests that need CUDA
+# The GPU test files run in this many pytest-xdist processes, whole files each (--dist loadfile): the kernel
+# parity file and the decoding file side by side, as their two workers ran before they were tests, and a
+# process that crashes (a fault in a CUDA extension) leaves the other's tests running. Its worker is not
+# restarted: xdist would hand the new one the crashing test again, up to 8 times.
+GPU_TEST_WORKERS = 2
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -67,9 +72,11 @@ class Check:
     info: dict[str, Any] = field(default_factory=dict)  # backbone, compile, ...
 
 
-def pytest_command(report: Path, python: str = sys.executable, paths=(TESTS_DIR,)) -> list[str]:
+def pytest_command(report: Path, python: str = sys.executable, paths=(TESTS_DIR,),
+                   workers: int = GPU_TEST_WORKERS) -> list[str]:
     """`pytest -m gpu` over `paths`, each test's outcome written to `report` as it ends (JSON lines)."""
-    return [python, "-m", "pytest", "-m", GPU_MARK, "-v", "-p", "no:cacheprovider",
+    parallel = ["-n", str(workers), "--dist", "loadfile", "--max-worker-restart", "0"] if workers > 1 else []
+    return [python, "-m", "pytest", "-m", GPU_MARK, "-v", "-p", "no:cacheprovider", *parallel,
             "-p", "looplab.testing.pytest_report", "--test-report", str(report), *map(str, paths)]
 
 
@@ -303,6 +310,15 @@ PYTEST_EXIT = {2: "interrupted", 3: "an internal error", 4: "a usage error", 5: 
 _WORST_FIRST = ("error", "fail", "skipped", "pass")
 
 
+def _test_result(rec: dict) -> dict[str, Any]:
+    """One finished test's line of the report: its status, seconds, recorded figures and message."""
+    status = TEST_STATUS.get(rec.get("outcome"), "error")
+    out: dict[str, Any] = {"status": status, "wall_s": rec.get("duration_s"), **(rec.get("properties") or {})}
+    if rec.get("message"):
+        out[{"fail": "why", "error": "error", "skipped": "reason"}.get(status, "message")] = rec["message"]
+    return out
+
+
 def parse_tests(check: Check, rc: int | None, log: str) -> dict[str, Any]:
     """The pytest run's report (looplab.testing.pytest_report's JSON lines) → one result per test, in the
     order collected, and the run's status: the worst of its tests', or error when pytest did not finish.
@@ -318,7 +334,7 @@ def parse_tests(check: Check, rc: int | None, log: str) -> dict[str, Any]:
         except ValueError:  # a line cut short by the kill that ended pytest
             continue
     collected: list[str] = []
-    running: str | None = None
+    running: set[str] = set()  # started, not finished (one at a time, or one per xdist worker)
     done: dict[str, dict] = {}
     broken: list[str] = []
     for rec in records:
@@ -327,24 +343,21 @@ def parse_tests(check: Check, rc: int | None, log: str) -> dict[str, Any]:
         elif "collection_error" in rec:
             broken.append(f"{rec['collection_error']}: {rec.get('message')}")
         elif "started" in rec:
-            running = rec["started"]
+            running.add(rec["started"])
         elif "nodeid" in rec:
             done[rec["nodeid"]] = rec
-            running = None if running == rec["nodeid"] else running
+            running.discard(rec["nodeid"])
 
     tests: dict[str, dict] = {}
     for nodeid in [*collected, *(n for n in done if n not in collected)]:
         rec = done.get(nodeid)
-        if rec is None:
+        if rec is None and nodeid in running:
             stopped = "timed out" if rc is None else f"exit code {rc}"
-            tests[nodeid] = ({"status": "error", "error": f"pytest stopped while this test ran ({stopped})"}
-                             if nodeid == running else {"status": "skipped", "reason": "not reached: pytest stopped"})
-            continue
-        status = TEST_STATUS.get(rec.get("outcome"), "error")
-        t: dict[str, Any] = {"status": status, "wall_s": rec.get("duration_s"), **(rec.get("properties") or {})}
-        if rec.get("message"):
-            t[{"fail": "why", "error": "error", "skipped": "reason"}.get(status, "message")] = rec["message"]
-        tests[nodeid] = t
+            tests[nodeid] = {"status": "error", "error": f"pytest stopped while this test ran ({stopped})"}
+        elif rec is None:
+            tests[nodeid] = {"status": "skipped", "reason": "not run: pytest or its worker stopped before it"}
+        else:
+            tests[nodeid] = _test_result(rec)
 
     counts: dict[str, int] = {}
     for t in tests.values():
@@ -354,7 +367,7 @@ def parse_tests(check: Check, rc: int | None, log: str) -> dict[str, Any]:
     if unreadable or not records:
         problem = f"pytest wrote no test report ({unreadable or 'empty'}; exit code {rc})"
     elif broken:
-        problem = "a test module did not import: " + " | ".join(broken)
+        problem = "a test module did not import: " + " | ".join(dict.fromkeys(broken))  # once, not per worker
     elif rc in PYTEST_EXIT:
         problem = f"pytest exited with {rc} ({PYTEST_EXIT[rc]})"
     elif not tests:

@@ -4,7 +4,9 @@
 
 `python -m looplab.gpu_check` runs `pytest -m gpu` with it. Unlike `--junitxml`, written when the session
 ends, these lines are on disk as soon as each test is done: a process that dies in a test (a CUDA fault, a
-timeout's kill) leaves the outcomes before it, and the name of the test it was running.
+timeout's kill) leaves the outcomes before it, and the name of the test it was running. Under pytest-xdist
+the controller writes them (the workers' reports reach it); a worker that crashed is reported as an error of
+the test it was running.
 
 Lines, in order:
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 MESSAGE_CHARS = 4000  # an assertion message that prints whole tensors is cut here
 
 
@@ -30,7 +34,7 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     path = config.getoption("--test-report")
-    if path:
+    if path and not hasattr(config, "workerinput"):  # an xdist worker: its controller writes the file
         config.pluginmanager.register(OutcomeLog(path), "looplab-test-report")
 
 
@@ -46,17 +50,31 @@ def _message(report) -> str | None:
     return text[:MESSAGE_CHARS]
 
 
+def _new(nodeid: str) -> dict:
+    return {"nodeid": nodeid, "outcome": "passed", "duration_s": 0.0, "message": None, "properties": {}}
+
+
 class OutcomeLog:
     def __init__(self, path: str):
         self.file = open(path, "w")
-        self.tests: dict[str, dict] = {}
+        self.collected = False
+        self.tests: dict[str, dict] = {}  # started, not yet written
 
     def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record, default=str) + "\n")
         self.file.flush()
 
+    def _collected(self, nodeids) -> None:
+        if not self.collected:
+            self.collected = True
+            self._write({"collected": list(nodeids)})
+
     def pytest_collection_finish(self, session) -> None:
-        self._write({"collected": [item.nodeid for item in session.items]})
+        self._collected(item.nodeid for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:  # every worker collects the same ids
+        self._collected(ids)
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
@@ -64,11 +82,10 @@ class OutcomeLog:
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
         self._write({"started": nodeid})
-        self.tests[nodeid] = {"nodeid": nodeid, "outcome": "passed", "duration_s": 0.0, "message": None,
-                              "properties": {}}
+        self.tests[nodeid] = _new(nodeid)
 
     def pytest_runtest_logreport(self, report) -> None:
-        test = self.tests[report.nodeid]
+        test = self.tests.setdefault(report.nodeid, _new(report.nodeid))
         test["duration_s"] = round(test["duration_s"] + report.duration, 3)
         test["properties"].update(dict(report.user_properties))
         xfail = hasattr(report, "wasxfail")
@@ -82,10 +99,14 @@ class OutcomeLog:
             test["outcome"] = "xfailed" if xfail else "skipped"
         else:
             test["outcome"] = "failed" if report.when == "call" else "error"
-        test["message"] = _message(report)
+        test["message"] = f"expected to fail: {report.wasxfail}" if xfail else _message(report)
 
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
         self._write(self.tests.pop(nodeid))
+
+    def pytest_sessionfinish(self, session) -> None:
+        for nodeid in list(self.tests):  # reported but never finished: xdist's report of a crashed worker
+            self._write(self.tests.pop(nodeid))
 
     def pytest_unconfigure(self, config) -> None:
         self.file.close()
