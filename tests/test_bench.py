@@ -195,6 +195,7 @@ def test_timer_synchronises_cuda_around_each_timed_call(monkeypatch, clock):
     assert events == ["start", "step", "step"] * 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_timer_on_cuda_times_the_kernels():
     a = torch.randn(2048, 2048, device="cuda")
@@ -210,6 +211,7 @@ def test_cuda_without_gpu_is_refused(capsys):
     assert "--device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quick_run_on_cuda(tmp_path):
     out = tmp_path / "results.json"
