@@ -66,7 +66,7 @@ gpu-install: $(STAMP) ## on a CUDA machine: build and install the gpu extra agai
 	$(GPU_INSTALL)
 	@touch $(GPU_STAMP)
 
-gpu-check: $(GPU_STAMP) ## on a CUDA machine: kernel parity, 20-step runs, FSDP2, bench -> gpu-check.json (refuses on a CPU)
+gpu-check: $(GPU_STAMP) ## on a CUDA machine: pytest -m gpu (kernel parity, decoding), 20-step runs, FSDP2, bench -> gpu-check.json (refuses on a CPU)
 	$(PY) -m looplab.gpu_check
 
 sync-wandb: $(STAMP) ## upload offline W&B runs (needs WANDB_API_KEY)

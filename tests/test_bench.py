@@ -17,11 +17,11 @@ def _positive_finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
-def test_issue_formula_matches_model_flops():
+def test_closed_form_flops_match_model_flops():
     d = dict(train.QUICK, n_layers=3, n_loops=5)
     model = train.looplab_model(d)
     T = d["seq_len"]
-    assert model.flops_per_token(T, training=True) == train.issue_formula_flops(model, T)
+    assert model.flops_per_token(T, training=True) == train.closed_form_flops(model, T)
     # the unlooped twin with N·R layers does the same work per token
     twin = train.looplab_model(d, n_layers=15, n_loops=1)
     assert twin.flops_per_token(T, training=True) == model.flops_per_token(T, training=True)
@@ -91,6 +91,118 @@ def test_first_compiled_call_records_failure():
     assert common.first_compiled_call(lambda: None)["compile_s"] >= 0
 
 
+class FakeClock:
+    """Stands in for both of the timer's clocks: time moves only when a candidate says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(common, "_wall", c)
+    monkeypatch.setattr(common, "_cpu", c)
+    return c
+
+
+def test_timer_runs_rounds_in_abba_order_and_pairs_ratios_per_round(clock):
+    calls = []
+    seconds = {"a": iter([5, 1, 2, 10]), "b": iter([5, 10, 4, 20])}  # the first call of each is the warm-up
+
+    def call(name):
+        def fn():
+            calls.append(name)
+            clock.now += next(seconds[name])
+        return fn
+
+    t = common.time_round_robin({"a": call("a"), "b": call("b")}, 3, warmup=1)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # odd rounds reversed, warm-up round included
+    assert t.wall == {"a": [1, 2, 10], "b": [10, 4, 20]} and t.cpu == t.wall and t.reference == "a"
+    assert t.ratios("b") == [10, 2, 2]  # round by round, against the reference
+    assert t.ratio("b") == (2, 2, 10)  # median and range of those: not the ratio of the medians (10 / 2)
+    assert t.ratio("a", "b").median == 0.5 and t.median("b") == 10
+    with pytest.raises(ValueError, match="clock"):
+        t.seconds("a", "gpu")
+
+
+def test_timer_steppers_prepare_untimed_per_episode(clock):
+    """A stepper's start (here 100 s) is never counted; episodes restart every stepper, the warm-up rounds are
+    the first ones overall, and `after` sees every step's output, warm-up included."""
+    events = []
+
+    class Decoder(common.Stepper):
+        def __init__(self, name, cost):
+            self.name, self.cost = name, cost
+
+        def start(self, episode):
+            events.append((self.name, "start", episode))
+            self.episode = episode
+            clock.now += 100
+
+        def step(self, i):
+            events.append((self.name, i))
+            clock.now += self.cost
+            return self.episode, i
+
+    seen = []
+    t = common.time_round_robin({"x": Decoder("x", 1), "y": Decoder("y", 3)}, episodes=[2, 3], warmup=1,
+                                after=lambda name, out: seen.append((name, out)))
+    assert events == [("x", "start", 0), ("y", "start", 0), ("x", 0), ("y", 0), ("y", 1), ("x", 1),
+                      ("x", "start", 1), ("y", "start", 1), ("x", 0), ("y", 0), ("y", 1), ("x", 1), ("x", 2), ("y", 2)]
+    assert t.wall == {"x": [1, 1, 1, 1], "y": [3, 3, 3, 3]}  # 5 rounds, 1 warm-up
+    assert t.ratio("y") == (3, 3, 3)
+    assert len(seen) == 10 and seen[0] == ("x", (0, 0)) and seen[-1] == ("y", (1, 2))
+
+
+def test_timer_ceiling_probe_brackets_each_timed_call(clock):
+    probes = iter(range(10, 1000, 10))
+    t = common.time_round_robin({"a": lambda: None, "b": lambda: None}, 2, warmup=1, ceiling=lambda: next(probes))
+    assert t.ceiling == {"a": [35, 55], "b": [15, 75]}  # round 1 (b, a), then round 2 (a, b); warm-up unprobed
+
+
+def test_timer_refuses_unclear_arguments():
+    with pytest.raises(TypeError, match="repeats"):
+        common.time_round_robin({"a": lambda: None}, 2, episodes=[2])
+    with pytest.raises(TypeError, match="repeats"):
+        common.time_round_robin({"a": lambda: None})
+    with pytest.raises(KeyError, match="nope"):
+        common.time_round_robin({"a": lambda: None}, 1, reference="nope")
+
+
+def test_timer_synchronises_cuda_around_each_timed_call(monkeypatch, clock):
+    """On a GPU the timer waits for the device before reading the clock and before stopping it (and after a
+    stepper's start); on the CPU it never calls CUDA."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
+
+    class Step(common.Stepper):
+        def start(self, episode):
+            events.append("start")
+
+        def step(self, i):
+            events.append("step")
+
+    common.time_round_robin({"s": Step()}, 2, warmup=0, device="cuda:1")
+    sync = ("sync", "cuda:1")
+    assert events == ["start", sync, sync, "step", sync, sync, "step", sync]
+    events.clear()
+    common.time_round_robin({"s": Step()}, 2, warmup=0, device="cpu")
+    common.time_round_robin({"s": Step()}, 2, warmup=0)
+    assert events == ["start", "step", "step"] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_timer_on_cuda_times_the_kernels():
+    a = torch.randn(2048, 2048, device="cuda")
+    t = common.time_round_robin({"mm": lambda: a @ a, "mm2": lambda: (a @ a) @ a}, 3, device=a.device)
+    assert all(x > 0 for x in t.wall["mm"]) and t.ratio("mm2", "mm").median > 1
+
+
 def test_cuda_without_gpu_is_refused(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the refusal path does not apply")
@@ -99,6 +211,7 @@ def test_cuda_without_gpu_is_refused(capsys):
     assert "--device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quick_run_on_cuda(tmp_path):
     out = tmp_path / "results.json"

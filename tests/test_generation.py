@@ -380,14 +380,14 @@ def _gated_phop_checkpoint(path, bias: float | None = None):
 
 
 def test_exit_decoding_of_a_checkpoint_matches_full_forward_passes(tmp_path):
-    """bench/exit_decode.py (table 4's exit columns): its all-loops and exit-depth decoders score the
+    """bench/exit_grid.py's decode_checkpoint (table 4's exit columns): its all-loops and exit-depth decoders score the
     answers exactly as a full forward pass does, skip_compute equals the exit depth computed in full
     when every token exits at loop R, and a gate that stops every token after loop 1 skips loops."""
-    from looplab.bench import exit_decode
+    from looplab.bench import exit_grid
     from looplab.eval.__main__ import build_datamodule
 
     model, dataset = _gated_phop_checkpoint(tmp_path / "gated.ckpt")
-    res = exit_decode.decode_checkpoint(tmp_path / "gated.ckpt", n_sequences=8, warmup=0)
+    res = exit_grid.decode_checkpoint(tmp_path / "gated.ckpt", n_sequences=8, warmup=0)
     dm = build_datamodule(dataset)
     dm.setup("test")
     steps_total = 0
@@ -407,14 +407,14 @@ def test_exit_decoding_of_a_checkpoint_matches_full_forward_passes(tmp_path):
     assert sum(res["exit_histogram"]) == res["tokens"]
 
     _gated_phop_checkpoint(tmp_path / "late.ckpt", bias=-30.0)  # λ ≈ 0: every token runs all 3 loops
-    late = exit_decode.decode_checkpoint(tmp_path / "late.ckpt", n_sequences=8, warmup=0)
+    late = exit_grid.decode_checkpoint(tmp_path / "late.ckpt", n_sequences=8, warmup=0)
     assert late["exit_histogram"] == [0, 0, late["tokens"]] and late["top1_agreement_vs_exact_exit"] == 1.0
     assert late["accuracy"]["skip"] == late["accuracy"]["all_loops"]
     _gated_phop_checkpoint(tmp_path / "early.ckpt", bias=30.0)  # λ ≈ 1: every token stops after loop 1
-    early = exit_decode.decode_checkpoint(tmp_path / "early.ckpt", n_sequences=8, warmup=0)
+    early = exit_grid.decode_checkpoint(tmp_path / "early.ckpt", n_sequences=8, warmup=0)
     assert early["exit_histogram"] == [early["tokens"], 0, 0] and early["mean_exit_step"] == 1.0
 
-    summary = exit_decode.run([tmp_path / "late.ckpt", tmp_path / "early.ckpt"], n_sequences=4)
+    summary = exit_grid.decode_checkpoints([tmp_path / "late.ckpt", tmp_path / "early.ckpt"], n_sequences=4)
     s = summary["groups"]["vanilla"]["summary"]
     assert s["mean_exit_step"]["n"] == 2 and s["mean_exit_step"]["mean"] == pytest.approx(2.0)
 

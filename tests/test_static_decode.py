@@ -1,6 +1,7 @@
-"""Static-shape decoding (models/static_decode.py, issue 27): the step CUDA graphs can capture decodes exactly
-what plain cached decoding does; what it does not cover is refused by name. The compiled step itself is checked
-on a GPU (`make gpu-check`, and the CUDA test below); inductor on the CPU compiles it too, but in minutes."""
+"""Static-shape decoding (models/static_decode.py, docs/decoding.md#static-shape-decoding): the step CUDA graphs
+can capture decodes exactly what plain cached decoding does; what it does not cover is refused by name. The
+compiled and captured step itself is checked on a GPU (tests/test_gpu_decode.py, run by `make gpu-check`);
+inductor on the CPU compiles it too, but in minutes."""
 
 from __future__ import annotations
 
@@ -72,12 +73,3 @@ def test_static_decoding_refuses_other_strategies_by_name():
         generate(model, ids, 3, static_cache="eager", exit_threshold=0.5)
     with pytest.raises(ValueError, match="static_cache='graphs' is unknown"):
         generate(model, ids, 3, static_cache="graphs")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (reduce-overhead) need a GPU")
-def test_reduce_overhead_step_on_cuda_decodes_plain_tokens():
-    model = _model().cuda()
-    ids = torch.randint(0, 64, (2, 5), device="cuda")
-    ref = generate(model, ids, 12)
-    for _ in range(2):
-        assert torch.equal(generate(model, ids, 12, static_cache="reduce-overhead"), ref)

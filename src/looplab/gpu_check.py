@@ -1,34 +1,31 @@
 """`python -m looplab.gpu_check [--out gpu-check.json] [--only NAMES] [--jobs N] [--budget-s S]` (`make gpu-check`)
 
-The first thing to run on a CUDA machine: every GPU-only path of looplab, in about five
-minutes on one GPU, with the figures written to `gpu-check.json` and a table printed.
+The first thing to run on a CUDA machine: every GPU-only path of looplab, in about five minutes on one
+GPU, with the figures written to `gpu-check.json` and a table printed (docs/gpu.md#gpu-check).
 
-* `parity-*`: `Mamba2Mixer` on mamba_ssm's fused kernels against the same weights on the torch
-  path, fp32 and bf16 autocast: forward, backward (input and parameter gradients), and prefill
-  through the fused scan then step decoding; plus the fused mixer under `torch.compile` (graph
-  breaks counted). One shape takes causal-conv1d's channel-last view, one needs the copy, one
-  has a width causal-conv1d lacks (d_conv 5, kernel=auto: torch conv, fused scan). Which conv
-  ran is counted as it runs (mamba2.CONV_CALLS): the torch conv where causal-conv1d was due
-  fails the case, as it fails a mamba2/hybrid training check.
-* `train-{llama,mamba2,hybrid}-{eager,compile}`: `python -m looplab.train hardware=gpu` for
-  20 steps, with and without `compile=true`; graph breaks and recompiles counted from Dynamo's
-  counters (a callback the run gets through `+callbacks.gpu_check`) and from TORCH_LOGS lines.
-* `fsdp-hybrid`: the same through `hardware=fsdp trainer.devices=1` (FSDP2), and its
-  checkpoint read back with `looplab.checkpoint.load_model`.
+* `gpu-tests`: `python -m pytest -m gpu` over tests/, the GPU tests of the suite: Mamba2Mixer on
+  mamba_ssm's fused kernels against the torch path (tests/test_mamba2_kernels.py: fp32 and bf16 forward,
+  backward, prefill + step decoding, three conv layouts, torch.compile; which conv ran counted from
+  mamba2.CONV_CALLS) and decoding (tests/test_gpu_decode.py: the static-shape step eager and captured by
+  CUDA graphs, self-speculation, against plain decoding's tokens). Each test's outcome and the figures it
+  recorded (`record_property`) come back through looplab.testing.pytest_report, written as each test ends.
+* `train-{llama,mamba2,hybrid}-{eager,compile}`: `python -m looplab.train hardware=gpu` for 20 steps,
+  with and without `compile=true`; graph breaks and recompiles counted from Dynamo's counters (a callback
+  the run gets through `+callbacks.gpu_check`) and from TORCH_LOGS lines; a run with Mamba-2 layers fails
+  unless causal-conv1d's kernel ran (its conv calls are counted in the run).
+* `fsdp-hybrid`: the same through `hardware=fsdp trainer.devices=1` (FSDP2), and its checkpoint read back
+  with `looplab.checkpoint.load_model`.
 * `bench`: `python -m looplab.bench --device cuda --quick --only train` (a smoke test).
-* `decode`: cached decoding of a d 512 llama 2⊗4 in bf16 at batch 1 and 8: the static-shape step
-  (models/static_decode.py) eagerly and captured by CUDA graphs (`static_cache="reduce-overhead"`),
-  and self-speculation (k 2, γ 4), each against plain decoding's tokens, with tokens/s (fp32).
 
-Every check runs as its own subprocess (a CUDA fault in one cannot take the others down),
-several at a time, each under a timeout inside one overall time budget; its output is kept in
-`<workdir>/<check>.log`. A check is `pass`, `fail` (it ran; a figure missed its criterion),
-`error` (it did not complete: the exception is recorded) or `skipped` (the budget ran out).
-Exit status: 0 all passed, 1 otherwise, 2 refused (no usable CUDA, or a kernel that does not
-import: nothing runs, nothing is written). `--preflight` only checks: every kernel the checks
-use must import (triton, mamba_ssm's chunked scan and selective state update, causal_conv1d's
-conv and conv update), and a refusal names the one that does not with its import error.
-`make gpu-check` first builds them once (`make gpu-install`, `looplab.gpu_install`).
+Every check runs as its own subprocess (a CUDA fault in one cannot take the others down), several at a
+time, each under a timeout inside one overall time budget; its output is kept in `<workdir>/<check>.log`.
+A check is `pass`, `fail` (it ran; a figure missed its criterion), `error` (it did not complete: the
+exception is recorded) or `skipped` (the budget ran out; for a test, pytest skipped it or never reached
+it). Exit status: 0 all passed, 1 otherwise, 2 refused (no usable CUDA, or a kernel that does not import:
+nothing runs, nothing is written). `--preflight` only checks: every kernel the checks use must import
+(triton, mamba_ssm's chunked scan and selective state update, causal_conv1d's conv and conv update), and
+a refusal names the one that does not with its import error. `make gpu-check` first builds them once
+(`make gpu-install`, `looplab.gpu_install`).
 """
 
 from __future__ import annotations
@@ -54,34 +51,33 @@ BACKBONES = ("llama", "mamba2", "hybrid")
 TRAIN_LOOP_DEPTH = "2x2"  # two layers: the hybrid block holds one Mamba-2 and one attention layer
 DEFAULT_BUDGET_S = 290  # `make gpu-check` promises about five minutes
 START_MARGIN_S = 20  # a check is not started with less than this left of the budget
-
-# max |a - b| / max |ref| per tensor. bf16 figures are also allowed 2x the torch path's own
-# bf16-vs-fp32 error (the noise floor bf16 itself adds), whichever is larger.
-TOLERANCES = {
-    "fp32": {"forward": 5e-3, "grad": 2e-2, "decode": 5e-3},  # Triton's fp32 dots may run in tf32
-    "bf16": {"forward": 2e-2, "grad": 5e-2, "decode": 2e-2},
-    "compile": {"forward": 1e-2, "grad": 3e-2},  # compiled vs eager, both fused, bf16 autocast
-}
-
-# (name, Mamba2Mixer kwargs, kernel): the conv layout each one exercises is recorded in the result
-PARITY_SHAPES = (
-    ("d256", dict(d_model=256, d_state=64, headdim=64, ngroups=1, d_conv=4, chunk_size=64), "mamba_ssm"),
-    ("d96-g2", dict(d_model=96, d_state=32, headdim=32, ngroups=2, d_conv=4, chunk_size=32), "mamba_ssm"),
-    ("d256-conv5", dict(d_model=256, d_state=64, headdim=64, ngroups=1, d_conv=5, chunk_size=64), "auto"),
-)
-PARITY_BATCH, PARITY_LEN, PARITY_PREFILL = 2, 200, 150
+TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"  # the clone's tests/: gpu-check runs from a clone
+GPU_MARK = "gpu"  # pyproject.toml's marker of the tests that need CUDA
+# The GPU test files run in this many pytest-xdist processes, whole files each (--dist loadfile): the kernel
+# parity file and the decoding file side by side, as their two workers ran before they were tests, and a
+# process that crashes (a fault in a CUDA extension) leaves the other's tests running. Its worker is not
+# restarted: xdist would hand the new one the crashing test again, up to 8 times.
+GPU_TEST_WORKERS = 2
 
 
 # ----------------------------------------------------------------------------- the checks
 @dataclass
 class Check:
     name: str
-    kind: str  # parity | train | fsdp | bench
+    kind: str  # tests | train | fsdp | bench
     cmd: list[str]
     timeout_s: float
-    output: Path  # what the command writes: results.json, parity.json, bench.json
+    output: Path  # what the command writes: the test report, results.json, bench.json
     env: dict[str, str] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)  # backbone, compile, ...
+
+
+def pytest_command(report: Path, python: str = sys.executable, paths=(TESTS_DIR,),
+                   workers: int = GPU_TEST_WORKERS) -> list[str]:
+    """`pytest -m gpu` over `paths`, each test's outcome written to `report` as it ends (JSON lines)."""
+    parallel = ["-n", str(workers), "--dist", "loadfile", "--max-worker-restart", "0"] if workers > 1 else []
+    return [python, "-m", "pytest", "-m", GPU_MARK, "-v", "-p", "no:cacheprovider", *parallel,
+            "-p", "looplab.testing.pytest_report", "--test-report", str(report), *map(str, paths)]
 
 
 def train_overrides(run_dir: Path, backbone: str, hardware: str, compile: bool, steps: int = STEPS) -> list[str]:
@@ -115,6 +111,7 @@ def build_checks(workdir: Path, python: str = sys.executable, steps: int = STEPS
     workdir = Path(workdir)
     base_env = {"PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline"}
     compile_env = {**base_env, "TORCH_LOGS": "graph_breaks,recompiles"}
+
     def train_check(name: str, backbone: str, hardware: str, compile_: bool, timeout_s: int, env: dict) -> Check:
         run_dir = workdir / name
         info = {"backbone": backbone, "compile": compile_, "steps": steps, "run_dir": str(run_dir)}
@@ -124,17 +121,14 @@ def build_checks(workdir: Path, python: str = sys.executable, steps: int = STEPS
                      [python, "-m", "looplab.train", *train_overrides(run_dir, backbone, hardware, compile_, steps)],
                      timeout_s, run_dir / "results.json", env, info)
 
-    checks = [train_check(f"train-{b}-compile", b, "gpu", True, 240, compile_env) for b in BACKBONES]
+    report = workdir / "gpu-tests.jsonl"
+    checks = [Check("gpu-tests", "tests", pytest_command(report, python), 270, report, base_env,
+                    {"tests_dir": str(TESTS_DIR)})]
+    checks += [train_check(f"train-{b}-compile", b, "gpu", True, 240, compile_env) for b in BACKBONES]
     checks.append(Check("bench", "bench",
                         [python, "-m", "looplab.bench", "--device", "cuda", "--quick", "--only", "train",
                          "--out", str(workdir / "bench.json")],
                         200, workdir / "bench.json", base_env))
-    checks.append(Check("parity", "parity",
-                        [python, "-m", "looplab.gpu_check", "--worker", "parity", "--out", str(workdir / "parity.json")],
-                        220, workdir / "parity.json", compile_env))
-    checks.append(Check("decode", "parity",
-                        [python, "-m", "looplab.gpu_check", "--worker", "decode", "--out", str(workdir / "decode.json")],
-                        200, workdir / "decode.json", compile_env))
     checks.append(train_check("fsdp-hybrid", "hybrid", "fsdp", False, 180, base_env))
     checks += [train_check(f"train-{b}-eager", b, "gpu", False, 150, base_env) for b in BACKBONES]
     return checks
@@ -150,7 +144,7 @@ KERNEL_IMPORTS = (
     ("causal_conv1d conv update", "causal_conv1d", "causal_conv1d_update"),
 )
 GPU_PACKAGES = ("triton", "mamba_ssm", "causal_conv1d")  # import names of the gpu extra
-INSTALL_HINT = "`make gpu-install` (python -m looplab.gpu_install; README, GPU)"
+INSTALL_HINT = "`make gpu-install` (python -m looplab.gpu_install; docs/gpu.md#gpu-install)"
 
 
 def cuda_problems() -> list[str]:
@@ -309,15 +303,87 @@ def parse_bench(check: Check, rc: int, log: str) -> dict[str, Any]:
             **({} if rc == 0 else {"why": f"exit code {rc}"})}
 
 
-def parse_parity(check: Check, rc: int, log: str) -> dict[str, Any]:
-    res = _read_json(check.output)
-    if res is None:
-        return {"status": "error", "error": f"the parity worker wrote no {check.output.name} (exit code {rc})",
-                "log_tail": _tail(log)}
-    return res
+# a test's pytest outcome → its status here: an expected failure or a skip confirms nothing
+TEST_STATUS = {"passed": "pass", "xpassed": "pass", "failed": "fail", "error": "error", "skipped": "skipped",
+               "xfailed": "skipped"}
+PYTEST_EXIT = {2: "interrupted", 3: "an internal error", 4: "a usage error", 5: "no test collected"}
+_WORST_FIRST = ("error", "fail", "skipped", "pass")
 
 
-PARSERS = {"train": parse_train, "fsdp": parse_fsdp, "bench": parse_bench, "parity": parse_parity}
+def _test_result(rec: dict) -> dict[str, Any]:
+    """One finished test's line of the report: its status, seconds, recorded figures and message."""
+    status = TEST_STATUS.get(rec.get("outcome"), "error")
+    out: dict[str, Any] = {"status": status, "wall_s": rec.get("duration_s"), **(rec.get("properties") or {})}
+    if rec.get("message"):
+        out[{"fail": "why", "error": "error", "skipped": "reason"}.get(status, "message")] = rec["message"]
+    return out
+
+
+def parse_tests(check: Check, rc: int | None, log: str) -> dict[str, Any]:
+    """The pytest run's report (looplab.testing.pytest_report's JSON lines) → one result per test, in the
+    order collected, and the run's status: the worst of its tests', or error when pytest did not finish.
+    A test that was running when pytest died is an error; one it never reached is skipped."""
+    records, unreadable = [], None
+    try:
+        lines = Path(check.output).read_text().splitlines()
+    except OSError as e:
+        lines, unreadable = [], f"{type(e).__name__}: {e}"
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut short by the kill that ended pytest
+            continue
+    collected: list[str] = []
+    running: set[str] = set()  # started, not finished (one at a time, or one per xdist worker)
+    done: dict[str, dict] = {}
+    broken: list[str] = []
+    for rec in records:
+        if "collected" in rec:
+            collected = rec["collected"]
+        elif "collection_error" in rec:
+            broken.append(f"{rec['collection_error']}: {rec.get('message')}")
+        elif "started" in rec:
+            running.add(rec["started"])
+        elif "nodeid" in rec:
+            done[rec["nodeid"]] = rec
+            running.discard(rec["nodeid"])
+
+    tests: dict[str, dict] = {}
+    for nodeid in [*collected, *(n for n in done if n not in collected)]:
+        rec = done.get(nodeid)
+        if rec is None and nodeid in running:
+            stopped = "timed out" if rc is None else f"exit code {rc}"
+            tests[nodeid] = {"status": "error", "error": f"pytest stopped while this test ran ({stopped})"}
+        elif rec is None:
+            tests[nodeid] = {"status": "skipped", "reason": "not run: pytest or its worker stopped before it"}
+        else:
+            tests[nodeid] = _test_result(rec)
+
+    counts: dict[str, int] = {}
+    for t in tests.values():
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    out: dict[str, Any] = {"collected": len(collected), "counts": counts, "tests": tests}
+    problem = None
+    if unreadable or not records:
+        problem = f"pytest wrote no test report ({unreadable or 'empty'}; exit code {rc})"
+    elif broken:
+        problem = "a test module did not import: " + " | ".join(dict.fromkeys(broken))  # once, not per worker
+    elif rc in PYTEST_EXIT:
+        problem = f"pytest exited with {rc} ({PYTEST_EXIT[rc]})"
+    elif not tests:
+        problem = f"no test is marked {GPU_MARK!r} under {check.info.get('tests_dir', 'the test paths')}"
+    if problem:
+        return {**out, "status": "error", "error": problem, "log_tail": _tail(log)}
+    out["status"] = next(s for s in _WORST_FIRST if s in counts)
+    worst = [(n, t) for n, t in tests.items() if t["status"] == out["status"]]
+    if out["status"] == "skipped":  # skips share their reasons (no CUDA, no mamba_ssm): each said once
+        out["why"] = " | ".join(dict.fromkeys(str(t.get("reason")) for _, t in worst))
+    elif out["status"] != "pass":
+        out["why"] = " | ".join(f"{n}: {t.get('why') or t.get('error')}" for n, t in worst)
+    return out
+
+
+PARSERS = {"tests": parse_tests, "train": parse_train, "fsdp": parse_fsdp, "bench": parse_bench}
 
 
 # ----------------------------------------------------------------------------- running
@@ -325,7 +391,8 @@ def run_check(check: Check, workdir: Path, deadline: float) -> dict[str, Any]:
     """Run one check's subprocess (output to <workdir>/<name>.log) and read its result; never raises."""
     left = deadline - time.monotonic()
     if left < START_MARGIN_S:
-        return {"status": "skipped", "error": f"time budget spent ({left:.0f} s left)", "command": " ".join(check.cmd)}
+        return {"status": "skipped", "error": f"time budget spent ({max(left, 0):.0f} s left)",
+                "command": " ".join(check.cmd)}
     timeout = min(check.timeout_s, left)
     log_path = Path(workdir) / f"{check.name}.log"
     env = {**os.environ, **check.env}
@@ -344,8 +411,9 @@ def run_check(check: Check, workdir: Path, deadline: float) -> dict[str, Any]:
             finally:
                 _RUNNING.discard(proc)
         log = log_path.read_text(errors="replace")
-        if rc is None:
-            result = {"status": "error", "error": f"timed out after {timeout:.0f} s", "log_tail": _tail(log)}
+        if rc is None:  # the tests that finished before the kill are still reported
+            result = parse_tests(check, rc, log) if check.kind == "tests" else {}
+            result.update(status="error", error=f"timed out after {timeout:.0f} s", log_tail=_tail(log))
         else:
             result = PARSERS[check.kind](check, rc, log)
     except Exception as e:  # a broken parser or an unreadable log must not stop the other checks
@@ -402,14 +470,19 @@ def _fmt(v) -> str:
 
 
 def _one_line(r: dict) -> str:
-    """The figures of one check that fit on a line (or its error)."""
-    if r.get("status") in ("error", "skipped"):
-        return str(r.get("error", "")).strip().splitlines()[0][:110] if r.get("error") else ""
+    """The figures of one check or test that fit on a line (or why it did not run)."""
     parts = []
-    if "cases" in r:  # parity
-        worst = r.get("worst") or {}
-        parts += [f"worst {k} {_fmt(v['value'])} (tol {_fmt(v['tol'])}, {v['case']})" for k, v in worst.items()]
-    for k in ("loss", "tokens_per_s", "graph_breaks", "graph_breaks_logged", "recompiles_logged", "mfu"):
+    if "tests" in r:  # the pytest run
+        parts.append(", ".join(f"{n} {status}" for status, n in r.get("counts", {}).items()))
+    if r.get("status") in ("error", "skipped"):
+        text = str(r.get("error") or r.get("reason") or r.get("why") or "").strip()
+        return " · ".join(parts + [text.splitlines()[0][:110]] if text else parts)[:160]
+    worst, tol = r.get("worst"), r.get("tolerance")
+    if isinstance(worst, dict):  # a parity test: its worst relative error per comparison
+        parts += [f"worst {k} {_fmt(v)}" + (f" (tol {_fmt(tol[k])})" if isinstance(tol, dict) and k in tol else "")
+                  for k, v in worst.items()]
+    for k in ("loss", "tokens_per_s", "plain_tokens_per_s", "first_call_s", "graph_breaks", "graph_breaks_logged",
+              "recompiles_logged", "mfu"):
         if r.get(k) is not None:
             parts.append(f"{k} {_fmt(r[k])}")
     if isinstance(r.get("checkpoint"), dict) and "layout" in r["checkpoint"]:
@@ -419,13 +492,23 @@ def _one_line(r: dict) -> str:
     return " · ".join(parts)[:160]
 
 
+def _rows(checks: dict[str, dict]):
+    """(name, result) of each check, the pytest run's tests indented under it."""
+    for name, r in checks.items():
+        yield name, r
+        for nodeid, t in (r.get("tests") or {}).items():
+            yield "  " + nodeid.removeprefix("tests/"), t
+
+
 def summary_table(report: dict) -> str:
     m = report.get("machine", {})
+    rows = list(_rows(report.get("checks", {})))
+    width = max([22, *(len(name) for name, _ in rows)])
     lines = [f"looplab gpu-check · {m.get('gpu')} · torch {m.get('torch')} (CUDA {m.get('cuda')}) · "
              f"mamba_ssm {m.get('mamba_ssm')} · causal_conv1d {m.get('causal_conv1d')} · {report.get('started_at')}",
-             f"{'check':<22} {'status':<7} {'wall s':>7}  figures"]
-    for name, r in report.get("checks", {}).items():
-        lines.append(f"{name:<22} {r.get('status', '?'):<7} {r.get('wall_s', 0):7.1f}  {_one_line(r)}")
+             f"{'check':<{width}} {'status':<7} {'wall s':>7}  figures"]
+    for name, r in rows:
+        lines.append(f"{name:<{width}} {r.get('status', '?'):<7} {r.get('wall_s') or 0:7.1f}  {_one_line(r)}")
     counts = report.get("counts", {})
     lines.append(f"overall: {report.get('status')} ({', '.join(f'{v} {k}' for k, v in counts.items())}); "
                  f"logs in {report.get('workdir')}")
@@ -438,7 +521,7 @@ def make_report(results: dict[str, dict], machine: dict, workdir: Path, started_
         counts[r.get("status", "error")] = counts.get(r.get("status", "error"), 0) + 1
     status = "pass" if results and all(r.get("status") == "pass" for r in results.values()) else "fail"
     return {"status": status, "counts": counts, "started_at": started_at, "wall_s": round(wall_s, 1),
-            "workdir": str(workdir), "machine": machine, "tolerances": TOLERANCES, "steps": STEPS,
+            "workdir": str(workdir), "machine": machine, "steps": STEPS,
             "checks": results}
 
 
@@ -461,9 +544,14 @@ def _json_safe(obj):
 
 
 def machine_info() -> dict:
+    """The machine as the benchmarks describe it (looplab.bench.common.machine_info: CPU, torch, Python,
+    platform, date, load), plus what the GPU checks depend on: the GPU, CUDA, the kernel packages, Lightning,
+    the host and the commit."""
     import importlib.metadata as md
 
     import torch
+
+    from looplab.bench.common import machine_info as bench_machine_info
 
     def version(dist: str) -> str | None:
         try:
@@ -471,10 +559,10 @@ def machine_info() -> dict:
         except md.PackageNotFoundError:
             return None
 
-    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "mamba_ssm": version("mamba-ssm") or version("mamba_ssm"),
-            "causal_conv1d": version("causal-conv1d") or version("causal_conv1d"), "triton": version("triton"),
-            "lightning": version("lightning"), "cpu_count": os.cpu_count()}
+    info = bench_machine_info(torch.get_num_threads())
+    info.pop("dtype", None)  # the benchmarks' CPU figures are fp32; each check here states its own precision
+    info.update(host=platform.node(), cuda=torch.version.cuda, mamba_ssm=version("mamba-ssm"),
+                causal_conv1d=version("causal-conv1d"), triton=version("triton"), lightning=version("lightning"))
     try:
         from looplab.training.run_utils import git_commit
 
@@ -524,273 +612,17 @@ def write_dynamo_counters(path: Path) -> dict:
     return data
 
 
-# ----------------------------------------------------------------------------- the parity worker
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def _diff(a, b) -> dict[str, float]:
-    return {"max_abs": (a.float() - b.float()).abs().max().item(), "max_rel": _rel(a, b)}
-
-
-def _conv_layout(mixer, x) -> str:
-    """Which input causal-conv1d gets for this mixer (mirrors Mamba2Mixer._conv)."""
-    import torch
-
-    from looplab.models.config import CAUSAL_CONV1D_WIDTHS
-    from looplab.models.mamba2 import _conv_channel_last_ok
-
-    if mixer.d_conv not in CAUSAL_CONV1D_WIDTHS:
-        return f"torch conv (d_conv={mixer.d_conv})"
-    with torch.no_grad():
-        proj = mixer.in_proj(x[:, :4])
-    xBC = proj[..., mixer.d_inner : mixer.d_inner + mixer.conv_dim]
-    if _conv_channel_last_ok(xBC.transpose(1, 2)):
-        return "channel-last view (no copy)"
-    if _conv_channel_last_ok(xBC.contiguous().transpose(1, 2)):
-        return "channel-last copy"
-    return "channel-first copy"
-
-
-def _conv_ran(mixer, x, calls: dict) -> dict[str, Any]:
-    """The conv the mixer's forward actually ran (calls: mamba2.CONV_CALLS over that forward) against
-    the one it should run; a fallback to the torch conv where causal_conv1d was due fails the case."""
-    from looplab.models.config import CAUSAL_CONV1D_WIDTHS
-    from looplab.models.mamba2 import FusedOps
-
-    expected = "causal_conv1d" if mixer.kernel != "torch" and mixer.d_conv in CAUSAL_CONV1D_WIDTHS else "torch"
-    ops = mixer._fused_ops(x)
-    error = ops.causal_conv1d_error if isinstance(ops, FusedOps) else None
-    fused, fallback = calls.get("causal_conv1d", 0), calls.get("torch", 0)
-    ran = " + ".join(k for k, n in (("causal_conv1d", fused), ("torch", fallback)) if n) or "none counted"
-    out: dict[str, Any] = {"ran": ran, "expected": expected, "calls": calls}
-    if fused:
-        out["layout"] = _conv_layout(mixer, x)
-    if error:
-        out["causal_conv1d_error"] = error
-    why = conv_verdict(expected, calls, f"causal_conv1d: {error}" if error else None)
-    if why:
-        out["why"] = why
-    return out
-
-
-def _mixer_pair(kw: dict, kernel: str, device: str = "cuda"):
-    import torch
-
-    from looplab.models.mamba2 import Mamba2Mixer
-
-    torch.manual_seed(0)
-    ref = Mamba2Mixer(kernel="torch", **kw).to(device)
-    with torch.no_grad():  # non-trivial conv bias and norm weight, as in tests/test_mamba2.py
-        ref.conv1d.bias.normal_()
-        ref.norm.weight.uniform_(0.5, 1.5)
-    fused = Mamba2Mixer(kernel=kernel, **kw).to(device)
-    fused.load_state_dict(ref.state_dict())
-    return ref, fused
-
-
-_GRAD_PARAMS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "dt_bias", "D", "norm.weight", "out_proj.weight")
-
-
-def _fwd_bwd(mixer, x, g, bf16: bool, call=None):
-    """Forward (through `call`, e.g. a compiled wrapper, if given) and backward; output and gradients."""
-    import contextlib
-
-    import torch
-
-    xi = x.clone().requires_grad_()
-    ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with ctx:
-        y = (mixer if call is None else call)(xi)
-    y.float().backward(g)
-    grads = {"x": xi.grad.detach().clone()}
-    grads.update({n: mixer.get_parameter(n).grad.detach().float().clone() for n in _GRAD_PARAMS})
-    mixer.zero_grad(set_to_none=True)
-    return y.detach().float(), grads
-
-
-def _decode(mixer, x, bf16: bool, prefill: int):
-    import contextlib
-
-    import torch
-
-    ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with torch.no_grad(), ctx:
-        cache = mixer.allocate_cache(x.shape[0], x.shape[1], x.device, x.dtype)
-        parts = [mixer(x[:, :prefill], None, None, cache)]
-        parts += [mixer(x[:, t : t + 1], None, None, cache) for t in range(prefill, x.shape[1])]
-    return torch.cat(parts, 1).float()
-
-
-def parity_case(kw: dict, kernel: str, precision: str, device: str = "cuda", length: int = PARITY_LEN,
-                prefill: int = PARITY_PREFILL) -> dict[str, Any]:
-    """Fused vs torch mixer, same weights: forward, gradients, prefill + step decoding, and which conv ran."""
-    import torch
-
-    from looplab.models.mamba2 import CONV_CALLS
-
-    ref, fused = _mixer_pair(kw, kernel, device)
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(PARITY_BATCH, length, kw["d_model"], device=device, generator=gen)
-    g = torch.randn(x.shape, device=device, generator=gen)
-    bf16 = precision == "bf16"
-    tol = dict(TOLERANCES[precision])
-    yr, gr = _fwd_bwd(ref, x, g, bf16)
-    CONV_CALLS.clear()
-    yf, gf = _fwd_bwd(fused, x, g, bf16)
-    conv = _conv_ran(fused, x, dict(CONV_CALLS))
-    out: dict[str, Any] = {"kernel": kernel, "precision": "bf16 autocast" if bf16 else "fp32", "conv": conv}
-    out["forward"] = _diff(yf, yr)
-    out["grad"] = {n: _diff(gf[n], gr[n]) for n in gr}
-    dec = _decode(fused, x, bf16, prefill)
-    out["decode"] = {"vs_own_forward": _diff(dec, yf), "vs_torch_forward": _diff(dec, yr)}
-    if bf16:  # the noise floor: what bf16 alone does to the torch path
-        y32, g32 = _fwd_bwd(ref, x, g, False)
-        noise = {"forward": _rel(yr, y32), "grad": max(_rel(gr[n], g32[n]) for n in gr)}
-        noise["decode"] = noise["forward"]
-        out["bf16_noise_floor"] = noise
-        tol = {k: max(v, 2 * noise[k]) for k, v in tol.items()}
-    out["tolerance"] = tol
-    worst = {"forward": out["forward"]["max_rel"], "grad": max(d["max_rel"] for d in out["grad"].values()),
-             "decode": max(d["max_rel"] for d in out["decode"].values())}
-    out["worst"] = worst
-    bad = [f"{k} {v:.3g} > {tol[k]:.3g}" for k, v in worst.items() if not v <= tol[k]]
-    bad += [conv["why"]] if "why" in conv else []
-    out["status"] = "fail" if bad else "pass"
-    if bad:
-        out["why"] = "; ".join(bad)
-    return out
-
-
-def compile_case(kw: dict, kernel: str = "mamba_ssm", device: str = "cuda", length: int = PARITY_LEN,
-                 backend: str = "inductor") -> dict[str, Any]:
-    """The fused mixer under torch.compile (bf16 autocast): equal to eager, its graph breaks counted
-    (expected: the scan's and the conv's, each kept out of the graph by torch.compiler.disable)."""
-    import torch
-    import torch._dynamo.utils as dynamo_utils
-
-    from looplab.models.mamba2 import CONV_CALLS
-
-    _, fused = _mixer_pair(kw, kernel, device)
-    gen = torch.Generator(device=device).manual_seed(2)
-    x = torch.randn(PARITY_BATCH, length, kw["d_model"], device=device, generator=gen)
-    g = torch.randn(x.shape, device=device, generator=gen)
-    ye, ge = _fwd_bwd(fused, x, g, True)
-    torch._dynamo.reset()
-    dynamo_utils.counters.clear()
-    compiled = torch.compile(fused, backend=backend)
-    CONV_CALLS.clear()
-    _fwd_bwd(fused, x, g, True, call=compiled)
-    yc, gc = _fwd_bwd(fused, x, g, True, call=compiled)  # the second call reuses the graphs
-    conv = _conv_ran(fused, x, dict(CONV_CALLS))
-    breaks = dict(dynamo_utils.counters.get("graph_break", {}))
-    tol = TOLERANCES["compile"]
-    worst = {"forward": _rel(yc, ye), "grad": max(_rel(gc[n], ge[n]) for n in ge)}
-    bad = [f"{k} {v:.3g} > {tol[k]:.3g}" for k, v in worst.items() if not v <= tol[k]]
-    bad += [conv["why"]] if "why" in conv else []
-    out = {"status": "fail" if bad else "pass", "precision": "bf16 autocast", "worst": worst, "tolerance": tol,
-           "conv": conv,
-           "graph_breaks": sum(breaks.values()), "graph_break_reasons": {str(k)[:300]: v for k, v in breaks.items()},
-           "unique_graphs": dict(dynamo_utils.counters.get("stats", {})).get("unique_graphs", 0)}
-    if bad:
-        out["why"] = "; ".join(bad)
-    return out
-
-
-def parity_jobs() -> list[tuple[str, Any]]:
-    """(name, thunk) of every GPU parity case."""
-    jobs = [(f"{name}-{prec}", lambda kw=kw, kernel=kernel, prec=prec: parity_case(kw, kernel, prec))
-            for name, kw, kernel in PARITY_SHAPES for prec in ("fp32", "bf16")]
-    jobs.append(("d256-compiled", lambda: compile_case(PARITY_SHAPES[0][1])))
-    return jobs
-
-
-def decode_worker(out_path: Path, new_tokens: int = 128) -> int:
-    """Issue 27: the static-shape decode step captured by CUDA graphs (torch.compile mode="reduce-overhead")
-    decodes plain cached decoding's tokens; tokens/s of plain, static eager and the captured step, and of
-    self-speculation (k = 2, γ = 4), on a random d 512 llama 2⊗4 at batch 1 and 8 (fp32: bf16 near-ties would
-    flip greedy tokens between kernels and say nothing about the decoders)."""
-    import torch
-
-    from looplab.models import LoopedLM, LoopedLMConfig
-    from looplab.models.generation import generate
-
-    torch.manual_seed(0)
-    model = LoopedLM(LoopedLMConfig(vocab_size=8192, d_model=512, n_heads=8, n_layers=2, n_loops=4, max_seq_len=512))
-    model = model.to("cuda").eval()
-    res: dict[str, Any] = {"status": "pass", "model": "llama 2x4 d512 fp32, random weights", "new_tokens": new_tokens}
-    try:
-        for batch in (1, 8):
-            ids = torch.randint(0, 8192, (batch, 32), device="cuda")
-            ref = generate(model, ids, new_tokens)
-            row: dict[str, Any] = {}
-            for name, kw in {"plain": {}, "static_eager": {"static_cache": "eager"},
-                             "reduce_overhead": {"static_cache": "reduce-overhead"},
-                             "speculative_k2_g4": {"speculative_loops": 2, "draft_tokens": 4}}.items():
-                t0 = time.perf_counter()
-                out = generate(model, ids, new_tokens, **kw)  # the first call compiles / captures
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = generate(model, ids, new_tokens, **kw)
-                torch.cuda.synchronize()
-                row[name] = {"tokens_per_s": round(batch * new_tokens / (time.perf_counter() - t0), 1),
-                             "first_call_s": round(first, 2), "same_tokens": bool(torch.equal(out, ref))}
-                if not row[name]["same_tokens"]:
-                    res["status"] = "fail"
-                    res["why"] = f"{name} at batch {batch} decoded other tokens than plain decoding"
-            res[f"batch_{batch}"] = row
-    except Exception as e:  # noqa: BLE001 — reported, not raised: the other checks still run
-        res.update(status="error", error=f"{type(e).__name__}: {e}")
-    out_path.write_text(json.dumps(res, indent=1))
-    return 0 if res["status"] == "pass" else 1
-
-
-def parity_worker(out_path: Path, jobs: list[tuple[str, Any]] | None = None) -> int:
-    """Every parity case, each in its own try: writes {status, cases, worst} to out_path."""
-    cases: dict[str, dict] = {}
-    jobs = parity_jobs() if jobs is None else jobs
-    for name, fn in jobs:
-        t0 = time.monotonic()
-        try:
-            cases[name] = fn()
-        except Exception as e:  # one failing case must not hide the others
-            cases[name] = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        cases[name]["wall_s"] = round(time.monotonic() - t0, 1)
-        print(f"[parity] {name}: {cases[name]['status']} {cases[name].get('why') or cases[name].get('error') or ''}",
-              flush=True)
-        if len(cases) < len(jobs):  # kept if the process dies in a later case (a CUDA fault)
-            write_report(out_path, {"status": "error", "error": f"the parity worker stopped after case {name}",
-                                    "cases": cases})
-    worst: dict[str, dict] = {}
-    for name, c in cases.items():
-        for k, v in (c.get("worst") or {}).items():
-            ratio = v / c["tolerance"][k]
-            if k not in worst or ratio > worst[k]["ratio"]:
-                worst[k] = {"value": v, "tol": c["tolerance"][k], "ratio": ratio, "case": name}
-    statuses = [c["status"] for c in cases.values()]
-    status = "error" if "error" in statuses else "fail" if "fail" in statuses else "pass"
-    failed = [f"{n}: {c.get('why') or c.get('error')}" for n, c in cases.items() if c["status"] != "pass"]
-    report = {"status": status, "worst": worst, "cases": cases}
-    if failed:
-        report["why" if status == "fail" else "error"] = " | ".join(failed)
-    write_report(out_path, report)
-    return 0
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m looplab.gpu_check", description=__doc__.split("\n\n")[1])
     ap.add_argument("--out", default="gpu-check.json", help="the JSON report (default gpu-check.json)")
     ap.add_argument("--workdir", default=None, help="run folders and logs (default outputs/gpu-check/<time>)")
-    ap.add_argument("--only", default=None, help="comma-separated check names or prefixes (e.g. parity,train-llama)")
+    ap.add_argument("--only", default=None, help="comma-separated check names or prefixes (e.g. gpu-tests,train-llama)")
     ap.add_argument("--jobs", type=int, default=4, help="checks run at the same time (default 4)")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="overall time budget in seconds")
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per run (default 20)")
     ap.add_argument("--list", action="store_true", help="print the checks and their commands, run nothing")
     ap.add_argument("--preflight", action="store_true", help="only check that CUDA works and every kernel imports")
-    ap.add_argument("--worker", choices=("parity", "decode"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -813,10 +645,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight:
         print("gpu-check preflight: CUDA and every kernel import (" + ", ".join(w for w, _, _ in KERNEL_IMPORTS) + ")")
         return 0
-    if args.worker == "parity":
-        return parity_worker(Path(args.out))
-    if args.worker == "decode":
-        return decode_worker(Path(args.out))
 
     workdir.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

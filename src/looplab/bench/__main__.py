@@ -22,14 +22,14 @@ from looplab.bench import common
 
 PARTS = ("train", "mamba2", "decode", "overhead", "data", "router")
 MODULES = {"overhead": "decode_overhead"}  # part → module, where they differ
-HEADLINE = {  # the figures SPEC §8 names, per part, and how to print them
+HEADLINE = {  # per part, its headline figures (docs/performance.md#results-json) in print order
     "train": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_cpu_time", "ratio_vs_unlooped", "mfu",
               "transformers_mfu", "matmul_gflops", "matmul_gflops_range", "peak_memory_mb", "peak_memory_ratio_vs_transformers"),
     "mamba2": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_compiled"),
     "decode": ("state_overhead", "ratio_vs_vanilla_r_plus_1", "cached_speedup_512"),
     "overhead": ("ratio_vs_transformers", "skip_overhead", "outside_loops_share"),
     "data": ("min_ratio_vs_train_step", "train_steps_per_s"),
-    # depth routing (issue 28): routed / fixed-depth training tokens/s and analytic training FLOPs (bench/router.py)
+    # depth routing: routed / fixed-depth training tokens/s and analytic training FLOPs (bench/router.py)
     "router": ("fixed_tokens_per_s", "ec_tokens_per_s_ratio", "ec_flops_ratio", "tc_tokens_per_s_ratio", "tc_flops_ratio",
                "tc_flops_ratio_measured", "ec_tokens_per_s_ratio_wall", "tc_tokens_per_s_ratio_wall",
                "fixed_decode_tokens_per_s", "ec_decode_tokens_per_s_ratio", "ec_decode_mean_depth",

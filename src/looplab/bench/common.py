@@ -1,9 +1,9 @@
-"""Shared pieces of the benchmarks: the machine, threads, side-by-side timing, the matmul ceiling, peak memory.
+"""Shared pieces of the benchmarks: the machine, threads, the timer, the matmul ceiling, peak memory.
 
-Everything is timed **round-robin in one process**: repeat k of every candidate runs
-before repeat k+1 of any (odd rounds in reverse order), so a machine that gets busier
-halfway (this one is shared) slows all candidates alike and the ratios stay honest.
-Figures are medians.
+Everything is timed by `time_round_robin`, **round-robin in one process**: round k of every
+candidate runs before round k+1 of any (odd rounds in reverse order), so a machine that gets
+busier halfway (this one is shared) slows all candidates alike and the ratios stay honest.
+Figures are medians; ratios are medians over rounds of the per-round ratio.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -65,50 +66,153 @@ def machine_info(threads: int) -> dict:
     return info
 
 
-def time_side_by_side(
-    fns: dict[str, Callable[[], None]],
-    warmup: int = 1,
-    repeats: int = 3,
-    cpu_times: dict | None = None,
-    ceiling: Callable[[], float] | None = None,
-    local_ceilings: dict | None = None,
-) -> dict[str, list[float]]:
-    """Wall seconds per call of each fn, interleaved round-robin after `warmup` untimed calls of each.
+# ----------------------------------------------------------------- timing
+# the clocks, as module attributes so that a test can substitute a fake one
+_wall, _cpu = time.perf_counter, time.process_time
 
-    If `cpu_times` is a dict, it receives this process's CPU seconds per call as well: on a
-    machine shared with other jobs the wall clock includes time spent descheduled, the CPU
-    clock does not (with one thread it is the steadier figure; with several it also counts
-    the threads' spin-waits).
 
-    If `ceiling` is given (a call returning GFLOP/s, see `matmul_probe`), it runs right
-    before and right after every timed call, and `local_ceilings` receives the mean of the
-    two per call: this VM's matmul throughput drifts by ±25% over seconds (measured
-    185–290 GFLOP/s within 30 s of an idle machine), so a utilisation figure must divide
-    by the ceiling of the same moment, not by one measured a minute earlier.
+class Stepper:
+    """A candidate whose timed call needs state made outside the timing (a cache, a prefilled prompt, a batch).
+
+    `start(episode)` runs untimed before each episode (episode 0, 1, ...); `step(i)` is the timed call, i counting
+    from 0 within the episode. Decoding one sequence token by token is one episode: `start` allocates the cache,
+    each `step` decodes one token. What `step` returns goes to the timer's `after` hook.
     """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    local: dict[str, list[float]] = {k: [] for k in fns}
-    order = list(fns)
-    for r in range(repeats):
-        # ABBA: odd rounds run in reverse, so a drift within a round favours no candidate
-        for k in order if r % 2 == 0 else order[::-1]:
-            fn = fns[k]
-            before = ceiling() if ceiling else 0.0
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-            cpu[k].append(time.process_time() - c0)
-            if ceiling:
-                local[k].append((before + ceiling()) / 2)
-    if cpu_times is not None:
-        cpu_times.update(cpu)
-    if local_ceilings is not None and ceiling:
-        local_ceilings.update(local)
-    return times
+
+    def start(self, episode: int) -> None:
+        pass
+
+    def step(self, i: int) -> Any:
+        raise NotImplementedError
+
+
+class _Calls(Stepper):
+    """A plain call as a stepper: nothing to prepare."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+
+    def step(self, i: int) -> Any:
+        return self.fn()
+
+
+class Ratio(NamedTuple):
+    """A paired ratio: median and range over rounds of the per-round ratio."""
+
+    median: float
+    low: float
+    high: float
+
+
+@dataclass
+class Timings:
+    """Seconds of every timed call, one per round and candidate, in round order: `wall` (perf_counter) and `cpu`
+    (this process's CPU time, all its threads); `ceiling`: the matmul probe's GFLOP/s around each call (empty
+    lists without a probe). Ratios pair the calls of one round, which ran back to back."""
+
+    reference: str
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+    ceiling: dict[str, list[float]]
+
+    def seconds(self, name: str, clock: str = "wall") -> list[float]:
+        if clock not in ("wall", "cpu"):
+            raise ValueError(f"clock {clock!r}: choose wall or cpu")
+        return (self.wall if clock == "wall" else self.cpu)[name]
+
+    def median(self, name: str, clock: str = "wall") -> float:
+        return median(self.seconds(name, clock))
+
+    def ratios(self, name: str, reference: str | None = None, clock: str = "wall") -> list[float]:
+        """Round by round: name's time / the reference's time (a ratio above 1: name is slower)."""
+        ref = self.seconds(reference or self.reference, clock)
+        return [a / b for a, b in zip(self.seconds(name, clock), ref)]
+
+    def ratio(self, name: str, reference: str | None = None, clock: str = "wall") -> Ratio:
+        """Median and range over rounds of `ratios`: load that changes between rounds cancels out, which a
+        ratio of two medians does not guarantee."""
+        r = self.ratios(name, reference, clock)
+        return Ratio(median(r), min(r), max(r))
+
+
+def cuda_sync(device) -> Callable[[], None]:
+    """A call that waits for `device`'s queued kernels (torch.cuda.synchronize) when it is a GPU, else does
+    nothing: CUDA calls return once their kernels are queued, so unsynchronised wall time measures the launch."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        return lambda: None
+    return lambda: torch.cuda.synchronize(dev)
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where a model's parameters live (the device the timer synchronises)."""
+    return next(module.parameters()).device
+
+
+def time_round_robin(
+    candidates: dict[str, Callable[[], Any] | Stepper],
+    repeats: int | None = None,
+    *,
+    warmup: int = 1,
+    episodes: Sequence[int] | None = None,
+    reference: str | None = None,
+    device=None,
+    ceiling: Callable[[], float] | None = None,
+    after: Callable[[str, Any], None] | None = None,
+) -> Timings:
+    """Time candidates side by side in one process: plain calls, or `Stepper`s (stateful steps).
+
+    A round runs one call (or step) of every candidate, in dict order on even rounds and reversed on odd ones
+    (ABBA: a drift within a round favours no candidate; the alternation runs on through the warm-up). Give
+    `repeats` (one episode of `warmup + repeats` rounds) or `episodes` (their lengths in rounds: before each
+    one, every stepper's `start` runs untimed). The first `warmup` rounds are not recorded. `reference` (default:
+    the first candidate) is what `Timings.ratio` divides by unless told otherwise.
+
+    On a machine shared with other jobs the wall clock includes time spent descheduled and the CPU clock does
+    not: with one thread it is the steadier figure, with several it also counts the threads' spin-waits, and on
+    a GPU it counts the host's wait for the device. With `device` a GPU, the device is synchronised before and
+    after each timed call (and after each `start`), so wall time runs until the call's kernels have finished.
+
+    `ceiling` (a call returning GFLOP/s, see `matmul_probe`) runs right before and right after every timed call
+    and `Timings.ceiling` keeps the mean of the two: this VM's matmul throughput drifts by ±25% over seconds
+    (measured 185–290 GFLOP/s within 30 s of an idle machine), so a utilisation figure must divide by the
+    ceiling of the same moment. `after(name, returned)` runs after every call, warm-up included, untimed: to
+    check or keep what the call produced.
+    """
+    if (repeats is None) == (episodes is None):
+        raise TypeError("time_round_robin: give exactly one of repeats (plain calls) and episodes (their lengths)")
+    steppers = {k: c if isinstance(c, Stepper) else _Calls(c) for k, c in candidates.items()}
+    reference = reference or next(iter(steppers))
+    if reference not in steppers:
+        raise KeyError(f"reference {reference!r} is not a candidate ({', '.join(steppers)})")
+    sync = cuda_sync(device)
+    wall: dict[str, list[float]] = {k: [] for k in steppers}
+    cpu: dict[str, list[float]] = {k: [] for k in steppers}
+    local: dict[str, list[float]] = {k: [] for k in steppers}
+    order = list(steppers)
+    r = 0
+    for episode, length in enumerate([warmup + repeats] if episodes is None else episodes):
+        for s in steppers.values():
+            s.start(episode)
+        sync()
+        for i in range(length):
+            timed = r >= warmup
+            for k in order if r % 2 == 0 else order[::-1]:
+                before = ceiling() if ceiling and timed else 0.0
+                sync()
+                c0, t0 = _cpu(), _wall()
+                out = steppers[k].step(i)
+                sync()
+                t1, c1 = _wall(), _cpu()
+                if timed:
+                    wall[k].append(t1 - t0)
+                    cpu[k].append(c1 - c0)
+                    if ceiling:
+                        local[k].append((before + ceiling()) / 2)
+                if after:
+                    after(k, out)
+            r += 1
+    return Timings(reference, wall, cpu, local)
 
 
 def matmul_probe(n: int = 2048, calls: int = 1, device: str = "cpu", dtype=torch.float32) -> Callable[[], float]:
@@ -138,15 +242,17 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def first_compiled_call(step: Callable[[], None]) -> dict:
-    """Run a step whose model was just compiled (the call that compiles its graphs):
-    {"compile_s": seconds}, or {"error": why} where inductor cannot run (e.g. no C++ toolchain)."""
-    t0 = time.perf_counter()
+def first_compiled_call(step: Callable[[], None], device=None) -> dict:
+    """Run a step whose model was just compiled (the call that compiles its graphs), once and synchronised
+    on `device`: {"compile_s": seconds}, or {"error": why} where inductor cannot run (e.g. no C++ toolchain)."""
+    sync = cuda_sync(device)
+    t0 = _wall()
     try:
         step()
+        sync()
     except Exception as e:  # noqa: BLE001 — recorded, so the other figures still come out
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    return {"compile_s": round(time.perf_counter() - t0, 1)}
+    return {"compile_s": round(_wall() - t0, 1)}
 
 
 # ----------------------------------------------------------------- memory

@@ -1,4 +1,4 @@
-"""Data benchmark (issue 9): the DataModules' training batches/s vs the training step rate.
+"""Data benchmark: the DataModules' training batches/s vs the training step rate.
 
 The loader must never be the bottleneck: the target is ≥ 20× the training step rate at the
 same batch size and sequence length. Loaders run in the main process (num_workers=0, the
@@ -17,12 +17,8 @@ TARGET = 20.0
 
 
 def _rate(it, n: int, warmup: int) -> float:
-    for _ in range(warmup):
-        next(it)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        next(it)
-    return n / (time.perf_counter() - t0)
+    """Batches per wall second: n batches drawn one per timed call, after `warmup` untimed ones."""
+    return n / sum(common.time_round_robin({"next": lambda: next(it)}, n, warmup=warmup).wall["next"])
 
 
 def lm_batches_per_s(batch: int, seq_len: int, n: int, cache_dir: str) -> dict:
@@ -56,7 +52,7 @@ def _train_step_rate(threads: int, quick: bool) -> float:
 
     d = train.QUICK if quick else train.FULL
     step = train.make_step(train.looplab_model(d), d)[0]
-    t = common.time_side_by_side({"s": step}, warmup=1, repeats=2 if quick else 3)["s"]
+    t = common.time_round_robin({"s": step}, 2 if quick else 3, warmup=1).wall["s"]
     return 1.0 / common.median(t)
 
 

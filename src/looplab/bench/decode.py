@@ -1,8 +1,10 @@
-"""Decoding benchmark (SPEC §7, issue 7; exit-gate skip_compute, SPEC §4): per-token latency.
+"""Decoding benchmark: per-token latency of cached decoding (docs/decoding.md#caches), and the
+exit gate's skip_compute on trained checkpoints (docs/decoding.md#exits-that-save-compute).
 
 All models share d 512, N 4, R 4, 8 heads, vocab 8192, batch 1, fp32, random weights, and
-are timed **round-robin in one process** (step k of every model before step k+1 of any), so
-load on this shared machine hits all alike; figures are medians after warm-up. For each
+are timed **round-robin in one process** (step k of every model before step k+1 of any, ABBA:
+common.time_round_robin), so load on this shared machine hits all alike; figures are medians
+after warm-up. For each
 context length the prompt is prefilled once into the model's cache, then single-token
 decoding steps are timed (each step appends one token, so "context 512" means 512 to
 512 + warmup + repeats tokens).
@@ -19,7 +21,7 @@ per-token times inflate ~15× and scatter (measured here: 0.4 s instead of 27 ms
 
 skip_compute (the exit columns): trained, gated checkpoints (table 8's stage-2 runs of the
 attention-only backbones) decode their own task's test sequences with all loops, with the gate's
-exit depth and every loop computed, and with `skip_compute` (bench/exit_decode.py): answer
+exit depth and every loop computed, and with `skip_compute` (bench/exit_grid.py): answer
 accuracy, agreement, exit depths and per-token latency. Without checkpoints
 (`--exit-runs DIR ...`, each DIR a sweep folder of such runs) the section is skipped and says so:
 exits of an untrained or hand-set gate would measure nothing.
@@ -31,12 +33,11 @@ import importlib.util
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from looplab.bench.common import machine_info
+from looplab.bench.common import Stepper, machine_info, time_round_robin
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.generation import decode_step
 
@@ -73,11 +74,26 @@ def _build(cfg: LoopedLMConfig, seed: int = 0) -> LoopedLM:
     return model
 
 
+class _Prefilled(Stepper):
+    """One model decoding after a prompt: `start` allocates its cache and prefills the prompt (untimed),
+    each `step` decodes the prompt's last token once more (one token appended per step)."""
+
+    def __init__(self, model: LoopedLM, prompt: torch.Tensor, steps: int):
+        self.model, self.prompt, self.tok, self.steps = model, prompt, prompt[:, -1:], steps
+
+    def start(self, episode: int) -> None:
+        self.cache = self.model.allocate_cache(self.prompt.shape[0], self.prompt.shape[1] + self.steps + 1)
+        self.model(self.prompt, cache=self.cache)
+
+    def step(self, i: int) -> None:
+        decode_step(self.model, self.tok, self.cache)
+
+
 @torch.no_grad()
 def _latency(models: dict[str, LoopedLM], contexts, warmup: int, repeats: int, recompute_repeats: int,
              rounds: int = 1) -> dict:
     """Per-token latency per context: the median over `repeats` timed tokens, every model's step k timed
-    before any model's step k + 1. `rounds_ms` splits the timed tokens into `rounds` consecutive blocks and
+    before any model's step k + 1 (ABBA). `rounds_ms` splits the timed tokens into `rounds` consecutive blocks and
     keeps each block's median per model: the repeated timings (one process, round-robin) that table 4's
     findings pair, so that their intervals measure timing noise, not a difference between conditions."""
     V = DIMS["vocab_size"]
@@ -85,35 +101,21 @@ def _latency(models: dict[str, LoopedLM], contexts, warmup: int, repeats: int, r
     out: dict = {"per_token_ms": {}, "recompute_per_token_ms": {}, "rounds_ms": {}, "_times": {}}
     for ctx in contexts:
         prompt = torch.randint(0, V, (DIMS["batch"], ctx), generator=g)
-        tok = prompt[:, -1:]
-        caches = {}
-        for name, m in models.items():
-            caches[name] = m.allocate_cache(DIMS["batch"], ctx + warmup + repeats + 1)
-            m(prompt, cache=caches[name])
-        times = {k: [] for k in models}
-        for i in range(warmup + repeats):
-            for name, m in models.items():  # round-robin
-                t0 = time.perf_counter()
-                decode_step(m, tok, caches[name])
-                dt = time.perf_counter() - t0
-                if i >= warmup:
-                    times[name].append(dt)
+        steppers = {name: _Prefilled(m, prompt, warmup + repeats) for name, m in models.items()}
+        timings = time_round_robin(steppers, repeats, warmup=warmup)
+        times = timings.wall
         out["per_token_ms"][str(ctx)] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
         per_round = repeats // max(1, rounds)
         if rounds > 1 and per_round >= 1:
             out["rounds_ms"][str(ctx)] = {k: [1e3 * statistics.median(v[i * per_round:(i + 1) * per_round]) for i in range(rounds)]
                                           for k, v in times.items()}
-        out["_times"][str(ctx)] = times
+        out["_times"][str(ctx)] = timings
         # recompute from scratch: a full forward over the prefix for one new token's logits
-        ref = models.get("vanilla_R")
-        rt = []
-        for _ in range(recompute_repeats):
-            t0 = time.perf_counter()
-            ref(prompt).logits[:, -1]
-            rt.append(time.perf_counter() - t0)
-        if rt:
-            out["recompute_per_token_ms"][str(ctx)] = 1e3 * statistics.median(rt)
-        del caches
+        if recompute_repeats:
+            ref = models["vanilla_R"]
+            rt = time_round_robin({"recompute": lambda: ref(prompt).logits[:, -1]}, recompute_repeats, warmup=0).wall
+            out["recompute_per_token_ms"][str(ctx)] = 1e3 * statistics.median(rt["recompute"])
+        del steppers
     return out
 
 
@@ -126,7 +128,7 @@ def _deep_block(warmup: int, repeats: int, n_layers: int = 24, ctx: int = 64) ->
     lat = _latency(models, (ctx,), warmup, max(repeats // 2, 5), 0)
     raw = lat["_times"][str(ctx)]
     f = {k: m.flops_per_token(ctx) for k, m in models.items()}
-    paired = lambda a, b: statistics.median(x / y for x, y in zip(raw[a], raw[b]))  # noqa: E731
+    paired = lambda a, b: raw.ratio(a, b).median  # noqa: E731
     return {
         "n_layers": n_layers, "context": ctx, "per_token_ms": lat["per_token_ms"][str(ctx)],
         "state_overhead": paired("stateloop_R", "vanilla_R") - 1,
@@ -143,7 +145,7 @@ def exit_checkpoints(run_dirs) -> list[Path]:
 
 
 def skip_compute_section(run_dirs, threads: int, n_sequences: int = 128) -> dict:
-    from looplab.bench import exit_decode
+    from looplab.bench import exit_grid
 
     ckpts = exit_checkpoints(run_dirs or [])
     if not ckpts:
@@ -153,7 +155,7 @@ def skip_compute_section(run_dirs, threads: int, n_sequences: int = 128) -> dict
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return exit_decode.run(ckpts, n_sequences=n_sequences)
+        return exit_grid.decode_checkpoints(ckpts, n_sequences=n_sequences)
     finally:
         torch.set_num_threads(old)
 
@@ -178,10 +180,8 @@ def run(threads: int = 2, quick: bool = False, exit_runs=None) -> dict:
         result.update(_latency(models, contexts, warmup, repeats, recompute_repeats, rounds))
         per, raw = result["per_token_ms"], result.pop("_times")
 
-        def ratio(a, b):
-            # median of the ratios of steps timed back to back: load that drifts between
-            # rounds cancels out, which a ratio of two medians does not guarantee
-            return {c: statistics.median(x / y for x, y in zip(raw[c][a], raw[c][b])) for c in raw}
+        def ratio(a, b):  # per context: the paired ratio of steps timed back to back (common.Timings.ratio)
+            return {c: t.ratio(a, b).median for c, t in raw.items()}
 
         so = {c: r - 1 for c, r in ratio("stateloop_R", "vanilla_R").items()}
         rr = ratio("stateloop_R", "vanilla_R+1")

@@ -1,8 +1,8 @@
-"""Per-loop overhead of cached decoding (issue 27, item 3): where a decoded token's time goes.
+"""Per-loop overhead of cached decoding: where a decoded token's time goes.
 
 For each width d (64, 256, 576; 576 is SmolLM-135M's width, 9 heads and 3 key/value heads) a
 llama N⊗R = 2⊗4 with vocab 4096 and random weights decodes 64 greedy tokens after a 32-token
-prompt, batch 1, fp32. Timed round-robin in one process (looplab.bench.common.time_side_by_side),
+prompt, batch 1, fp32. Timed round-robin in one process (looplab.bench.common.time_round_robin),
 medians of `repeats` calls; every call decodes the same tokens:
 
     plain                 looplab cached greedy decoding (`generate`)
@@ -12,7 +12,7 @@ medians of `repeats` calls; every call decodes the same tokens:
     skip_no_exit          the same weights plus an Ouro exit gate whose bias keeps every λ ≈ 0, decoded
                           with exit_threshold=0.5 and skip_compute=kv_copy, so no token exits: the cost of
                           the skip path's bookkeeping alone, against plain decoding of that gate model
-                          (skip_overhead = time ÷ plain's − 1; the issue's target is ≤ 0.05)
+                          (skip_overhead = time ÷ plain's − 1; the target is ≤ 0.05)
     plain at depth 1      the same model decoded at n_loops=1, so time/token = fixed + R · per_loop gives
                           the per-loop cost and the share of a token's time spent outside the loops
     static_eager          plain decoding through the static-shape step (models/static_decode.py)
@@ -30,7 +30,7 @@ import statistics
 
 import torch
 
-from looplab.bench.common import time_side_by_side
+from looplab.bench.common import time_round_robin
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.generation import generate
 
@@ -86,7 +86,7 @@ def run_width(d: int, repeats: int = 5, transformers: bool = True, new: int = NE
         theirs = hf.generate(ids, **kw)
         agree = float((theirs[:, PROMPT:] == ref[:, PROMPT:]).float().mean())
         fns["transformers"] = lambda: hf.generate(ids, **kw)
-    times = time_side_by_side(fns, warmup=1, repeats=repeats)
+    times = time_round_robin(fns, repeats, warmup=1).wall
     ms = {k: 1e3 * statistics.median(v) / new for k, v in times.items()}  # per token, prefill included
     R = DIMS["n_loops"]
     per_loop = (ms["plain"] - ms["plain_depth1"]) / (R - 1)

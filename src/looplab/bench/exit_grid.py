@@ -1,24 +1,30 @@
-"""Exit rules × thresholds × state handlings on trained models: quality against measured speed (issue 16, table 10).
+"""Exit decoding on trained models: quality against measured speed of all-loops, exact-exit and skip decoding.
 
 `python -m looplab.bench.exit_grid CKPT_OR_SWEEP_DIR ... --out bench/exits.json`
 
-For each trained looped checkpoint (R > 1; N⊗1 ones are skipped: nothing to exit) — a task model
-(p-hop or Mano: answer accuracy at the answer positions) or a language model (`lm_tiny`: perplexity
-of every next token of the first `lm_sequences` test windows) — and each configuration (exit rule, threshold, and — for `skip` — the state handling
-of models/exit_compute.py; attention-only models: kv_copy, models with Mamba-2 layers or a
-Mamba-2 state mixer: ssm_skip and ssm_propagate), three decoders are compared:
+Three decoders, fed a test sequence's true tokens one at a time (teacher-forced cached decoding):
 
   all_loops   every loop, the prediction of loop R (the fixed-depth model)
   exact_exit  every loop computed, each token read out at the rule's exit (forward(exit_rule=...))
   skip        skip_compute: loops after a token's exit do not run; its deeper-loop cache entries
-              come from the handling
+              come from the state handling (models/exit_compute.py): kv_copy for attention-only
+              models, ssm_skip or ssm_propagate for models with Mamba-2 layers or a Mamba-2 state mixer
 
-Quality: answer accuracy and mean exit step over `n_quality` test sequences, in batched forward
-passes (skip: `forward_with_exits` with the rule deciding online, which equals token-by-token skip
-decoding — tests/test_exit_compute.py). Speed: median ms per token of cached decoding of
-`n_time` test sequences, one token at a time, the three decoders round-robin (so load on the machine
-hits them alike); the speed-up is all_loops / skip and exact_exit / skip.
-Gate rules need a gated checkpoint (table 8's stage-2 runs); the zero-shot rules run on any.
+timed round-robin token by token (common.time_round_robin: ABBA, so load on the machine hits them alike);
+speed is the median ms per token of each, the speed-up all_loops / skip and exact_exit / skip (ratios of
+the medians). Two measurements use them:
+
+- the exit grid (table 10; `run`, this CLI): for each trained looped checkpoint (R > 1; N⊗1 ones are
+  skipped: nothing to exit) — a task model (p-hop or Mano: answer accuracy at the answer positions) or
+  a language model (`lm_tiny`: perplexity of every next token of the first `lm_sequences` test windows)
+  — and each configuration (exit rule, threshold, handling): quality over `n_quality` test sequences in
+  batched forward passes (skip: `forward_with_exits` with the rule deciding online, which equals
+  token-by-token skip decoding — tests/test_exit_compute.py), speed over `n_time` sequences. Gate rules
+  need a gated checkpoint (table 8's stage-2 runs); the zero-shot rules run on any.
+- the gate's exit at one threshold q (table 4's exit columns; `decode_checkpoint`, `decode_checkpoints`,
+  run by bench/decode.py's skip_compute section): quality and speed from the same decoding of
+  `n_sequences` test sequences — answer accuracy of each decoder, skip's top-1 agreement with exact_exit
+  over every decoded token, and the exit depths skip chose. Nothing is hand-set: exits are the trained gate's.
 """
 
 from __future__ import annotations
@@ -27,18 +33,61 @@ import argparse
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from looplab.bench.common import Stepper, Timings, device_of, time_round_robin
+from looplab.bench.trained_runs import body_training, checkpoints_in, held_out_examples, run_seed
 from looplab.models.exit_compute import forward_with_exits, has_ssm
 from looplab.models.exits import ExitPolicy
-from looplab.models.generation import decode_step
+from looplab.models.generation import decode_step, skip_compute_unsupported
 from looplab.targets import EXIT_LOSS_TARGET as TARGET_LOSS, EXIT_SPEEDUP_TARGET as TARGET_SPEEDUP, EXIT_TARGET_TASK as TARGET_TASK
 
+DECODERS = ("all_loops", "exact_exit", "skip")
+
+
+# ------------------------------------------------------------ the three decoders, timed
+def handlings_for(config) -> tuple[str, ...]:
+    return ("ssm_skip", "ssm_propagate") if has_ssm(config) else ("kv_copy",)
+
+
+def decoder_options(threshold: float, handling: str, rule: str | None = None) -> dict[str, dict[str, Any]]:
+    """decode_step's keywords of each decoder (rule None: the gate)."""
+    exit_kw = {"exit_threshold": threshold, **({"exit_rule": rule} if rule else {})}
+    return {"all_loops": {}, "exact_exit": exit_kw, "skip": {**exit_kw, "skip_compute": handling}}
+
+
+class TeacherForced(Stepper):
+    """One decoder over test sequences: `start(i)` gives it a fresh cache for sequence i (untimed), `step(t)`
+    decodes that sequence's token t → (logits (1, V), exit steps (1,) or None)."""
+
+    def __init__(self, model, examples: list[dict[str, torch.Tensor]], options: dict[str, Any]):
+        self.model, self.examples, self.options = model, examples, options
+
+    def start(self, episode: int) -> None:
+        self.ids = self.examples[episode]["input_ids"]
+        self.cache = self.model.allocate_cache(1, self.ids.shape[0])
+
+    def step(self, t: int):
+        return decode_step(self.model, self.ids[t].view(1, 1), self.cache, **self.options)
+
+
+def decode_timed(model, examples, options: dict[str, dict[str, Any]], warmup: int = 4, after=None) -> Timings:
+    """The decoders (name → decode_step keywords) side by side over the examples, token by token; the first
+    `warmup` tokens untimed; `after(name, (logits, steps))` sees every token's output."""
+    steppers = {k: TeacherForced(model, examples, kw) for k, kw in options.items()}
+    return time_round_robin(steppers, episodes=[ex["input_ids"].shape[0] for ex in examples], warmup=warmup,
+                            device=device_of(model), after=after)
+
+
+def per_token_ms(timings: Timings) -> dict[str, float]:
+    return {k: 1e3 * statistics.median(v) for k, v in timings.wall.items()}
+
+
+# ------------------------------------------------------------ the exit grid (table 10)
 # thresholds per rule (exit_rules.py): the gate's CDF level q, nats for entropy and KL, a relative
 # hidden change, loops without an argmax change
 GRID: dict[str, tuple[float, ...]] = {
@@ -58,10 +107,6 @@ GRID_LM: dict[str, tuple[float, ...]] = {
 }
 
 
-def handlings_for(config) -> tuple[str, ...]:
-    return ("ssm_skip", "ssm_propagate") if has_ssm(config) else ("kv_copy",)
-
-
 def _batches(examples: list[dict[str, torch.Tensor]], size: int):
     for i in range(0, len(examples), size):
         chunk = examples[i:i + size]
@@ -73,8 +118,8 @@ def quality(model, examples, rule: str, threshold: float, handling: str, batch_s
     """Answer accuracy, mean loss (nats) and exit steps of exact_exit and skip (and all_loops) over the examples'
     scored positions, batched."""
     R = model.config.n_loops
-    correct = {"all_loops": 0, "exact_exit": 0, "skip": 0}
-    nll = {"all_loops": 0.0, "exact_exit": 0.0, "skip": 0.0}
+    correct = {k: 0 for k in DECODERS}
+    nll = {k: 0.0 for k in DECODERS}
     steps_sum = {"exact_exit": 0.0, "skip": 0.0}
     hist = [0] * R
     answers = 0
@@ -100,22 +145,7 @@ def quality(model, examples, rule: str, threshold: float, handling: str, batch_s
 @torch.no_grad()
 def speed(model, examples, rule: str, threshold: float, handling: str, warmup: int = 4) -> dict[str, float]:
     """Median ms per token of the three cached decoders, round-robin over the examples' tokens."""
-    options = {"all_loops": {}, "exact_exit": {"exit_threshold": threshold, "exit_rule": rule},
-               "skip": {"exit_threshold": threshold, "exit_rule": rule, "skip_compute": handling}}
-    times: dict[str, list[float]] = {k: [] for k in options}
-    seen = 0
-    for ex in examples:
-        ids = ex["input_ids"]
-        caches = {k: model.allocate_cache(1, ids.shape[0]) for k in options}
-        for t in range(ids.shape[0]):
-            tok = ids[t].view(1, 1)
-            for k, kw in options.items():
-                t0 = time.perf_counter()
-                decode_step(model, tok, caches[k], **kw)
-                if seen >= warmup:
-                    times[k].append(time.perf_counter() - t0)
-            seen += 1
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return per_token_ms(decode_timed(model, examples, decoder_options(threshold, handling, rule), warmup))
 
 
 def grid_for(model, lm: bool = False) -> list[tuple[str, float]]:
@@ -127,7 +157,6 @@ def grid_for(model, lm: bool = False) -> list[tuple[str, float]]:
 def run_checkpoint(path: str | Path, n_quality: int = 512, n_time: int = 4, grid: list[tuple[str, float]] | None = None,
                    handlings: Sequence[str] | None = None, lm_sequences: int = 64) -> dict[str, Any] | None:
     """One checkpoint's rows; None for an N⊗1 model (one loop: no exit to take)."""
-    from looplab.bench.exit_decode import _test_examples
     from looplab.checkpoint import load_model
 
     model, meta = load_model(path)
@@ -137,7 +166,7 @@ def run_checkpoint(path: str | Path, n_quality: int = 512, n_time: int = 4, grid
     lm = not meta["dataset"].get("task")
     if lm:  # every token of a window is scored: fewer sequences give as many scored positions as a task's answers
         n_quality = min(n_quality, lm_sequences)
-    examples = _test_examples(meta, max(n_quality, n_time), every_token=lm)
+    examples = held_out_examples(meta, max(n_quality, n_time), every_token=lm)
     rows = []
     for rule, th in grid or grid_for(model, lm):
         for h in handlings or handlings_for(model.config):
@@ -149,30 +178,8 @@ def run_checkpoint(path: str | Path, n_quality: int = 512, n_time: int = 4, grid
     cfg = model.config
     return {"checkpoint": str(path), "backbone": cfg.backbone, "state_mode": cfg.state_mode, "n_layers": cfg.n_layers,
             "n_loops": cfg.n_loops, "d_model": cfg.d_model, "task": meta["dataset"].get("task") or "lm",
-            "metric": "perplexity" if lm else "accuracy", "seed": _run_seed(path),
+            "metric": "perplexity" if lm else "accuracy", "seed": run_seed(path),
             "training": body_training(path), "n_quality": min(n_quality, len(examples)), "n_time": n_time, "rows": rows}
-
-
-def _results(ckpt: str | Path) -> dict[str, Any]:
-    """results.json of the run folder holding checkpoints/last.ckpt ({} when there is none)."""
-    try:
-        return json.loads((Path(ckpt).parent.parent / "results.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _run_seed(ckpt: str | Path) -> int | None:
-    return _results(ckpt).get("seed")
-
-
-def body_training(ckpt: str | Path) -> str:
-    """How the looped body was trained: "exit-aware (HANDLING, p=P)" when the run — or, for a stage-2 gate, the run
-    it started from (exit_gate.init_from) — trained with exit_gate.skip_train_prob > 0, else "standard"."""
-    gate = (_results(ckpt).get("config") or {}).get("exit_gate") or {}
-    if not float(gate.get("skip_train_prob") or 0) and gate.get("init_from"):
-        gate = (_results(gate["init_from"]).get("config") or {}).get("exit_gate") or {}
-    p = float(gate.get("skip_train_prob") or 0)
-    return f"exit-aware ({gate.get('skip_compute')}, p={p:g})" if p else "standard"
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -213,26 +220,6 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def checkpoints_in(paths: Sequence[str | Path]) -> list[Path]:
-    """Checkpoint files, or sweep/run folders holding runs whose results.json is ok (their last.ckpt)."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_file():
-            out.append(p)
-            continue
-        for res in sorted(p.glob("**/results.json")):
-            try:
-                r = json.loads(res.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            ckpt = Path(r.get("checkpoint") or res.parent / "checkpoints" / "last.ckpt")
-            if not ckpt.exists():  # the run folder was moved since: its checkpoint moved with it
-                ckpt = res.parent / "checkpoints" / "last.ckpt"
-            if r.get("status") == "ok" and ckpt.exists():
-                out.append(ckpt)
-    return out
-
-
 def _run_one(args: tuple[Path, int, int, int, int]) -> dict[str, Any] | None:
     ckpt, n_quality, n_time, threads, lm_sequences = args
     old = torch.get_num_threads()
@@ -264,6 +251,83 @@ def run(paths: Sequence[str | Path], n_quality: int = 512, n_time: int = 4, thre
             "grid": {k: list(v) for k, v in GRID.items()}, "grid_lm": {k: list(v) for k, v in GRID_LM.items()},
             "target": {"speedup_vs_all_loops": TARGET_SPEEDUP, "accuracy_lost": TARGET_LOSS},
             "runs": runs, "summary": summarize(runs)}
+
+
+# ------------------------------------------------------------ the gate's exit at one threshold (table 4)
+@torch.no_grad()
+def decode_checkpoint(path: str | Path, n_sequences: int = 256, q: float = 0.5, warmup: int = 4,
+                      handling: str | None = None) -> dict[str, Any]:
+    """The three decoders on `n_sequences` test sequences of one trained, gated checkpoint, the gate exiting at q.
+    handling: skip_compute's state handling (None: kv_copy, or ssm_skip for models with Mamba-2 layers)."""
+    from looplab.checkpoint import load_model
+
+    model, meta = load_model(path)
+    handling = handling or handlings_for(model.config)[0]
+    reason = skip_compute_unsupported(model.config, skip_compute=handling)
+    if reason:
+        raise ValueError(f"{path}: {reason}")
+    R = model.config.n_loops
+    examples = held_out_examples(meta, n_sequences)
+    decoded: dict[str, list[tuple[int, int | None]]] = {k: [] for k in DECODERS}  # (argmax, exit step) per token
+
+    def keep(name: str, out) -> None:
+        logits, steps = out
+        decoded[name].append((int(logits.argmax()), None if steps is None else int(steps[0])))
+
+    ms = per_token_ms(decode_timed(model, examples, decoder_options(q, handling), warmup, after=keep))
+    correct = {k: 0 for k in DECODERS}
+    answers = tokens = agree = exact_steps_sum = 0
+    exit_hist = [0] * R
+    for ex in examples:
+        targets, answer = ex["targets"], ex["answer_mask"]
+        for t in range(ex["input_ids"].shape[0]):
+            pred = {k: decoded[k][tokens] for k in DECODERS}
+            agree += int(pred["skip"][0] == pred["exact_exit"][0])
+            exit_hist[pred["skip"][1] - 1] += 1
+            exact_steps_sum += pred["exact_exit"][1]
+            tokens += 1
+            if bool(answer[t]):
+                answers += 1
+                for k in DECODERS:
+                    correct[k] += int(pred[k][0] == int(targets[t]))
+    return {
+        "checkpoint": str(path),
+        "task": meta["dataset"].get("task") or meta["dataset"].get("name"),
+        "state_mode": model.config.state_mode,
+        "handling": handling,
+        "n_loops": R,
+        "q": q,
+        "sequences": len(examples),
+        "tokens": tokens,
+        "answers": answers,
+        "per_token_ms": ms,
+        "speedup_vs_all_loops": ms["all_loops"] / ms["skip"],
+        "speedup_vs_exact_exit": ms["exact_exit"] / ms["skip"],
+        "accuracy": {k: correct[k] / max(answers, 1) for k in DECODERS},
+        "top1_agreement_vs_exact_exit": agree / max(tokens, 1),
+        "mean_exit_step": sum((i + 1) * c for i, c in enumerate(exit_hist)) / max(tokens, 1),
+        "mean_exit_step_exact_exit": exact_steps_sum / max(tokens, 1),
+        "exit_histogram": exit_hist,
+    }
+
+
+def decode_checkpoints(checkpoints: Sequence[str | Path], n_sequences: int = 256, q: float = 0.5) -> dict[str, Any]:
+    """decode_checkpoint for each checkpoint, grouped by state mode (one group = one model family
+    across seeds), with each group's mean and 95% t-interval over its checkpoints."""
+    from looplab.stats import t_interval
+
+    runs = [decode_checkpoint(p, n_sequences, q) for p in checkpoints]
+    groups: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        groups.setdefault(r["state_mode"], {"runs": []})["runs"].append(r)
+    for g in groups.values():
+        rs = g["runs"]
+        metrics = {"speedup_vs_all_loops": [r["speedup_vs_all_loops"] for r in rs],
+                   "mean_exit_step": [r["mean_exit_step"] for r in rs],
+                   "top1_agreement_vs_exact_exit": [r["top1_agreement_vs_exact_exit"] for r in rs],
+                   **{f"accuracy_{k}": [r["accuracy"][k] for r in rs] for k in DECODERS}}
+        g["summary"] = {k: {"mean": statistics.fmean(v), "interval": t_interval(v), "n": len(v)} for k, v in metrics.items()}
+    return {"q": q, "sequences_per_checkpoint": n_sequences, "groups": groups}
 
 
 def main(argv: list[str] | None = None) -> int:

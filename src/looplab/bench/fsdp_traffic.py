@@ -8,7 +8,8 @@ reduce_scatter_single in torch 2.13's _fully_shard/_fsdp_collectives.py), so `co
 wraps those module functions and counts calls and bytes (an all-gather's gathered output, a
 reduce-scatter's unsharded input). Per rank and per optimizer step (forward, backward, AdamW step)
 of a plain training loop, after one warm-up step (FSDP2's lazy initialisation); step time is the
-median over the timed steps and peak memory each rank's maximum resident set size (one spawn per
+median over the timed steps (common.time_round_robin, each step's batch drawn and the ranks met at a
+barrier untimed) and peak memory each rank's maximum resident set size (one spawn per
 depth and policy, so that it is that configuration's).
 
 Policies (looplab.training.distributed.shard_looped_model): `per_use` is FSDP2's own schedule
@@ -36,11 +37,12 @@ import resource
 import socket
 import statistics
 import tempfile
-import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
+
+from looplab.bench.common import Stepper, time_round_robin
 
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
                "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "broadcast")
@@ -98,9 +100,30 @@ def make_model(loops: int, d_model: int, layers: int, vocab: int, seed: int = 0)
     return LoopedLM(cfg)
 
 
-def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
-    import torch.nn.functional as F
+class _TrainStep(Stepper):
+    """One optimizer step per episode: `start` draws the step's batch and meets the other ranks at a barrier
+    (untimed), `step` runs forward, backward and AdamW counting the collectives → their Counter."""
 
+    def __init__(self, model, opt, spec: dict, rank: int):
+        self.model, self.opt, self.spec = model, opt, spec
+        self.g = torch.Generator().manual_seed(1 + rank)
+
+    def start(self, episode: int) -> None:
+        self.ids = torch.randint(0, self.spec["vocab"], (self.spec["batch"], self.spec["seq"] + 1), generator=self.g)
+        dist.barrier()
+
+    def step(self, i: int) -> Counter:
+        import torch.nn.functional as F
+
+        with count_collectives() as counts:
+            logits = self.model(self.ids[:, :-1]).logits
+            F.cross_entropy(logits.flatten(0, 1), self.ids[:, 1:].flatten()).backward()
+            self.opt.step()
+            self.opt.zero_grad()
+        return counts
+
+
+def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     from looplab.training.distributed import shard_looped_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -112,23 +135,13 @@ def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
             model = make_model(R, spec["d_model"], spec["layers"], spec["vocab"])
             shard_looped_model(model, gather_once=POLICIES[policy])
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            g = torch.Generator().manual_seed(1 + rank)
-            per_step, times = [], []
-            for step in range(1 + spec["steps"]):
-                ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=g)
-                dist.barrier()
-                t0 = time.perf_counter()
-                with count_collectives() as counts:
-                    logits = model(ids[:, :-1]).logits
-                    F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
-                    opt.step()
-                    opt.zero_grad()
-                dt = time.perf_counter() - t0
-                if step:  # step 0: FSDP2's lazy initialisation
-                    per_step.append(summarize(counts))
-                    times.append(dt)
+            counted: list[Counter] = []
+            # step 0 (warm-up, untimed): FSDP2's lazy initialisation
+            timings = time_round_robin({"step": _TrainStep(model, opt, spec, rank)}, episodes=[1] * (1 + spec["steps"]),
+                                       after=lambda _, counts: counted.append(counts))
+            per_step = [summarize(c) for c in counted[1:]]
             assert all(c == per_step[0] for c in per_step), per_step  # the same traffic every step
-            results[f"{policy}/R{R}"] = {**per_step[0], "step_s": statistics.median(times),
+            results[f"{policy}/R{R}"] = {**per_step[0], "step_s": statistics.median(timings.wall["step"]),
                                          "block_params": sum(p.numel() for p in model.block.parameters()),
                                          "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             del model, opt

@@ -1,7 +1,8 @@
 """Mamba-2 benchmark: training throughput of looplab's chunked SSD layer stack on CPU.
 
 Forward+backward tokens/s (fp32, after warm-up, median of repeats) of three models with
-the same shapes, timed round-robin in one process so a loaded machine slows all alike:
+the same shapes, timed round-robin in one process (common.time_round_robin) so a loaded
+machine slows all alike:
 
 - `chunked`: LoopedLM(backbone=mamba2, n_loops=1) with the pure-PyTorch chunked SSD;
 - `step`: the same model with the scan replaced by the token-by-token recurrence;
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -71,15 +71,9 @@ def _train_step(model, ids, hf: bool) -> None:
 
 
 def _time(models: dict, ids: torch.Tensor, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds per training step, per repeat; models run round-robin so load changes hit all alike."""
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for i in range(warmup + repeats):
-        for name, (model, hf) in models.items():
-            t0 = time.perf_counter()
-            _train_step(model, ids, hf)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return times
+    """Wall seconds per training step, per round; models run round-robin so load changes hit all alike."""
+    steps = {name: (lambda m=model, hf=hf: _train_step(m, ids, hf)) for name, (model, hf) in models.items()}
+    return common.time_round_robin(steps, repeats, warmup=warmup).wall
 
 
 def run(threads: int = 2, quick: bool = False) -> dict:

@@ -1,4 +1,4 @@
-"""Decoding with routed depth measured (issue 28, table 12; not a timed test): tokens/s and KV-cache bytes of
+"""Decoding with routed depth measured (table 12; not a timed test): tokens/s and KV-cache bytes of
 each way to spend depth, on the same prompts.
 
     python -m looplab.bench.routed_decode SWEEP_DIR_OR_CKPT ... [--prompt 32] [--new 64] [--repeats 5]
@@ -6,7 +6,7 @@ each way to spend depth, on the same prompts.
 
 Runs are grouped by seed (the same held-out prompt for every arm of a seed: the first --prompt tokens of the
 first test window). Every arm of a group decodes --new greedy tokens at batch 1, timed round-robin (ABBA:
-bench/common.time_side_by_side), so a slow moment of the machine hits all arms alike; the figure is the median
+bench/common.time_round_robin), so a slow moment of the machine hits all arms alike; the figure is the median
 tokens/s, wall time from the call to `generate` to its return (prefill included). How each arm decodes:
 
     depth router    its inference router (models/router.py: each token routed on its own, per-depth caches)
@@ -58,12 +58,13 @@ def replay_cache(model, sequence: torch.Tensor, prompt_len: int) -> tuple[int, f
 def measure_group(models: dict[str, Any], ids: torch.Tensor, new_tokens: int, repeats: int,
                   exit_q: float = EXIT_Q) -> dict[str, dict[str, Any]]:
     """The arms of one seed on one prompt → {name: tokens_per_s, kv_bytes, mean_depth}."""
-    from looplab.bench.common import time_side_by_side
+    from looplab.bench.common import device_of, time_round_robin
 
     kwargs = {name: decode_kwargs(m, exit_q) for name, m in models.items()}
     outs = {name: generate(m, ids, new_tokens, return_logits=True, **kwargs[name]) for name, m in models.items()}
     fns = {name: (lambda m=m, kw=kwargs[name]: generate(m, ids, new_tokens, **kw)) for name, m in models.items()}
-    times = time_side_by_side(fns, warmup=0, repeats=repeats)  # the calls above were the warm-up
+    device = device_of(next(iter(models.values())))
+    times = time_round_robin(fns, repeats, warmup=0, device=device).wall  # the calls above were the warm-up
     result = {}
     for name, m in models.items():
         seq = outs[name].sequences
@@ -88,8 +89,7 @@ def _arm(run_dir: Path, res: dict) -> str:
 
 def run(paths, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 5, threads: int | None = 1,
         exit_q: float = EXIT_Q) -> dict[str, Any]:
-    from looplab.bench.exit_grid import _results, _run_seed, checkpoints_in
-    from looplab.bench.speculative import _prompts
+    from looplab.bench.trained_runs import checkpoints_in, held_out_prompts, run_results, run_seed
     from looplab.checkpoint import load_model
 
     if threads:
@@ -99,14 +99,14 @@ def run(paths, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 5, thr
         raise SystemExit(f"no trained checkpoint in {', '.join(map(str, paths))}")
     groups: dict[str, list[Path]] = defaultdict(list)
     for c in ckpts:
-        groups[str(_run_seed(c))].append(Path(c))
+        groups[str(run_seed(c))].append(Path(c))
     runs = []
     for seed, members in sorted(groups.items()):
         models, info, ids = {}, {}, None
         for c in members:
             model, meta = load_model(c, map_location="cpu")
             model.eval()
-            res = _results(c)
+            res = run_results(c)
             run_dir = Path(c).parent.parent if Path(c).name == "last.ckpt" else Path(c)
             name = f"{_arm(run_dir, res)} {model.config.n_layers}x{model.config.n_loops} ({run_dir})"
             models[name] = model
@@ -114,7 +114,7 @@ def run(paths, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 5, thr
                           "n_layers": model.config.n_layers, "n_loops": model.config.n_loops,
                           "depth_router": model.config.depth_router.name, "exit_gate": model.config.exit_gate}
             if ids is None:
-                ids = _prompts(model, meta, 1, prompt_len)
+                ids = held_out_prompts(model, meta, 1, prompt_len)
         measured = measure_group(models, ids, new_tokens, repeats, exit_q)
         runs += [{**info[name], **measured[name]} for name in models]
         print(f"[routed_decode] seed {seed}: " + ", ".join(f"{info[n]['arm']} {measured[n]['tokens_per_s']:.0f} tok/s "

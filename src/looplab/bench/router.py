@@ -1,4 +1,4 @@
-"""Depth routing's compute saving (issue 28 item 2): training tokens/s and analytic FLOPs of a
+"""Depth routing's compute saving: training tokens/s and analytic FLOPs of a
 Mixture-of-Recursions model against the fixed-depth model with the same block (equal parameters,
 apart from the router's d·R weights).
 
@@ -11,7 +11,7 @@ Arms, each a copy of one llama 1⊗R model (the same block, embedding and head w
                    initial router picks; the balancing loss is on)
 
 One training step = forward, next-token cross-entropy + the router's losses, backward, AdamW step,
-zero_grad. The arms are timed round-robin in one process (common.time_side_by_side: warm-up steps
+zero_grad. The arms are timed round-robin in one process (common.time_round_robin: warm-up steps
 untimed, ABBA order, medians), on ONE torch thread whatever --threads says: the gathered matmuls are
 small, and on a shared machine a second thread measures the neighbours. tokens/s and the ratios are
 per second of this process's CPU time (one thread: the time it computed), the `*_wall` ones per wall
@@ -95,9 +95,8 @@ def run(threads: int = 1, quick: bool = False, repeats: int | None = None) -> di
         base = build(d, None)
         models = {name: build(d, router, base) for name, router in ARMS.items()}
         steps = {name: make_step(m, d) for name, m in models.items()}
-        cpu: dict = {}
-        wall = common.time_side_by_side({k: s for k, (s, _) in steps.items()}, warmup=1 if quick else 2,
-                                        repeats=repeats, cpu_times=cpu)
+        timings = common.time_round_robin({k: s for k, (s, _) in steps.items()}, repeats, warmup=1 if quick else 2,
+                                          reference="fixed")
         decode = _decode(models, d, repeats)
     finally:
         torch.set_num_threads(before)
@@ -107,14 +106,14 @@ def run(threads: int = 1, quick: bool = False, repeats: int | None = None) -> di
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     arms = {}
     for k in models:
-        arms[k] = {"tokens_per_s": B * T / common.median(cpu[k]), "tokens_per_s_wall": B * T / common.median(wall[k]),
-                   "step_cpu_s": cpu[k], "step_wall_s": wall[k], "flops_per_token_train": flops[k],
+        arms[k] = {"tokens_per_s": B * T / timings.median(k, "cpu"), "tokens_per_s_wall": B * T / timings.median(k),
+                   "step_cpu_s": timings.cpu[k], "step_wall_s": timings.wall[k], "flops_per_token_train": flops[k],
                    "flops_per_token_train_measured": measured[k], "params": params[k],
                    "loop_fractions": models[k].config.depth_router.loop_fractions(R, T),
                    "gathered_fractions": steps[k][1] or [1.0] * R, **decode[k]}
         if k != "fixed":
             dec = decode["fixed"]
-            arms[k].update(tokens_per_s_ratio=_paired(cpu, k), tokens_per_s_ratio_wall=_paired(wall, k),
+            arms[k].update(tokens_per_s_ratio=_paired(timings, k, "cpu"), tokens_per_s_ratio_wall=_paired(timings, k),
                            flops_ratio=flops[k] / flops["fixed"], flops_ratio_measured=measured[k] / flops["fixed"],
                            decode_tokens_per_s_ratio=decode[k]["decode_tokens_per_s"] / dec["decode_tokens_per_s"],
                            decode_tokens_per_s_ratio_wall=(decode[k]["decode_tokens_per_s_wall"]
@@ -131,9 +130,9 @@ def run(threads: int = 1, quick: bool = False, repeats: int | None = None) -> di
     return out
 
 
-def _paired(times: dict, k: str) -> float:
+def _paired(timings: common.Timings, k: str, clock: str = "wall") -> float:
     """Median over rounds of the fixed arm's step time / arm k's (back to back within a round): k's speed-up."""
-    return common.median([f / t for f, t in zip(times["fixed"], times[k])])
+    return timings.ratio("fixed", k, clock).median
 
 
 def _decode(models: dict[str, LoopedLM], d: dict, repeats: int) -> dict:
@@ -153,9 +152,7 @@ def _decode(models: dict[str, LoopedLM], d: dict, repeats: int) -> dict:
                 generate(m, ids, new)
         return call
 
-    cpu: dict = {}
-    wall = common.time_side_by_side({k: fn(m) for k, m in models.items()}, warmup=1, repeats=max(2, repeats // 2),
-                                    cpu_times=cpu)
+    timings = common.time_round_robin({k: fn(m) for k, m in models.items()}, max(2, repeats // 2), warmup=1)
     out = {}
     for k, m in models.items():
         depth = float(m.config.n_loops)
@@ -164,7 +161,7 @@ def _decode(models: dict[str, LoopedLM], d: dict, repeats: int) -> dict:
                 seq = generate(m, ids, new)
                 routed = m(seq[:, :-1], depths="inference").routing.depth[:, d["prompt"]:]
             depth = float(routed.float().mean())
-        out[k] = {"decode_tokens_per_s": new / common.median(cpu[k]), "decode_tokens_per_s_wall": new / common.median(wall[k]),
+        out[k] = {"decode_tokens_per_s": new / timings.median(k, "cpu"), "decode_tokens_per_s_wall": new / timings.median(k),
                   "decode_mean_depth": depth}
     return out
 

@@ -1,4 +1,4 @@
-"""KV memory of routed decoding (issue 28 item 4): LoopCache.nbytes of a depth-routed model against the
+"""KV memory of routed decoding (docs/decoding.md#routed-decoding): LoopCache.nbytes of a depth-routed model against the
 fixed-depth model of the same block, after prefilling P tokens and decoding N more one at a time.
 
 Untrained models (random routers, sharpened ×8 so decisions vary): the figures measure the caching

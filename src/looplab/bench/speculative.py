@@ -1,4 +1,4 @@
-"""Self-speculative decoding measured (issue 27, table 11; not a timed test): tokens/s of plain greedy
+"""Self-speculative decoding measured (table 11; not a timed test): tokens/s of plain greedy
 decoding against speculative greedy decoding (models/speculative.py) of the same prompts.
 
     python -m looplab.bench.speculative [CKPT_OR_SWEEP_DIR ...] [--k 1 2 3] [--gamma 2 3 4 5 6 7 8]
@@ -6,13 +6,13 @@ decoding against speculative greedy decoding (models/speculative.py) of the same
                                         [--threads 1] [--out bench/speculation.json]
 
 Without a path: a random-init llama 1⊗4 at d 64 (its loops disagree, so little is accepted). Paths
-are checkpoints or sweep folders (every run with an ok results.json, as bench/exit_grid.py reads
-them). Prompts are the first --prompt tokens of the checkpoint's test sequences (a language model's
-held-out windows, a task's test sequences), one per row, all of one length (no padding). For each
-checkpoint and batch size every configuration decodes the same prompts, timed round-robin (repeat i
-of every configuration before repeat i+1 of any, odd rounds reversed), so load hits all alike; the
-figure is the median tokens/s over repeats, wall time from the call to `generate` to its return
-(prefill included, the same for both). Every speculative run is checked to give plain greedy
+are checkpoints or sweep folders (every run with an ok results.json: bench/trained_runs.py). Prompts
+are the first --prompt tokens of the checkpoint's test sequences (a language model's held-out
+windows, a task's test sequences), one per row, all of one length (no padding). For each checkpoint
+and batch size every configuration decodes the same prompts, timed round-robin (repeat i of every
+configuration before repeat i+1 of any, odd rounds reversed: common.time_round_robin), so load hits
+all alike; the figure is the median tokens/s over repeats, wall time from the call to `generate` to
+its return (prefill included, the same for both). Every speculative run is checked to give plain greedy
 decoding's tokens (an AssertionError otherwise): the speed-ups are at identical output. Timed with
 them: plain decoding at depth k (`n_loops=k`), whose time over plain's is each cell's `draft_cost`,
 what one draft token costs against one full-depth token. A round that keeps every draft emits γ+1
@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from looplab.bench.common import device_of, time_round_robin
+from looplab.bench.trained_runs import held_out_prompts
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.generation import generate
 from looplab.targets import SPECULATION_SPEEDUP_TARGET as TARGET_SPEEDUP
@@ -40,19 +41,6 @@ GAMMAS = (2, 3, 4, 5, 6, 7, 8)
 def _random_model(seed: int = 0) -> LoopedLM:
     torch.manual_seed(seed)
     return LoopedLM(LoopedLMConfig(vocab_size=512, d_model=64, n_heads=4, n_layers=1, n_loops=4, max_seq_len=512)).eval()
-
-
-def _prompts(model, meta: dict | None, batch: int, prompt_len: int, seed: int = 0) -> torch.Tensor:
-    dataset = (meta or {}).get("dataset") or {}
-    if dataset:
-        from looplab.bench.exit_decode import _test_examples
-
-        rows = [ex["input_ids"][:prompt_len] for ex in _test_examples(meta, batch, every_token=True)]
-        if len(rows) < batch or any(len(r) < prompt_len for r in rows):
-            raise ValueError(f"the test split has fewer than {batch} sequences of {prompt_len} tokens")
-        return torch.stack(rows)
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
 
 
 @torch.no_grad()
@@ -69,39 +57,35 @@ def measure(model, ids: torch.Tensor, ks, gammas, new_tokens: int = 64, repeats:
             configs[f"k={k} gamma={g}"] = {"speculative_loops": k, "draft_tokens": g}
     reference = generate(model, ids, new_tokens)
     generate(model, ids, new_tokens, speculative_loops=ks[0], draft_tokens=gammas[0])  # warm-up of the round code
-    times: dict[str, list[float]] = {name: [] for name in configs}
     stats: dict[str, Any] = {}
-    order = list(configs)
-    for r in range(repeats):
-        for name in order if r % 2 == 0 else order[::-1]:
-            kw = configs[name]
-            t0 = time.perf_counter()
-            out = generate(model, ids, new_tokens, return_logits=True, **kw)
-            times[name].append(time.perf_counter() - t0)
-            if "n_loops" in kw:
-                continue
-            if not torch.equal(out.sequences, reference):
-                raise AssertionError(f"{name} decoded other tokens than plain greedy decoding")
-            if out.speculation is not None and name not in stats:  # greedy, same prompts: the same every call
-                s = out.speculation
-                stats[name] = {"acceptance": s.acceptance_rate, "rounds": s.rounds,
-                               "row_acceptance_min": float(s.row_acceptance.min()),
-                               "mean_draft": statistics.fmean(s.draft_sizes) if s.draft_sizes else 0.0}
+
+    def check(name: str, out) -> None:
+        """Untimed, after every call: the tokens are plain greedy decoding's; the speculation statistics."""
+        if "n_loops" in configs[name]:
+            return
+        if not torch.equal(out.sequences, reference):
+            raise AssertionError(f"{name} decoded other tokens than plain greedy decoding")
+        if out.speculation is not None and name not in stats:  # greedy, same prompts: the same every call
+            s = out.speculation
+            stats[name] = {"acceptance": s.acceptance_rate, "rounds": s.rounds,
+                           "row_acceptance_min": float(s.row_acceptance.min()),
+                           "mean_draft": statistics.fmean(s.draft_sizes) if s.draft_sizes else 0.0}
+
+    calls = {name: (lambda kw=kw: generate(model, ids, new_tokens, return_logits=True, **kw))
+             for name, kw in configs.items()}
+    timings = time_round_robin(calls, repeats, warmup=0, reference="plain", device=device_of(model), after=check)
+    times = timings.wall
     n = ids.shape[0] * new_tokens
-
-    def paired(name: str) -> list[float]:  # plain / name, round by round
-        return [p / c for p, c in zip(times["plain"], times[name])]
-
     cells = []
     for name, kw in configs.items():
         if "speculative_loops" not in kw:
             continue
         k = kw["speculative_loops"]
-        ratios = paired(name)
+        speedup = timings.ratio("plain", name)  # plain's time / the cell's, round by round
         cells.append({"k": k, "gamma": kw["draft_tokens"], "tokens_per_s": round(n / statistics.median(times[name]), 2),
-                      "speedup": round(statistics.median(ratios), 4),
-                      "speedup_range": [round(min(ratios), 4), round(max(ratios), 4)],
-                      "draft_cost": round(1 / statistics.median(paired(f"depth {k}")), 4),
+                      "speedup": round(speedup.median, 4),
+                      "speedup_range": [round(speedup.low, 4), round(speedup.high, 4)],
+                      "draft_cost": round(1 / timings.ratio("plain", f"depth {k}").median, 4),
                       **{key: round(v, 4) if isinstance(v, float) else v for key, v in stats[name].items()}})
     return {"plain_tokens_per_s": round(n / statistics.median(times["plain"]), 2), "repeats": repeats, "cells": cells}
 
@@ -124,13 +108,13 @@ def run_checkpoint(path: str | Path | None, ks=None, gammas=GAMMAS, batches=(1,)
                            "d_model": cfg.d_model, "prelude_layers": cfg.prelude_layers, "coda_layers": cfg.coda_layers,
                            "vocab_size": cfg.vocab_size, "batches": {}}
     if path:
-        from looplab.bench.exit_grid import _results, _run_seed, body_training
+        from looplab.bench.trained_runs import body_training, run_results, run_seed
 
-        res = _results(path)
-        out.update(seed=_run_seed(path), training=body_training(path), perplexity=res.get("perplexity"),
+        res = run_results(path)
+        out.update(seed=run_seed(path), training=body_training(path), perplexity=res.get("perplexity"),
                    accuracy=res.get("accuracy"), init_from=(res.get("config") or {}).get("init_from"))
     for b in batches:
-        ids = _prompts(model, meta, b, prompt_len)
+        ids = held_out_prompts(model, meta, b, prompt_len)
         gs = gammas if b == 1 or not batch_gammas else batch_gammas
         out["batches"][str(b)] = measure(model, ids, ks, gs, new_tokens, repeats)
     return out
@@ -159,7 +143,7 @@ def run(paths=(), ks=None, gammas=GAMMAS, batches=(1,), prompt_len: int = 32, ne
     if threads:
         torch.set_num_threads(threads)
     if paths:
-        from looplab.bench.exit_grid import checkpoints_in
+        from looplab.bench.trained_runs import checkpoints_in
 
         ckpts = checkpoints_in(paths)
         if not ckpts:

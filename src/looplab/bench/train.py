@@ -1,4 +1,4 @@
-"""Training-step benchmark (issue 9): looped llama N⊗R vs `transformers` Llama with N·R layers.
+"""Training-step benchmark: looped llama N⊗R vs `transformers` Llama with N·R layers.
 
 One training step = forward, next-token cross-entropy, backward, AdamW step, zero_grad.
 Candidates are built with the same width, heads, FFN, vocabulary and sequence, so they do
@@ -15,7 +15,8 @@ with the fp32 `torch.mm` 2048³ ceiling, so MFU and ratios see the same machine 
   backend (an eager-mode choice, compared with eager).
 
 MFU divides by the matmul ceiling measured right before and after each timed step
-(common.time_side_by_side): this VM's matmul speed drifts by ±25% within seconds.
+(common.time_round_robin): this VM's matmul speed drifts by ±25% within seconds. Ratios are
+paired per round (see common.Timings.ratio).
 `best` is the fastest looplab configuration measured, with its name.
 
 Peak memory runs in fresh subprocesses (see common.py for why RSS): one training step's
@@ -43,7 +44,7 @@ from looplab.bench import common
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.training.run_utils import resolve_compile
 
-# The issue's anchor config: d 512, 8 heads, FFN 1408, vocab 8192, N 4, R 4, T 256, batch 8.
+# The reference configuration: d 512, 8 heads, FFN 1408, vocab 8192, N 4, R 4, T 256, batch 8.
 FULL = dict(vocab=8192, d_model=512, n_heads=8, ffn=1408, n_layers=4, n_loops=4, seq_len=256, batch=8)
 QUICK = dict(vocab=256, d_model=64, n_heads=4, ffn=192, n_layers=2, n_loops=2, seq_len=32, batch=2)
 # GPU-sized: a ~300M-parameter-equivalent step (16 effective layers at d 1024, T 1024)
@@ -73,8 +74,9 @@ def transformers_model(d: dict, n_layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def issue_formula_flops(model: LoopedLM, seq_len: int) -> int:
-    """Issue 9's training FLOPs/token: 6·(matmul params, block counted R times) + 12·L_eff·d·T + LM head."""
+def closed_form_flops(model: LoopedLM, seq_len: int) -> int:
+    """The closed-form training FLOPs/token, independent of LoopedLM.flops_per_token:
+    6·(matmul params, block counted R times) + 12·L_eff·d·T + LM head."""
     cfg = model.config
     block = sum(p.numel() for p in model.block.parameters() if p.dim() == 2)
     head = model.head.weight.numel()
@@ -86,7 +88,7 @@ def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool 
               device: str = "cpu"):
     """A closure running one full training step on fixed random tokens (fused AdamW unless fused=False: foreach).
 
-    On CUDA the step runs under bf16 autocast and synchronises before returning, so wall time is GPU time.
+    On CUDA the step runs under bf16 autocast; it returns once its kernels are queued (the timer synchronises).
     """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, d["vocab"], (d["batch"], d["seq_len"] + 1), generator=g)
@@ -103,8 +105,6 @@ def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
 
     return step, opt
 
@@ -159,6 +159,7 @@ def cuda_peak(spec: dict) -> dict:
     step()  # AdamW state now exists: the next step is the steady state
     torch.cuda.reset_peak_memory_stats()
     step()
+    torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del model, step, opt
     return {"peak_mb": round((peak - base) / 2**20, 1), "peak_method": "torch.cuda.max_memory_allocated"}
@@ -213,7 +214,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
 
     def compiled_or_error(key: str, step):
         """The step after its compiling call, or None (the reason is kept in option_info[key])."""
-        option_info[key] = common.first_compiled_call(step)
+        option_info[key] = common.first_compiled_call(step, device)
         return None if "error" in option_info[key] else step
 
     default = variant(compile)
@@ -242,12 +243,11 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
                 math_step()
 
         candidates["opt_sdpa_math"] = sdpa_math
-    cpu: dict = {}
-    local: dict = {}
     probe_mm = (common.matmul_probe(8192, device=device, dtype=torch.bfloat16) if cuda
                 else common.matmul_probe(256 if quick else 2048))
-    times = common.time_side_by_side(candidates, warmup=1, repeats=repeats, cpu_times=cpu,
-                                     ceiling=probe_mm, local_ceilings=local)
+    timings = common.time_round_robin(candidates, repeats, warmup=1, reference="looplab", device=device,
+                                      ceiling=probe_mm)
+    times, cpu, local = timings.wall, timings.cpu, timings.ceiling
     med = {k: common.median(v) for k, v in times.items()}
     all_ceilings = [c for v in local.values() for c in v]
     ceiling = common.median(all_ceilings)
@@ -258,10 +258,9 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         """Median over calls of achieved FLOP/s / the ceiling measured around that call."""
         return common.median([B * T * fpt / t / (c * 1e9) for t, c in zip(times[k], local[k])])
 
-    def paired(other: str, t: dict, base: str = "looplab") -> float:
-        """Median over rounds of other/looplab: the two run back to back within a round, so a load
-        change between rounds cancels (steadier than a ratio of medians on a shared machine)."""
-        return common.median([o / s for o, s in zip(t[other], t[base])])
+    def paired(other: str, clock: str = "wall", base: str = "looplab") -> float:
+        """Median over rounds of other's step time / base's: base's speed in units of other's."""
+        return timings.ratio(other, base, clock).median
 
     res = {
         "config": dict(d, model=f"{N}x{R}"),
@@ -271,8 +270,8 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "dtype": "bf16 autocast" if cuda else "float32",
         "tokens_per_s": tok["looplab"],
-        "ratio_vs_transformers": paired("transformers", times),
-        "ratio_vs_unlooped": paired("unlooped", times),
+        "ratio_vs_transformers": paired("transformers"),
+        "ratio_vs_unlooped": paired("unlooped"),
         "mfu": mfu("looplab"),
         "transformers_tokens_per_s": tok["transformers"],
         "transformers_mfu": mfu("transformers"),
@@ -282,10 +281,10 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         "matmul_gflops_range": [min(all_ceilings), max(all_ceilings)],
         "mfu_vs_median_ceiling": tok["looplab"] * fpt / (ceiling * 1e9),
         "flops_per_token": fpt,
-        "flops_per_token_issue_formula": issue_formula_flops(base, T),
+        "flops_per_token_issue_formula": closed_form_flops(base, T),
         # the same ratio from CPU seconds: steadier when other jobs share the cores (see common.py)
-        "ratio_vs_transformers_cpu_time": paired("transformers", cpu),
-        "ratio_vs_unlooped_cpu_time": paired("unlooped", cpu),
+        "ratio_vs_transformers_cpu_time": paired("transformers", "cpu"),
+        "ratio_vs_unlooped_cpu_time": paired("unlooped", "cpu"),
         "step_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
         "step_cpu_s": {k: [round(t, 4) for t in v] for k, v in cpu.items()},
         "ceiling_gflops": {k: [round(c, 1) for c in v] for k, v in local.items()},
@@ -296,8 +295,8 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         if k.startswith("opt_"):
             # SDPA math is an eager-mode choice: against eager when the default compiles
             ref = "opt_eager" if k == "opt_sdpa_math" and "opt_eager" in tok else "looplab"
-            opts[k[4:]] = {"tokens_per_s": tok[k], "speedup_vs_default": paired(ref, times, base=k), "mfu": mfu(k),
-                           "speedup_vs_default_cpu_time": paired(ref, cpu, base=k),
+            opts[k[4:]] = {"tokens_per_s": tok[k], "speedup_vs_default": paired(ref, base=k), "mfu": mfu(k),
+                           "speedup_vs_default_cpu_time": paired(ref, "cpu", base=k),
                            "baseline": "eager" if ref == "opt_eager" else "default",
                            **option_info.get(k, {})}
     for k, v in option_info.items():
@@ -310,8 +309,8 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     res["best"] = {
         "config": "default" if best == "looplab" else best[4:],
         "tokens_per_s": tok[best],
-        "ratio_vs_transformers": paired("transformers", times, base=best),
-        "ratio_vs_transformers_cpu_time": paired("transformers", cpu, base=best),
+        "ratio_vs_transformers": paired("transformers", base=best),
+        "ratio_vs_transformers_cpu_time": paired("transformers", "cpu", base=best),
         "mfu": mfu(best),
     }
     del candidates, base
