@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from looplab.models.exits import ExitPolicy
 from looplab.checkpoint import looplab_meta
 from looplab.data.tasks import TaskDataModule
 from looplab.eval.__main__ import main
@@ -54,7 +55,7 @@ def test_eval_cli_sweep(gated_checkpoint, tmp_path):
         for batch in dm.test_dataloader():
             out = model(batch["input_ids"], return_all_loops=True)
             steps = threshold_exit_steps(out.exit_probs, 0.5)
-            logits = model(batch["input_ids"], exit_threshold=0.5).logits
+            logits = model(batch["input_ids"], exits=ExitPolicy(threshold=0.5)).logits
             m = batch["answer_mask"]
             correct += int((logits.argmax(-1) == batch["targets"])[m].sum())
             steps_sum += int(steps[m].sum())
@@ -193,7 +194,7 @@ def test_eval_cli_zero_shot_exit_rule_rows(gated_checkpoint, tmp_path):
     correct = n = 0
     with torch.no_grad():
         for batch in dm.test_dataloader():
-            logits = model(batch["input_ids"], exit_rule="kl", exit_threshold=0.01).logits
+            logits = model(batch["input_ids"], exits=ExitPolicy(threshold=0.01, rule="kl")).logits
             m = batch["answer_mask"]
             correct += int((logits.argmax(-1) == batch["targets"])[m].sum())
             n += int(m.sum())

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from looplab.models.exits import ExitPolicy
 from looplab.checkpoint import looplab_meta
 from looplab.data.tokenizer import load_tokenizer
 from looplab.eval import DEFAULT_TASKS, LOCAL_TASKS_DIR, LooplabLM, evaluate_perplexity, run_zeroshot
@@ -271,7 +272,7 @@ def test_exit_threshold_scores_from_the_gate_selected_depths():
     ctx, cont = tok.encode("Once more unto the breach"), tok.encode(", dear friends")
     (lp, _), = lm.loglikelihood(requests("loglikelihood", ("Once more unto the breach", ", dear friends")))
     with torch.no_grad():
-        logits = model(torch.tensor([ctx + cont[:-1]]), exit_threshold=0.5).logits[0].double()
+        logits = model(torch.tensor([ctx + cont[:-1]]), exits=ExitPolicy(threshold=0.5)).logits[0].double()
     want = torch.log_softmax(logits, -1)[-len(cont):].gather(-1, torch.tensor(cont)[:, None]).sum().item()
     assert lp == pytest.approx(want, abs=1e-3)
     with pytest.raises(ValueError, match="exit gate"):
@@ -317,7 +318,7 @@ def test_adapter_scores_and_generates_at_a_test_time_depth():
     at_trained = LooplabLM.from_model(model, TOK).loglikelihood(requests("loglikelihood", ("Once more unto the breach", ", dear friends")))
     assert at_trained[0][0] != pytest.approx(want, abs=1e-3)  # the depth really changed the scores
     with torch.no_grad():
-        seq = model.generate(torch.tensor([ctx]), 4, temperature=0.0, n_loops=5)
+        seq = model.generate(torch.tensor([ctx]), 4, n_loops=5)
     assert lm._greedy([ctx], 4)[0] == seq[0, len(ctx):].tolist()[: len(lm._greedy([ctx], 4)[0])]
     with pytest.raises(ValueError, match="n_loops must be"):
         LooplabLM.from_model(model, TOK, n_loops=0)

@@ -5,7 +5,9 @@ exit_threshold (the gate's q, or the threshold of exit_rule), exit_rule (gate | 
 hidden_delta | argmax_stable; zero-shot rules need no gate), exit_min_loops (1), skip_compute
 (false | kv_copy (= true; attention-only models) | ssm_skip | ssm_propagate; models/exit_compute.py),
 seed (0), device (cpu), speculative_loops (none; k in 1..R−1: loops 1..k draft, the full depth
-verifies, greedy output unchanged; models/speculative.py), draft_tokens (4, or auto).
+verifies, greedy output unchanged), draft_tokens (4, or auto), compile (false | true | default |
+reduce-overhead | max-autotune: plain steps compiled over a static cache). The flat keys build the
+option groups of `looplab.models.generate` (Sampling, ExitPolicy, Speculation; docs/decoding.md).
 
 Language-model checkpoints stream decoded text as tokens arrive (the tokenizer named in the
 checkpoint's dataset config). Synthetic-task checkpoints (p-hop, Mano) take the prompt as
@@ -22,12 +24,13 @@ from typing import Any
 
 import torch
 
-from looplab.models.generation import stream
+from looplab.models.exits import ExitPolicy
+from looplab.models.generation import Sampling, Speculation, stream
 
 DEFAULTS: dict[str, Any] = {
     "ckpt": None, "prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": None, "top_p": None,
     "exit_threshold": None, "exit_rule": None, "exit_min_loops": 1, "skip_compute": False, "seed": 0, "device": "cpu",
-    "speculative_loops": None, "draft_tokens": 4,
+    "speculative_loops": None, "draft_tokens": 4, "compile": False,
 }
 
 
@@ -44,6 +47,9 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             args[key] = "auto"
         elif key == "exit_rule":
             args[key] = val if val.lower() not in ("none", "null", "") else None
+        elif key == "compile":
+            v = val.lower()
+            args[key] = True if v in ("1", "true", "yes", "on") else False if v in ("0", "false", "no", "off", "none", "") else v
         elif key == "skip_compute":
             v = val.lower()
             args[key] = True if v in ("1", "true", "yes", "on") else False if v in ("0", "false", "no", "off", "none", "") else v
@@ -99,12 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     input_ids = torch.tensor([ids], device=args["device"])
     gen = torch.Generator(device=args["device"]).manual_seed(args["seed"])
 
+    spec = args["speculative_loops"]
     steps = stream(
-        model, input_ids, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"],
-        top_p=args["top_p"], eos_token_id=tok.eos_id, exit_threshold=args["exit_threshold"],
-        skip_compute=args["skip_compute"], generator=gen, exit_rule=args["exit_rule"],
-        exit_min_loops=args["exit_min_loops"], speculative_loops=args["speculative_loops"],
-        draft_tokens=args["draft_tokens"],
+        model, input_ids, args["max_new_tokens"], eos_token_id=tok.eos_id,
+        sampling=Sampling(args["temperature"], args["top_k"], args["top_p"], gen),
+        exits=ExitPolicy.from_kwargs(args["exit_threshold"], args["exit_rule"], args["exit_min_loops"],
+                                     skip_compute=args["skip_compute"]),
+        speculation=None if spec is None else Speculation(spec, args["draft_tokens"]), compile=args["compile"],
     )
     new, depths, speculation = [], [], None
     if is_task:

@@ -6,7 +6,7 @@ GPU, with the figures written to `gpu-check.json` and a table printed (docs/gpu.
 * `gpu-tests`: `python -m pytest -m gpu` over tests/, the GPU tests of the suite: Mamba2Mixer on
   mamba_ssm's fused kernels against the torch path (tests/test_mamba2_kernels.py: fp32 and bf16 forward,
   backward, prefill + step decoding, three conv layouts, torch.compile; which conv ran counted from
-  mamba2.CONV_CALLS) and decoding (tests/test_gpu_decode.py: the static-shape step eager and captured by
+  mamba2.CONV_CALLS) and decoding (tests/test_gpu_decode.py: the static-shape step compiled and captured by
   CUDA graphs, self-speculation, against plain decoding's tokens). Each test's outcome and the figures it
   recorded (`record_property`) come back through looplab.testing.pytest_report, written as each test ends.
 * `train-{llama,mamba2,hybrid}-{eager,compile}`: `python -m looplab.train hardware=gpu` for 20 steps,

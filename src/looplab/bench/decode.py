@@ -39,7 +39,7 @@ import torch
 
 from looplab.bench.common import Stepper, machine_info, time_round_robin
 from looplab.models import LoopedLM, LoopedLMConfig
-from looplab.models.generation import decode_step
+from looplab.models.generation import decode_one_token
 
 DIMS = dict(d_model=512, n_layers=4, n_loops=4, n_heads=8, vocab_size=8192, batch=1)
 HAS_MAMBA2 = importlib.util.find_spec("looplab.models.mamba2") is not None
@@ -86,7 +86,7 @@ class _Prefilled(Stepper):
         self.model(self.prompt, cache=self.cache)
 
     def step(self, i: int) -> None:
-        decode_step(self.model, self.tok, self.cache)
+        decode_one_token(self.model, self.tok, self.cache)
 
 
 @torch.no_grad()

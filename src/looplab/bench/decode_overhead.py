@@ -10,13 +10,13 @@ medians of `repeats` calls; every call decodes the same tokens:
                           unrolled into a LlamaForCausalLM of N·R layers with the same weights
                           (`convert.unrolled_transformers`): ratio_vs_transformers = tokens/s ÷ theirs
     skip_no_exit          the same weights plus an Ouro exit gate whose bias keeps every λ ≈ 0, decoded
-                          with exit_threshold=0.5 and skip_compute=kv_copy, so no token exits: the cost of
+                          with ExitPolicy(threshold=0.5, skip="kv_copy"), so no token exits: the cost of
                           the skip path's bookkeeping alone, against plain decoding of that gate model
                           (skip_overhead = time ÷ plain's − 1; the target is ≤ 0.05)
     plain at depth 1      the same model decoded at n_loops=1, so time/token = fixed + R · per_loop gives
                           the per-loop cost and the share of a token's time spent outside the loops
-    static_eager          plain decoding through the static-shape step (models/static_decode.py)
-    static_compiled       the same step under torch.compile (inductor's C++ kernels on the CPU; the
+    static_eager          plain decoding over a static-shape cache (whole buffers read under a mask), not compiled
+    static_compiled       the same step under torch.compile (`generate(compile=True)`: inductor's C++ kernels on the CPU; the
                           first call compiles, minutes, and is not timed): what fusing the per-op
                           overhead away buys (full runs: every width; --quick: none).
 
@@ -32,7 +32,8 @@ import torch
 
 from looplab.bench.common import time_round_robin
 from looplab.models import LoopedLM, LoopedLMConfig
-from looplab.models.generation import generate
+from looplab.models.exits import ExitPolicy
+from looplab.models.generation import decode_one_token, generate, prefill
 
 WIDTHS = {64: dict(n_heads=4, n_kv_heads=4, ffn_hidden=176), 256: dict(n_heads=4, n_kv_heads=4, ffn_hidden=688),
           576: dict(n_heads=9, n_kv_heads=3, ffn_hidden=1536)}
@@ -53,29 +54,43 @@ def _models(d: int, seed: int = 0) -> tuple[LoopedLM, LoopedLM]:
 
 
 @torch.no_grad()
+def static_eager(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy decoding over a static-shape cache, uncompiled: what the compiled step computes, op by op."""
+    cache = model.allocate_cache(ids.shape[0], ids.shape[1] + new, static=True)
+    logits, _ = prefill(model, ids, None, cache, model.config.n_loops)
+    out = [logits.argmax(-1)]
+    for _ in range(new - 1):
+        out.append(decode_one_token(model, out[-1], cache)[0].argmax(-1))
+    return torch.cat([ids, torch.stack(out, 1)], 1)
+
+
+@torch.no_grad()
 def run_width(d: int, repeats: int = 5, transformers: bool = True, new: int = NEW, compile: bool = False) -> dict:
     plain, gated = _models(d)
     ids = torch.randint(0, DIMS["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
     ref = generate(plain, ids, new)
-    skip = generate(gated, ids, new, exit_threshold=0.5, skip_compute="kv_copy", return_logits=True)
+    no_exit = ExitPolicy(threshold=0.5, skip="kv_copy")
+    skip = generate(gated, ids, new, exits=no_exit, return_logits=True)
     if not bool((skip.exit_steps == DIMS["n_loops"]).all()):
         raise AssertionError("a token exited: skip_no_exit measures nothing")
     fns = {
         "plain": lambda: generate(plain, ids, new),
         "plain_depth1": lambda: generate(plain, ids, new, n_loops=1),
         "gate_plain": lambda: generate(gated, ids, new),
-        "skip_no_exit": lambda: generate(gated, ids, new, exit_threshold=0.5, skip_compute="kv_copy"),
-        "static_eager": lambda: generate(plain, ids, new, static_cache="eager"),
+        "skip_no_exit": lambda: generate(gated, ids, new, exits=no_exit),
+        "static_eager": lambda: static_eager(plain, ids, new),
     }
     compile_s = None
     if compile:
         import time
 
         t0 = time.perf_counter()
-        if not torch.equal(generate(plain, ids, new, static_cache="compile"), ref):
+        if not torch.equal(generate(plain, ids, new, compile=True), ref):
             raise AssertionError("the compiled static step decoded other tokens than plain decoding")
         compile_s = time.perf_counter() - t0
-        fns["static_compiled"] = lambda: generate(plain, ids, new, static_cache="compile")
+        fns["static_compiled"] = lambda: generate(plain, ids, new, compile=True)
+    if not torch.equal(static_eager(plain, ids, new), ref):
+        raise AssertionError("the static-shape cache decoded other tokens than plain decoding")
     agree = None
     if transformers:
         from looplab.convert import unrolled_transformers

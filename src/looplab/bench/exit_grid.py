@@ -41,9 +41,9 @@ import torch.nn.functional as F
 
 from looplab.bench.common import Stepper, Timings, device_of, time_round_robin
 from looplab.bench.trained_runs import body_training, checkpoints_in, held_out_examples, run_seed
-from looplab.models.exit_compute import forward_with_exits, has_ssm
+from looplab.models.exit_compute import forward_with_exits, has_ssm, skip_compute_unsupported
 from looplab.models.exits import ExitPolicy
-from looplab.models.generation import decode_step, skip_compute_unsupported
+from looplab.models.generation import decode_one_token
 from looplab.targets import EXIT_LOSS_TARGET as TARGET_LOSS, EXIT_SPEEDUP_TARGET as TARGET_SPEEDUP, EXIT_TARGET_TASK as TARGET_TASK
 
 DECODERS = ("all_loops", "exact_exit", "skip")
@@ -54,31 +54,31 @@ def handlings_for(config) -> tuple[str, ...]:
     return ("ssm_skip", "ssm_propagate") if has_ssm(config) else ("kv_copy",)
 
 
-def decoder_options(threshold: float, handling: str, rule: str | None = None) -> dict[str, dict[str, Any]]:
-    """decode_step's keywords of each decoder (rule None: the gate)."""
-    exit_kw = {"exit_threshold": threshold, **({"exit_rule": rule} if rule else {})}
-    return {"all_loops": {}, "exact_exit": exit_kw, "skip": {**exit_kw, "skip_compute": handling}}
+def decoder_options(threshold: float, handling: str, rule: str | None = None) -> dict[str, ExitPolicy | None]:
+    """The exit policy of each decoder (rule None: the gate)."""
+    return {"all_loops": None, "exact_exit": ExitPolicy(threshold, rule),
+            "skip": ExitPolicy(threshold, rule, skip=handling)}
 
 
 class TeacherForced(Stepper):
     """One decoder over test sequences: `start(i)` gives it a fresh cache for sequence i (untimed), `step(t)`
     decodes that sequence's token t → (logits (1, V), exit steps (1,) or None)."""
 
-    def __init__(self, model, examples: list[dict[str, torch.Tensor]], options: dict[str, Any]):
-        self.model, self.examples, self.options = model, examples, options
+    def __init__(self, model, examples: list[dict[str, torch.Tensor]], exits: ExitPolicy | None):
+        self.model, self.examples, self.exits = model, examples, exits
 
     def start(self, episode: int) -> None:
         self.ids = self.examples[episode]["input_ids"]
         self.cache = self.model.allocate_cache(1, self.ids.shape[0])
 
     def step(self, t: int):
-        return decode_step(self.model, self.ids[t].view(1, 1), self.cache, **self.options)
+        return decode_one_token(self.model, self.ids[t].view(1, 1), self.cache, exits=self.exits)
 
 
-def decode_timed(model, examples, options: dict[str, dict[str, Any]], warmup: int = 4, after=None) -> Timings:
-    """The decoders (name → decode_step keywords) side by side over the examples, token by token; the first
+def decode_timed(model, examples, options: dict[str, ExitPolicy | None], warmup: int = 4, after=None) -> Timings:
+    """The decoders (name → exit policy) side by side over the examples, token by token; the first
     `warmup` tokens untimed; `after(name, (logits, steps))` sees every token's output."""
-    steppers = {k: TeacherForced(model, examples, kw) for k, kw in options.items()}
+    steppers = {k: TeacherForced(model, examples, exits) for k, exits in options.items()}
     return time_round_robin(steppers, episodes=[ex["input_ids"].shape[0] for ex in examples], warmup=warmup,
                             device=device_of(model), after=after)
 

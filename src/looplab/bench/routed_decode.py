@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from looplab.models.exits import ExitPolicy
 from looplab.models.generation import generate
 from looplab.targets import EXIT_Q
 
@@ -37,7 +38,7 @@ from looplab.targets import EXIT_Q
 def decode_kwargs(model, exit_q: float = EXIT_Q) -> dict[str, Any]:
     """How an arm decodes: an exit gate exits at its threshold and skips (kv_copy); anything else as built."""
     if model.exit_gate is not None:
-        return {"exit_threshold": exit_q, "skip_compute": "kv_copy"}
+        return {"exits": ExitPolicy(threshold=exit_q, skip="kv_copy")}
     return {}
 
 

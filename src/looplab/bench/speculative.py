@@ -1,5 +1,5 @@
 """Self-speculative decoding measured (table 11; not a timed test): tokens/s of plain greedy
-decoding against speculative greedy decoding (models/speculative.py) of the same prompts.
+decoding against speculative greedy decoding (`generate(speculation=Speculation(k, γ))`) of the same prompts.
 
     python -m looplab.bench.speculative [CKPT_OR_SWEEP_DIR ...] [--k 1 2 3] [--gamma 2 3 4 5 6 7 8]
                                         [--batch 1 8] [--prompt 32] [--new 64] [--repeats 3]
@@ -32,7 +32,7 @@ import torch
 from looplab.bench.common import device_of, time_round_robin
 from looplab.bench.trained_runs import held_out_prompts
 from looplab.models import LoopedLM, LoopedLMConfig
-from looplab.models.generation import generate
+from looplab.models.generation import Speculation, generate
 from looplab.targets import SPECULATION_SPEEDUP_TARGET as TARGET_SPEEDUP
 
 GAMMAS = (2, 3, 4, 5, 6, 7, 8)
@@ -54,9 +54,9 @@ def measure(model, ids: torch.Tensor, ks, gammas, new_tokens: int = 64, repeats:
     for k in ks:
         configs[f"depth {k}"] = {"n_loops": k}  # plain decoding at depth k: what one draft token costs
         for g in gammas:
-            configs[f"k={k} gamma={g}"] = {"speculative_loops": k, "draft_tokens": g}
+            configs[f"k={k} gamma={g}"] = {"speculation": Speculation(k, g)}
     reference = generate(model, ids, new_tokens)
-    generate(model, ids, new_tokens, speculative_loops=ks[0], draft_tokens=gammas[0])  # warm-up of the round code
+    generate(model, ids, new_tokens, speculation=Speculation(ks[0], gammas[0]))  # warm-up of the round code
     stats: dict[str, Any] = {}
 
     def check(name: str, out) -> None:
@@ -78,11 +78,11 @@ def measure(model, ids: torch.Tensor, ks, gammas, new_tokens: int = 64, repeats:
     n = ids.shape[0] * new_tokens
     cells = []
     for name, kw in configs.items():
-        if "speculative_loops" not in kw:
+        if "speculation" not in kw:
             continue
-        k = kw["speculative_loops"]
+        k = kw["speculation"].loops
         speedup = timings.ratio("plain", name)  # plain's time / the cell's, round by round
-        cells.append({"k": k, "gamma": kw["draft_tokens"], "tokens_per_s": round(n / statistics.median(times[name]), 2),
+        cells.append({"k": k, "gamma": kw["speculation"].draft_tokens, "tokens_per_s": round(n / statistics.median(times[name]), 2),
                       "speedup": round(speedup.median, 4),
                       "speedup_range": [round(speedup.low, 4), round(speedup.high, 4)],
                       "draft_cost": round(1 / timings.ratio("plain", f"depth {k}").median, 4),

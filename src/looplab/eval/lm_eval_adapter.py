@@ -34,6 +34,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from looplab.data.tokenizer import LMTokenizer, load_tokenizer
+from looplab.models.exits import ExitPolicy
+from looplab.models.generation import Speculation, check_options
 
 log = logging.getLogger(__name__)
 
@@ -109,22 +111,14 @@ class LooplabLM(LM):
         if self.n_loops is not None and self.n_loops < 1:
             raise ValueError(f"n_loops must be ≥ 1, got {n_loops!r}")
         depth = self.n_loops or model.config.n_loops
-        if self.exit_rule is not None and self.exit_threshold is None:
-            raise ValueError(f"exit_rule={exit_rule!r} needs exit_threshold (the rule's threshold)")
-        if self.exit_threshold is not None:
-            from looplab.models.exit_rules import check_rule
-
-            if (self.exit_rule or "gate") == "gate" and getattr(model, "exit_gate", None) is None:
-                raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot exit_rule")
-            check_rule(self.exit_rule or "gate", self.exit_threshold, self.exit_min_loops, depth)
-        # self-speculative greedy generation (models/speculative.py): same text, generate_until only
+        self.exits = ExitPolicy.from_kwargs(self.exit_threshold, self.exit_rule, self.exit_min_loops)
+        # self-speculative greedy generation: same text, generate_until only
         self.speculative_loops = None if speculative_loops in (None, "", "None") else _as_int(speculative_loops, 0)
         self.draft_tokens = draft_tokens if draft_tokens == "auto" else _as_int(draft_tokens, 4)
-        if self.speculative_loops is not None:
-            from looplab.models.speculative import check_speculation
-
-            check_speculation(model, depth, self.speculative_loops, self.draft_tokens,
-                              exit_threshold=self.exit_threshold, exit_rule=self.exit_rule)
+        self.speculation = None if self.speculative_loops is None else Speculation(self.speculative_loops, self.draft_tokens)
+        if self.exits is not None:
+            self.exits.check(model, depth)  # scoring reads out at the exits too, not only generation
+        check_options(model, depth, exits=self.exits, speculation=self.speculation)
         self.max_gen_toks = int(max_gen_toks)
         self.checkpoint = checkpoint
 
@@ -217,16 +211,11 @@ class LooplabLM(LM):
         return out  # type: ignore[return-value]
 
     # -------------------------------------------------------------- internals
-    def _exit_kwargs(self, generate: bool = False) -> dict[str, Any]:
-        """The depth and exit rule every forward pass (an ExitPolicy) and generation (generate's exit options) of
-        this adapter uses (none: loop R)."""
+    def _exit_kwargs(self) -> dict[str, Any]:
+        """The depth and exit policy every forward pass and generation of this adapter uses (none: loop R)."""
         kw: dict[str, Any] = {} if self.n_loops is None else {"n_loops": self.n_loops}
-        if self.exit_threshold is not None and generate:
-            kw.update(exit_threshold=self.exit_threshold, exit_rule=self.exit_rule, exit_min_loops=self.exit_min_loops)
-        elif self.exit_threshold is not None:
-            from looplab.models.exits import ExitPolicy
-
-            kw["exits"] = ExitPolicy(threshold=self.exit_threshold, rule=self.exit_rule, min_loops=self.exit_min_loops)
+        if self.exits is not None:
+            kw["exits"] = self.exits
         return kw
 
     def _forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,10 +266,10 @@ class LooplabLM(LM):
             mask[r, T - len(p):] = 1
         ids, mask = ids.to(self._device), mask.to(self._device)
         try:
-            kw = self._exit_kwargs(generate=True)
-            if self.speculative_loops is not None:
-                kw.update(speculative_loops=self.speculative_loops, draft_tokens=self.draft_tokens)
-            seq = self.model.generate(ids, n_new, temperature=0.0, eos_token_id=self.eot_token_id,
+            kw = self._exit_kwargs()
+            if self.speculation is not None:
+                kw["speculation"] = self.speculation
+            seq = self.model.generate(ids, n_new, eos_token_id=self.eot_token_id,
                                       attention_mask=mask if not bool(mask.all()) else None, **kw)
             new = seq[:, T:]
         except (ImportError, AttributeError):  # no cached decoder available: recompute the prefix each step

@@ -45,8 +45,8 @@ from looplab.models.exit_compute import SkipDecoding
 from looplab.models.exits import ExitPolicy
 from looplab.models.stream import Stream
 
-__all__ = ["GenerationOutput", "Sampling", "Speculation", "StepOutput", "decode_one_token", "generate", "prefill",
-           "speculative_round", "stream"]
+__all__ = ["GenerationOutput", "Sampling", "Speculation", "StepOutput", "check_options", "decode_one_token", "generate",
+           "prefill", "speculative_round", "stream"]
 
 AUTO_DRAFT = (4, 1, 8)  # draft_tokens="auto": initial γ, smallest, largest
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -354,6 +354,14 @@ def _check_request(model, input_ids, max_new_tokens, attention_mask, sampling, e
         if bool((m[:, 1:] < m[:, :-1]).any()) or not bool(m[:, -1].all()):
             raise ValueError("attention_mask must be left-padded (zeros only before the first real token, last column "
                              "all ones); pad prompts on the left for batched generation")
+    check_options(model, R, sampling=sampling, exits=exits, speculation=speculation, compile=compile)
+
+
+def check_options(model, n_loops: int, *, sampling=None, exits=None, speculation=None, compile=False) -> None:
+    """Refuse, naming the option, a decoding option or combination this model cannot run at depth n_loops
+    (generate calls it; so do the lm-eval adapter and the CLIs, before any work)."""
+    R, cfg = n_loops, model.config
+    sampling = Sampling() if sampling is None else sampling
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling={sampling!r}: give looplab.models.Sampling(temperature, top_k, top_p, generator)")
     if exits is not None:
