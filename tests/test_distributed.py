@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.exits import ExitPolicy
 
 pytestmark = pytest.mark.slow
 WORLD, B, T, V = 2, 4, 12, 37
@@ -51,7 +52,7 @@ def exit_steps() -> torch.Tensor:
 
 
 def exit_aware_loss_of(model, ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    logits = model(ids[:, :-1], skip_compute="kv_copy", exit_steps=steps).logits
+    logits = model(ids[:, :-1], exits=ExitPolicy(skip="kv_copy", steps=steps)).logits
     return F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
 
 
@@ -155,20 +156,20 @@ def test_fsdp2_exit_aware_forward_equals_one_process(distributed_grads):
 
 
 def test_exit_aware_model_forward_is_the_reference_bit_for_bit():
-    """model(ids, skip_compute=H, exit_steps=S) is exit_compute.forward_with_exits, bit for bit, gradients too."""
+    """model(ids, exits=ExitPolicy(skip=H, steps=S)) is exit_compute.forward_with_exits, bit for bit, gradients too."""
     from looplab.models.exit_compute import forward_with_exits
 
     ids, steps = global_batch()[:, :-1], exit_steps()
     a, b = make_model(), make_model()
-    want, got = forward_with_exits(a, ids, steps, "kv_copy"), b(ids, skip_compute="kv_copy", exit_steps=steps)
+    want, got = forward_with_exits(a, ids, steps, "kv_copy"), b(ids, exits=ExitPolicy(skip="kv_copy", steps=steps))
     assert torch.equal(want.logits, got.logits) and torch.equal(want.loop_logits, got.loop_logits)
     want.logits.sum().backward()
     got.logits.sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
     with pytest.raises(ValueError, match="needs skip_compute"):
-        b(ids, exit_steps=steps)
+        ExitPolicy(steps=steps)
     with pytest.raises(ValueError, match="backprop_loops"):
-        b(ids, skip_compute="kv_copy", exit_steps=steps, backprop_loops=1)
+        b(ids, exits=ExitPolicy(skip="kv_copy", steps=steps), backprop_loops=1)
 
 
 # ----------------------------------------------------------------------------- Hydra multirun + DDP

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from looplab.models.exits import ExitPolicy
 from looplab.checkpoint import looplab_meta
 from looplab.data.tasks import TaskDataModule
 from looplab.eval.__main__ import main
 from looplab.eval.exit_sweep import exit_sweep
 from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.exits import ExitPolicy
 from looplab.models.exit_gate import threshold_exit_steps
 
 DATASET = {"_target_": "looplab.data.tasks.TaskDataModule", "name": "phop", "task": "phop",

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from looplab.models.exits import ExitPolicy
 from looplab.checkpoint import looplab_meta
 from looplab.data.tokenizer import load_tokenizer
 from looplab.eval import DEFAULT_TASKS, LOCAL_TASKS_DIR, LooplabLM, evaluate_perplexity, run_zeroshot
 from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.exits import ExitPolicy
 
 TOK = "shakespeare-bpe-4096"
 
