@@ -1,4 +1,4 @@
-"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,data,router] [--device cpu|cuda] [--out PATH]`
+"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,batched,data,router] [--device cpu|cuda] [--out PATH]`
 
 Runs the benchmarks (fp32, CPU unless a part says otherwise), writes `bench/results.json`
 and prints a short table. Parts written by other modules (`mamba2`, `decode`) are imported
@@ -20,14 +20,16 @@ import traceback
 
 from looplab.bench import common
 
-PARTS = ("train", "mamba2", "decode", "overhead", "data", "router")
-MODULES = {"overhead": "decode_overhead"}  # part → module, where they differ
+PARTS = ("train", "mamba2", "decode", "overhead", "batched", "data", "router")
+MODULES = {"overhead": "decode_overhead", "batched": "batched_decode"}  # part → module, where they differ
 HEADLINE = {  # per part, its headline figures (docs/performance.md#results-json) in print order
     "train": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_cpu_time", "ratio_vs_unlooped", "mfu",
               "transformers_mfu", "matmul_gflops", "matmul_gflops_range", "peak_memory_mb", "peak_memory_ratio_vs_transformers"),
     "mamba2": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_compiled"),
     "decode": ("state_overhead", "ratio_vs_vanilla_r_plus_1", "cached_speedup_512"),
     "overhead": ("ratio_vs_transformers", "skip_overhead", "outside_loops_share"),
+    # batch 8 against plain decoding of the same weights: best speculation cell, skip, routed; static step vs eager
+    "batched": ("batch8_speculation_speedup", "batch8_skip_speedup", "batch8_routed_speedup", "static_eager_speedup"),
     "data": ("min_ratio_vs_train_step", "train_steps_per_s"),
     # depth routing: routed / fixed-depth training tokens/s and analytic training FLOPs (bench/router.py)
     "router": ("fixed_tokens_per_s", "ec_tokens_per_s_ratio", "ec_flops_ratio", "tc_tokens_per_s_ratio", "tc_flops_ratio",
