@@ -1,4 +1,4 @@
-"""Cached decoding (SPEC §7) and exit-gate skip_compute (SPEC §4) against full recomputation.
+"""Cached decoding and exit-gate skip decoding against full recomputation (docs/decoding.md).
 
 Every backbone (llama, mamba2, hybrid) × state_mode × exit-gate combination is checked.
 StateLoop's W_o and the exit gate are given random weights: at init W_o is zero (StateLoop
@@ -15,7 +15,9 @@ import torch
 
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.cache import KVCache
-from looplab.models.generation import decode_step, generate, sample_next, skip_compute_unsupported
+from looplab.models.exit_compute import skip_compute_unsupported
+from looplab.models.exits import ExitPolicy
+from looplab.models.generation import Sampling, decode_one_token, generate
 
 BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
@@ -53,7 +55,7 @@ def recompute_greedy(model, prompt, n, exit_threshold=None):
     """Reference: the full forward pass over the whole prefix at every step, no cache."""
     seq, logits = prompt, []
     for _ in range(n):
-        lg = model(seq, exit_threshold=exit_threshold).logits[:, -1]
+        lg = model(seq, exits=ExitPolicy.from_kwargs(exit_threshold=exit_threshold)).logits[:, -1]
         logits.append(lg)
         seq = torch.cat([seq, lg.argmax(-1, keepdim=True)], 1)
     return seq, torch.stack(logits, 1)
@@ -66,7 +68,7 @@ def test_cached_greedy_equals_recompute(backbone, state_mode, exit_gate):
     model = make_model(backbone, state_mode, exit_gate)
     prompt = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
     for q in (None, 0.5) if exit_gate == "ouro" else (None,):
-        out = generate(model, prompt, 6, exit_threshold=q, return_logits=True)
+        out = generate(model, prompt, 6, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=q))
         ref_seq, ref_logits = recompute_greedy(model, prompt, 6, exit_threshold=q)
         assert torch.equal(out.sequences, ref_seq)
         torch.testing.assert_close(out.logits, ref_logits, atol=ATOL, rtol=1e-4)
@@ -92,7 +94,7 @@ def test_prefill_then_decode_equals_full_forward(backbone, state_mode, exit_gate
         step = model(ids[:, T + i : T + i + 1], cache=cache, return_all_loops=True)
         torch.testing.assert_close(step.loop_logits[:, :, 0], full.loop_logits[:, :, T + i], atol=ATOL, rtol=1e-4)
         torch.testing.assert_close(step.exit_probs[:, 0], full.exit_probs[:, T + i], atol=ATOL, rtol=1e-4)
-    assert cache.length == T + k
+    assert cache.lengths.tolist() == [T + k] * 2
 
 
 # ------------------------------------------------------------- cache memory
@@ -132,9 +134,9 @@ def test_batched_left_padding_equals_alone(backbone, state_mode, exit_gate):
     ids = torch.stack([torch.cat([torch.full((T - len(p),), pad), p]) for p in prompts])
     mask = torch.stack([torch.cat([torch.zeros(T - len(p)), torch.ones(len(p))]) for p in prompts]).long()
     q = 0.5 if exit_gate == "ouro" else None
-    batched = generate(model, ids, 5, attention_mask=mask, exit_threshold=q, return_logits=True)
+    batched = generate(model, ids, 5, attention_mask=mask, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=q))
     for i, p in enumerate(prompts):
-        alone = generate(model, p[None], 5, exit_threshold=q, return_logits=True)
+        alone = generate(model, p[None], 5, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=q))
         assert torch.equal(batched.sequences[i, T:], alone.sequences[0, len(p):])
         torch.testing.assert_close(batched.logits[i], alone.logits[0], atol=ATOL, rtol=1e-4)
 
@@ -151,18 +153,20 @@ def test_sampling_limits_and_eos():
     model = make_model()
     prompt = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(4))
     greedy = generate(model, prompt, 6)
-    assert torch.equal(model.generate(prompt, 6, 0.0), greedy)  # the LoopedLM method delegates here
+    assert torch.equal(model.generate(prompt, 6), greedy)  # the LoopedLM method delegates here
+    with pytest.raises(TypeError):
+        model.generate(prompt, 6, 0.0)  # options are keyword-only
     # top_k=1 and a vanishing top_p leave only the argmax
-    assert torch.equal(generate(model, prompt, 6, temperature=1.0, top_k=1), greedy)
-    assert torch.equal(generate(model, prompt, 6, temperature=0.7, top_p=1e-6), greedy)
-    a = generate(model, prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(5))
-    b = generate(model, prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(generate(model, prompt, 6, sampling=Sampling(temperature=1.0, top_k=1)), greedy)
+    assert torch.equal(generate(model, prompt, 6, sampling=Sampling(temperature=0.7, top_p=1e-6)), greedy)
+    a = generate(model, prompt, 6, sampling=Sampling(temperature=1.0, generator=torch.Generator().manual_seed(5)))
+    b = generate(model, prompt, 6, sampling=Sampling(temperature=1.0, generator=torch.Generator().manual_seed(5)))
     assert torch.equal(a, b)
     # sampled tokens stay inside the top-k set
     logits = torch.randn(3, V)
     top = logits.topk(4).indices
     for s in range(20):
-        tok = sample_next(logits, 1.0, top_k=4, generator=torch.Generator().manual_seed(s))
+        tok = Sampling(1.0, top_k=4, generator=torch.Generator().manual_seed(s)).sample(logits)
         assert all(int(t) in top[i].tolist() for i, t in enumerate(tok))
     # eos: row 0 stops at its 3rd greedy token and is padded with eos afterwards
     eos = int(greedy[0, 4 + 2])
@@ -190,7 +194,7 @@ def test_skip_compute_never_exiting_equals_cached(state_mode):
     prompt = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     plain = generate(model, prompt, 8, attention_mask=mask, return_logits=True)
-    skip = generate(model, prompt, 8, attention_mask=mask, exit_threshold=0.9, skip_compute=True, return_logits=True)
+    skip = generate(model, prompt, 8, attention_mask=mask, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=0.9, skip_compute=True))
     assert torch.equal(skip.sequences, plain.sequences)
     torch.testing.assert_close(skip.logits, plain.logits, atol=ATOL, rtol=1e-4)
     assert (skip.exit_steps == 4).all()
@@ -206,17 +210,17 @@ def test_skip_compute_early_exit_uses_threshold_depth_and_reuses_kv(state_mode):
     B, T = 3, 5
     prompt = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(7))
     cache = model.allocate_cache(B, T + 12)
-    model(prompt, cache=cache, exit_threshold=q)  # prefill runs every loop
+    model(prompt, cache=cache, exits=ExitPolicy.from_kwargs(exit_threshold=q))  # prefill runs every loop
     keys = [k for (r, k), e in cache.entries.items() if r == 0 and isinstance(e, KVCache)]
     seen_mixed = seen_all_early = False
     tok = prompt[:, -1:]
     for step in range(12):
         ref_cache = copy.deepcopy(cache)
-        ref = model(tok, cache=ref_cache, exit_threshold=q)
-        logits, exits = decode_step(model, tok, cache, exit_threshold=q, skip_compute=True)
+        ref = model(tok, cache=ref_cache, exits=ExitPolicy.from_kwargs(exit_threshold=q))
+        logits, exits = decode_one_token(model, tok, cache, exits=ExitPolicy.from_kwargs(exit_threshold=q, skip_compute=True))
         assert torch.equal(exits, ref.exit_steps[:, 0])
         torch.testing.assert_close(logits, ref.logits[:, 0], atol=ATOL, rtol=1e-4)
-        pos = cache.length - 1
+        pos = int(cache.lengths[0]) - 1  # no padding: every row at one length
         for b in range(B):
             e = int(exits[b]) - 1
             for key in keys:
@@ -226,8 +230,7 @@ def test_skip_compute_early_exit_uses_threshold_depth_and_reuses_kv(state_mode):
                     assert torch.equal(got_k, src.k[b, :, pos]) and torch.equal(got_v, src.v[b, :, pos])
                     if r <= e:  # loops that ran hold the exact values
                         torch.testing.assert_close(got_k, ref_cache[r, key].k[b, :, pos], atol=ATOL, rtol=1e-4)
-        for key in keys:
-            assert all(cache[r, key].length == cache.length for r in range(R))
+        assert cache.lengths.tolist() == [T + step + 1] * B
         seen_mixed |= bool((exits < R).any() and (exits != exits[0]).any())
         seen_all_early |= bool((exits < R).all())
         tok = logits.argmax(-1, keepdim=True)
@@ -264,16 +267,15 @@ def test_skip_compute_with_zero_shot_exit_rules_matches_forward(rule, state_mode
     model(prompt, cache=cache)
     tok, seen_early = prompt[:, -1:], False
     for _ in range(8):
-        ref = model(tok, cache=copy.deepcopy(cache), exit_rule=rule, exit_threshold=tau, exit_min_loops=2)
-        logits, exits = decode_step(model, tok, cache, exit_threshold=tau, skip_compute=True, exit_rule=rule,
-                                    exit_min_loops=2)
+        ref = model(tok, cache=copy.deepcopy(cache), exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau, exit_min_loops=2))
+        logits, exits = decode_one_token(model, tok, cache, exits=ExitPolicy.from_kwargs(exit_threshold=tau, skip_compute=True, exit_rule=rule, exit_min_loops=2))
         assert torch.equal(exits, ref.exit_steps[:, 0]) and int(exits.min()) >= 2
         torch.testing.assert_close(logits, ref.logits[:, 0], atol=ATOL, rtol=1e-4)
         seen_early |= bool((exits < R).any())
         tok = logits.argmax(-1, keepdim=True)
     assert seen_early, f"threshold {tau} of {rule!r} was meant to make some tokens stop early"
-    out = generate(model, prompt, 4, exit_rule=rule, exit_threshold=tau, skip_compute=True, return_logits=True)
-    full = generate(model, prompt, 4, exit_rule=rule, exit_threshold=tau, return_logits=True)
+    out = generate(model, prompt, 4, return_logits=True, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau, skip_compute=True))
+    full = generate(model, prompt, 4, return_logits=True, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau))
     assert out.exit_steps.shape == (B, 4) and full.exit_steps.shape == (B, 4)
 
 
@@ -282,7 +284,7 @@ def test_skip_compute_whole_batch_exit_at_depth_one():
     """A gate that always exits after loop 1: deeper loops are never run, only copied."""
     model = make_model("llama", "stateloop_attn", "ouro", n_loops=3, gate_bias=20.0)
     prompt = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(8))
-    out = generate(model, prompt, 5, exit_threshold=0.5, skip_compute=True, return_logits=True)
+    out = generate(model, prompt, 5, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
     assert (out.exit_steps[:, 1:] == 1).all()
     # depth-1 logits with a cache whose deeper loops hold depth-1 KV == a 1-loop model's decoding
     one = LoopedLM(LoopedLMConfig(**{**model.config.to_dict(), "n_loops": 1})).eval()
@@ -297,18 +299,18 @@ def test_skip_compute_refused_for_ssm(backbone, state_mode):
     model = make_model(backbone, state_mode, "ouro")
     assert "recurrent" in skip_compute_unsupported(model.config)
     with pytest.raises(ValueError, match="Choose skip_compute=ssm_skip"):
-        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
 
 
 def test_skip_compute_needs_gate_and_threshold():
     with pytest.raises(ValueError, match="exit gate"):
-        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
     with pytest.raises(ValueError, match="exit_rule='kl' needs exit_threshold"):
-        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_rule="kl")
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_rule="kl"))
     with pytest.raises(ValueError, match="'loudness'"):
-        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exit_rule="loudness", exit_threshold=1.0)
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_rule="loudness", exit_threshold=1.0))
     with pytest.raises(ValueError, match="exit_threshold"):
-        generate(make_model(exit_gate="ouro"), torch.zeros(1, 3, dtype=torch.long), 2, skip_compute=True)
+        generate(make_model(exit_gate="ouro"), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(skip_compute=True))
 
 
 # ----------------------------------------------------------------------- CLI
@@ -395,7 +397,7 @@ def test_exit_decoding_of_a_checkpoint_matches_full_forward_passes(tmp_path):
     for batch in dm.test_dataloader():  # 2 batches of 4 sequences
         with torch.no_grad():
             full = model(batch["input_ids"]).logits
-            gated = model(batch["input_ids"], exit_threshold=0.5)
+            gated = model(batch["input_ids"], exits=ExitPolicy.from_kwargs(exit_threshold=0.5))
         m = batch["answer_mask"]
         right["all_loops"] += int((full.argmax(-1) == batch["targets"])[m].sum())
         right["exact_exit"] += int((gated.logits.argmax(-1) == batch["targets"])[m].sum())

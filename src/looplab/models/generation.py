@@ -373,7 +373,7 @@ def check_options(model, n_loops: int, *, sampling=None, exits=None, speculation
             raise ValueError(f"generate exits by a threshold rule; ExitPolicy({', '.join(bad)}) is forward's read-out, "
                              "not a decoding policy")
         if exits.threshold is None:
-            raise ValueError("exits=ExitPolicy(...) needs threshold=q (the depth at which a token stops)")
+            raise ValueError("exits=ExitPolicy(...) needs threshold=q (exit_threshold: the depth at which a token stops)")
         exits.check(model, R)
     if speculation is not None:
         if not isinstance(speculation, Speculation):
