@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from looplab.models.exits import ExitPolicy
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.config import ConfigError
 from looplab.training.depth import DepthSampler
@@ -91,16 +92,16 @@ def test_n_loops_equals_a_model_configured_with_that_depth(backbone, state_mode,
 def test_exit_options_range_over_r_prime():
     model = make_model("llama", "vanilla", "ouro", n_loops=3)
     x = ids()
-    out = model(x, n_loops=6, exit_at_step=5)
+    out = model(x, n_loops=6, exits=ExitPolicy.from_kwargs(exit_at_step=5))
     assert bool((out.exit_steps == 5).all())
     with pytest.raises(ValueError, match="exit_at_step=4 must lie in 1..2"):
-        model(x, n_loops=2, exit_at_step=4)
-    out = model(x, n_loops=6, exit_threshold=1.01)  # never reached: every token takes the last step R′
+        model(x, n_loops=2, exits=ExitPolicy.from_kwargs(exit_at_step=4))
+    out = model(x, n_loops=6, exits=ExitPolicy.from_kwargs(exit_threshold=1.01))  # never reached: every token takes the last step R′
     assert bool((out.exit_steps == 6).all())
-    out = model(x, n_loops=6, exit_rule="entropy", exit_threshold=0.0, exit_min_loops=5)
+    out = model(x, n_loops=6, exits=ExitPolicy.from_kwargs(exit_rule="entropy", exit_threshold=0.0, exit_min_loops=5))
     assert bool((out.exit_steps == 6).all())
     with pytest.raises(ValueError, match="exit_min_loops=5"):
-        model(x, n_loops=4, exit_rule="entropy", exit_threshold=1.0, exit_min_loops=5)
+        model(x, n_loops=4, exits=ExitPolicy.from_kwargs(exit_rule="entropy", exit_threshold=1.0, exit_min_loops=5))
 
 
 @pytest.mark.parametrize("backbone,state_mode", list(itertools.product(BACKBONES, STATE_MODES)))
@@ -123,10 +124,10 @@ def test_cache_serves_only_its_depth():
     assert sorted({r for r, _ in cache.entries}) == list(range(5))
     with pytest.raises(ValueError, match="allocated for 5 loops"):
         model(ids(B=1), cache=cache)
-    from looplab.models.generation import decode_step
+    from looplab.models.generation import decode_one_token
 
     model(ids(B=1, T=3), cache=cache, n_loops=5)
-    logits, _ = decode_step(model, ids(B=1, T=1), cache, n_loops=5)
+    logits, _ = decode_one_token(model, ids(B=1, T=1), cache, n_loops=5)
     torch.testing.assert_close(logits, model(torch.cat([ids(B=1, T=3), ids(B=1, T=1)], 1), n_loops=5).logits[:, -1],
                                atol=ATOL, rtol=0)
 

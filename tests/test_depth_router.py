@@ -17,6 +17,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from conftest import compose
+from looplab.models.exits import ExitPolicy
+from looplab.models.stream import Stream
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 
 B, T, V = 2, 12, 40
@@ -133,7 +135,7 @@ def reference(model, ids, per_token=False):
             s = torch.where(new[..., None], sn, s)
         h = torch.where(new[..., None], hn, h)
         x = torch.where(new[..., None], xn, x)
-        readouts.append(model.readout(h, x))
+        readouts.append(model.readout(Stream(x, x, s, h, pos, None)))
         masks.append(new)
         active = new
     logits = torch.stack([model.head(model.final_norm(z)) for z in readouts])
@@ -292,8 +294,8 @@ def test_other_depths_and_decoding_options_are_refused():
     """Cached decoding routes (tests/test_depth_router_decode.py); other depths and exit options do not."""
     model = make("token_choice")
     ids = ids_for()
-    for call in (lambda: model(ids, n_loops=2), lambda: model.generate(ids, 2, exit_threshold=0.5, exit_rule="entropy"),
-                 lambda: model(ids, cache=model.allocate_cache(B, 32), exit_at_step=1)):
+    for call in (lambda: model(ids, n_loops=2), lambda: model.generate(ids, 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, exit_rule="entropy")),
+                 lambda: model(ids, cache=model.allocate_cache(B, 32), exits=ExitPolicy.from_kwargs(exit_at_step=1))):
         with pytest.raises(ValueError, match="depth_router=token_choice"):
             call()
 

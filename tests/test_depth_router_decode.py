@@ -12,6 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from looplab.models.exits import ExitPolicy
+from looplab.models.stream import Stream
+from looplab.models.generation import Speculation
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.cache import RoutedKVCache
 from test_depth_router import slow_layer
@@ -157,7 +160,7 @@ def slow_given(model, ids, D):
             s = torch.where(new[..., None], sn, s)
         h = torch.where(new[..., None], hn, h)
         x = torch.where(new[..., None], xn, x)
-    return model.head(model.final_norm(model.readout(h, x)))
+    return model.head(model.final_norm(model.readout(Stream(x, x, s, h, pos, None))))
 
 
 @pytest.mark.parametrize("case, state_mode", [("ec_threshold", "vanilla"), ("token_choice", "stateloop"),
@@ -216,10 +219,10 @@ def test_generate_is_greedy_on_the_causal_forward():
 
 
 @pytest.mark.parametrize("opts, word", [
-    (dict(speculative_loops=1), "speculative_loops"),
-    (dict(static_cache="eager"), "static_cache"),
-    (dict(exit_threshold=0.5, exit_rule="entropy"), "exit_threshold"),
-    (dict(exit_threshold=0.5, exit_rule="entropy", skip_compute="kv_copy"), "skip_compute"),
+    (dict(speculation=Speculation(loops=1)), "speculation=Speculation"),
+    (dict(compile=True), "compile="),
+    (dict(exits=ExitPolicy(threshold=0.5, rule="entropy")), "exits=ExitPolicy"),
+    (dict(exits=ExitPolicy(threshold=0.5, rule="entropy", skip="kv_copy")), "skip='kv_copy'"),
 ])
 def test_decoding_options_that_do_not_route_are_refused_by_name(opts, word):
     from looplab.models.generation import generate
@@ -243,8 +246,8 @@ def test_other_misuse_is_refused_by_name():
         make(None)(ids, depths=torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="allocate_cache"):
         model(ids, cache=make(None).allocate_cache(1, 8))
-    with pytest.raises(ValueError, match="exit_threshold"):
-        model.decode_step(ids[:, :1], model.allocate_cache(1, 8), exit_threshold=0.5, exit_rule="entropy")
+    with pytest.raises(ValueError, match="exits=ExitPolicy"):
+        model.generate(ids[:, :1], 1, exits=ExitPolicy(threshold=0.5, rule="entropy"))
     with pytest.raises(ConfigError, match="depth_router.inference=aux_router"):
         make({"name": "expert_choice", "inference": "aux_router"})
     with pytest.raises(ConfigError, match="depth_router.inference_threshold"):

@@ -16,6 +16,8 @@ from omegaconf import open_dict
 
 from conftest import compose
 from test_depth_router_decode import decode  # prefill + one cached step per token, with an on_step hook
+from looplab.models.exits import ExitPolicy
+from looplab.models.stream import Stream
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.cache import RoutedKVCache, RoutedSSMCache
 from looplab.models.llama import apply_rope
@@ -92,7 +94,7 @@ def slow_given(model, ids, D):
                 sn, xn, _ = model.state(hn, s[b, sub][None], pos)
                 s[b, sub] = sn[0]
             h[b, sub], x[b, sub] = hn[0], xn[0]
-    return model.head(model.final_norm(model.readout(h, x)))
+    return model.head(model.final_norm(model.readout(Stream(x, x, s, h, pos, None))))
 
 
 def shared_attention_layer(layer, y, pos, first_kv, key, r):
@@ -254,5 +256,5 @@ def test_still_unsupported_combinations_are_refused_naming_the_option(kw, words)
 def test_exit_skip_handling_is_refused_with_a_router():
     model = make("token_choice", "hybrid")
     ids = ids_for(1, 4)
-    with pytest.raises(ValueError, match="skip_compute"):
-        model.generate(ids, 2, exit_threshold=0.5, exit_rule="entropy", skip_compute="ssm_skip")
+    with pytest.raises(ValueError, match="skip='ssm_skip'"):
+        model.generate(ids, 2, exits=ExitPolicy(threshold=0.5, rule="entropy", skip="ssm_skip"))

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from looplab.models.exits import ExitPolicy
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.exit_compute import HANDLINGS, forward_with_exits, resolve_handling, skip_compute_unsupported
 from looplab.models.exit_gate import exit_distribution, logits_at_depth
@@ -82,7 +83,7 @@ def test_skip_compute_equals_its_reference(backbone, state_mode, handling, batch
     if batch > 1:
         mask = torch.ones(batch, 5, dtype=torch.long)
         mask[0, :2] = 0
-    out = generate(model, prompt, 10, attention_mask=mask, exit_threshold=Q, skip_compute=handling, return_logits=True)
+    out = generate(model, prompt, 10, attention_mask=mask, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=Q, skip_compute=handling))
     assert bool((out.exit_steps < R).any()) and len(out.exit_steps.unique()) > 1, "exits were meant to be mixed"
     ref, want = reference_logits(model, out, prompt, mask, handling)
     torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=1e-4)
@@ -123,7 +124,7 @@ def test_never_exiting_skip_equals_plain_decoding(backbone, state_mode, handling
     model.exit_gate.proj.weight.zero_()
     prompt = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(6))
     plain = generate(model, prompt, 8, return_logits=True)
-    skip = generate(model, prompt, 8, exit_threshold=0.9, skip_compute=handling, return_logits=True)
+    skip = generate(model, prompt, 8, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=0.9, skip_compute=handling))
     assert torch.equal(skip.sequences, plain.sequences) and bool((skip.exit_steps == R).all())
     torch.testing.assert_close(skip.logits, plain.logits, atol=ATOL, rtol=1e-4)
 
@@ -139,9 +140,9 @@ def test_handling_names_and_refusals():
     attn = make_model("llama", "stateloop")
     assert skip_compute_unsupported(attn.config, skip_compute="ssm_propagate") is None
     with pytest.raises(ValueError, match="ssm_skip"):
-        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exit_threshold=0.5, skip_compute=True)
+        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
     with pytest.raises(ValueError, match="needs exit_threshold"):
-        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, skip_compute="ssm_skip")
+        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(skip_compute="ssm_skip"))
 
 
 def test_generate_cli_takes_a_handling():
@@ -203,7 +204,7 @@ def test_exit_aware_fine_tuning_trains_and_refuses_bad_configs(tiny_overrides, t
 def test_online_reference_decides_exits_as_skip_decoding(backbone, state_mode, handling, rule, threshold):
     """forward_with_exits(rule=...) over a whole sequence = skip_compute decoding fed the same tokens one by one
     (teacher forcing): same exit steps, same logits. Table 10 measures quality with it, batched."""
-    from looplab.models.generation import decode_step
+    from looplab.models.generation import decode_one_token
 
     model = make_model(backbone, state_mode, seed=2)
     ids = torch.randint(0, V, (3, 14), generator=torch.Generator().manual_seed(8))
@@ -211,8 +212,7 @@ def test_online_reference_decides_exits_as_skip_decoding(backbone, state_mode, h
     assert bool((ref.exit_steps < R).any()) and bool((ref.exit_steps == R).any()), "exits were meant to be mixed"
     cache = model.allocate_cache(3, 14)
     for t in range(14):
-        logits, steps = decode_step(model, ids[:, t:t + 1], cache, exit_threshold=threshold, exit_rule=rule,
-                                    skip_compute=handling)
+        logits, steps = decode_one_token(model, ids[:, t:t + 1], cache, exits=ExitPolicy.from_kwargs(exit_threshold=threshold, exit_rule=rule, skip_compute=handling))
         assert torch.equal(steps, ref.exit_steps[:, t]), t
         torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
 
@@ -323,7 +323,7 @@ def test_exit_grid_names_the_body_training_through_the_stage2_run(tmp_path):
 def test_skip_compute_with_test_time_depth_and_injection(backbone, state_mode, handling, injection, n_loops):
     """skip_compute composes with the depth knobs (issue 15): at R′ ≠ R and with input injection, cached skip
     decoding equals the online reference at R′."""
-    from looplab.models.generation import decode_step
+    from looplab.models.generation import decode_one_token
 
     torch.manual_seed(0)
     cfg = make_model(backbone, state_mode).config.to_dict() | {"injection": injection}
@@ -338,8 +338,7 @@ def test_skip_compute_with_test_time_depth_and_injection(backbone, state_mode, h
     assert ref.loop_logits.shape[0] == n_loops and bool((ref.exit_steps < n_loops).any())
     cache = model.allocate_cache(2, 10, n_loops=n_loops)
     for t in range(10):
-        logits, steps = decode_step(model, ids[:, t:t + 1], cache, exit_threshold=tau, exit_rule="entropy",
-                                    skip_compute=handling, n_loops=n_loops)
+        logits, steps = decode_one_token(model, ids[:, t:t + 1], cache, n_loops=n_loops, exits=ExitPolicy.from_kwargs(exit_threshold=tau, exit_rule="entropy", skip_compute=handling))
         assert torch.equal(steps, ref.exit_steps[:, t])
         torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
     # never exiting, the reference is the model's own forward at R′

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from looplab.models.exits import ExitPolicy
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.exit_gate import logits_at_depth, threshold_exit_steps
 from looplab.models.exit_rules import first_exit
@@ -84,12 +85,12 @@ def test_model_reads_each_token_at_its_rules_depth(backbone, state_mode, rule, t
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids, return_all_loops=True)
-        out = model(ids, exit_rule=rule, exit_threshold=threshold, exit_min_loops=2)
+        out = model(ids, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=threshold, exit_min_loops=2))
     steps = first_exit(rule, threshold, 4, min_loops=2, logits=full.loop_logits, hidden=full.loop_hidden)
     assert torch.equal(out.exit_steps, steps) and int(steps.min()) >= 2
     torch.testing.assert_close(out.logits, logits_at_depth(full.loop_logits, steps), rtol=0, atol=0)
     with torch.no_grad():  # a threshold that never fires reads every token at R: the plain forward pass
-        never = model(ids, exit_rule=rule, exit_threshold=0.0 if rule != "argmax_stable" else 99)
+        never = model(ids, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=0.0 if rule != "argmax_stable" else 99))
     assert bool((never.exit_steps == 4).all())
     torch.testing.assert_close(never.logits, full.logits, rtol=0, atol=0)
 
@@ -98,14 +99,14 @@ def test_gate_rule_without_a_gate_and_rule_without_threshold_are_refused():
     model = LoopedLM(LoopedLMConfig(vocab_size=16, d_model=16, n_heads=2, n_layers=1, n_loops=2, max_seq_len=8)).eval()
     ids = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="exit gate"):
-        model(ids, exit_threshold=0.5)
+        model(ids, exits=ExitPolicy.from_kwargs(exit_threshold=0.5))
     with pytest.raises(ValueError, match="needs exit_threshold"):
-        model(ids, exit_rule="kl")
+        model(ids, exits=ExitPolicy.from_kwargs(exit_rule="kl"))
 
 
 def test_forward_reads_depths_through_an_exit_policy():
-    """forward(exits=ExitPolicy(...)) is what the former exit keyword arguments build; mixing both, or an
-    unknown keyword, is refused by name."""
+    """ExitPolicy.from_kwargs (the flat keys of the CLIs and the lm-eval adapter) builds the policy the grouped
+    form gives; forward takes no flat exit keywords."""
     from looplab.models import ExitPolicy
 
     torch.manual_seed(0)
@@ -118,14 +119,13 @@ def test_forward_reads_depths_through_an_exit_policy():
                            (ExitPolicy(expected=True), dict(expected_exit=True)),
                            (ExitPolicy(skip="kv_copy", steps=torch.full((2, 6), 2)),
                             dict(skip_compute="kv_copy", exit_steps=torch.full((2, 6), 2)))]:
-        a, b = model(ids, exits=policy), model(ids, **legacy)
+        a, b = model(ids, exits=policy), model(ids, exits=ExitPolicy.from_kwargs(**legacy))
         assert torch.equal(a.logits, b.logits)
         assert (a.exit_steps is None) == (b.exit_steps is None) and (a.exit_steps is None or torch.equal(a.exit_steps, b.exit_steps))
     assert torch.equal(model(ids).logits, model(ids, exits=None).logits)
-    with pytest.raises(ValueError, match="not both"):
-        model(ids, exits=ExitPolicy(threshold=0.5), exit_threshold=0.5)
-    with pytest.raises(TypeError, match="exit_treshold"):
-        model(ids, exit_treshold=0.5)
+    assert ExitPolicy.from_kwargs() is None
+    with pytest.raises(TypeError, match="exit_threshold"):
+        model(ids, exit_threshold=0.5)
     with pytest.raises(ValueError, match="needs exit_threshold"):
         ExitPolicy(rule="kl")
     with pytest.raises(ValueError, match="needs skip_compute"):

@@ -14,10 +14,11 @@ import json
 import pytest
 import torch
 
+from looplab.models.exits import ExitPolicy
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.config import ConfigError
 from looplab.models.exit_compute import forward_with_exits
-from looplab.models.generation import decode_step
+from looplab.models.generation import decode_one_token
 
 V, R, ATOL = 64, 3, 3e-5
 BACKBONES = ("llama", "mamba2", "hybrid")
@@ -126,7 +127,7 @@ def test_exit_threshold_reads_coda_outputs():
     model = make_model("llama", prelude_layers=1, coda_layers=2)
     x = ids()
     full = model(x, return_all_loops=True)
-    out = model(x, exit_threshold=0.5)
+    out = model(x, exits=ExitPolicy.from_kwargs(exit_threshold=0.5))
     assert len(out.exit_steps.unique()) > 1, "exits were meant to be mixed"
     want = full.loop_logits.gather(0, (out.exit_steps - 1)[None, ..., None].expand(1, *x.shape, V))[0]
     torch.testing.assert_close(out.logits, want, atol=1e-6, rtol=0)
@@ -215,8 +216,7 @@ def test_skip_compute_equals_online_reference(backbone, state_mode, handling, ru
     assert bool((ref.exit_steps < depth).any()) and len(ref.exit_steps.unique()) > 1, "exits were meant to be mixed"
     cache = model.allocate_cache(3, 12, n_loops=depth)
     for t in range(12):
-        logits, steps = decode_step(model, x[:, t:t + 1], cache, exit_threshold=threshold, exit_rule=rule,
-                                    skip_compute=handling, n_loops=n_loops)
+        logits, steps = decode_one_token(model, x[:, t:t + 1], cache, n_loops=n_loops, exits=ExitPolicy.from_kwargs(exit_threshold=threshold, exit_rule=rule, skip_compute=handling))
         assert torch.equal(steps, ref.exit_steps[:, t]), t
         torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
     # never exiting, the reference is the model's own forward
@@ -231,13 +231,13 @@ def test_exited_tokens_leave_their_exit_depth_coda_keys():
     the exit depth's (the frozen-input rule applied to the coda)."""
     model = make_model("llama", prelude_layers=1, coda_layers=1)
     cache = model.allocate_cache(1, 8)
-    model(ids(B=1, T=3), cache=cache, exit_threshold=0.0)  # prefill: every depth
-    _, steps = decode_step(model, ids(B=1, T=1, seed=5), cache, exit_threshold=0.0, skip_compute="kv_copy")
+    model(ids(B=1, T=3), cache=cache, exits=ExitPolicy.from_kwargs(exit_threshold=0.0))  # prefill: every depth
+    _, steps = decode_one_token(model, ids(B=1, T=1, seed=5), cache, exits=ExitPolicy.from_kwargs(exit_threshold=0.0, skip_compute="kv_copy"))
     assert int(steps) == 1
     e = cache[0, ("coda", 0)]
     for r in (1, 2):
         deeper = cache[r, ("coda", 0)]
-        assert deeper.length == 4 and torch.equal(deeper.k[:, :, 3], e.k[:, :, 3]) and torch.equal(deeper.v[:, :, 3], e.v[:, :, 3])
+        assert int(cache.lengths[0]) == 4 and torch.equal(deeper.k[:, :, 3], e.k[:, :, 3]) and torch.equal(deeper.v[:, :, 3], e.v[:, :, 3])
 
 
 # ------------------------------------------------------------------ FLOPs

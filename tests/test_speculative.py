@@ -78,14 +78,14 @@ def test_speculative_greedy_equals_plain(backbone, state_mode, prelude, coda, in
     ids, mask = left_padded()
     n = 10
     plain = generate(model, ids, n, attention_mask=mask, return_logits=True)
-    spec = generate(model, ids, n, attention_mask=mask, return_logits=True, speculative_loops=k, draft_tokens=gamma)
+    spec = generate(model, ids, n, attention_mask=mask, return_logits=True, speculation=Speculation(k, gamma))
     assert torch.equal(spec.sequences, plain.sequences)
     torch.testing.assert_close(spec.logits, plain.logits, atol=2e-5, rtol=1e-4)
     stats = spec.speculation
     assert stats.drafted > 0 and 0 <= stats.accepted <= stats.drafted and spec.acceptance_rate == stats.acceptance_rate
     # batch 1 (the longest prompt's row, no padding)
     row = 1
-    alone = generate(model, ids[row:row + 1], n, speculative_loops=k, draft_tokens=gamma)
+    alone = generate(model, ids[row:row + 1], n, speculation=Speculation(k, gamma))
     assert torch.equal(alone, plain.sequences[row:row + 1])
 
 
@@ -99,7 +99,7 @@ def test_rows_accept_different_lengths_and_stay_exact():
         model = make_model(backbone, state_mode, 1, 1, "add", damp=0.2)
         ids, mask = left_padded((4, 9, 6, 2), seed=5)
         plain = generate(model, ids, 16, attention_mask=mask)
-        spec = generate(model, ids, 16, attention_mask=mask, return_logits=True, speculative_loops=2, draft_tokens=4)
+        spec = generate(model, ids, 16, attention_mask=mask, return_logits=True, speculation=Speculation(2, 4))
         assert torch.equal(spec.sequences, plain)
         agreed = spec.speculation.agreed
         seen += int(agreed.unique().numel() > 1 and int(agreed.max()) > 0)
@@ -114,7 +114,7 @@ def test_other_injections(injection):
     model = make_model("hybrid", "stateloop_attn", 1, 1, injection)
     ids, mask = left_padded()
     plain = generate(model, ids, 8, attention_mask=mask)
-    assert torch.equal(generate(model, ids, 8, attention_mask=mask, speculative_loops=2, draft_tokens=3), plain)
+    assert torch.equal(generate(model, ids, 8, attention_mask=mask, speculation=Speculation(2, 3)), plain)
 
 
 @torch.no_grad()
@@ -124,10 +124,10 @@ def test_eos_test_time_depth_and_stateloop_reset():
     ids, mask = left_padded()
     plain = generate(model, ids, 10, attention_mask=mask)
     eos = int(plain[0, ids.shape[1] + 2])
-    assert torch.equal(generate(model, ids, 10, attention_mask=mask, eos_token_id=eos, speculative_loops=1),
+    assert torch.equal(generate(model, ids, 10, attention_mask=mask, eos_token_id=eos, speculation=Speculation(1)),
                        generate(model, ids, 10, attention_mask=mask, eos_token_id=eos))
     deeper = generate(model, ids, 10, attention_mask=mask, n_loops=5)
-    assert torch.equal(generate(model, ids, 10, attention_mask=mask, n_loops=5, speculative_loops=4, draft_tokens=2),
+    assert torch.equal(generate(model, ids, 10, attention_mask=mask, n_loops=5, speculation=Speculation(4, 2)),
                        deeper)
 
 
@@ -190,13 +190,13 @@ def test_refusals_name_the_options():
     model = make_model(n_loops=3)
     ids = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="temperature=0.7.*greedy"):
-        generate(model, ids, 4, temperature=0.7, speculative_loops=1)
+        generate(model, ids, 4, sampling=Sampling(temperature=0.7), speculation=Speculation(1))
     with pytest.raises(ValueError, match=r"speculative_loops=3 must be an integer in 1\.\.2"):
-        generate(model, ids, 4, speculative_loops=3)
+        generate(model, ids, 4, speculation=Speculation(3))
     with pytest.raises(ValueError, match="draft_tokens=0"):
-        generate(model, ids, 4, speculative_loops=1, draft_tokens=0)
+        generate(model, ids, 4, speculation=Speculation(1, 0))
     with pytest.raises(ValueError, match="exit_threshold"):
-        generate(model, ids, 4, speculative_loops=1, exit_rule="entropy", exit_threshold=1.0)
+        generate(model, ids, 4, exits=ExitPolicy.from_kwargs(exit_rule="entropy", exit_threshold=1.0), speculation=Speculation(1))
 
 
 # ------------------------------------------------------------ CLI and lm-eval

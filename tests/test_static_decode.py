@@ -37,7 +37,7 @@ def test_static_decoding_equals_plain_decoding(name):
     for n_loops in (None, 5):  # the trained depth, and a test-time depth beyond it
         ref = generate(model, ids, 9, attention_mask=mask, return_logits=True, n_loops=n_loops)
         for _ in range(2):  # the second call reuses the decoder (and, compiled, its graph)
-            out = generate(model, ids, 9, attention_mask=mask, return_logits=True, n_loops=n_loops, static_cache=True)
+            out = generate(model, ids, 9, attention_mask=mask, return_logits=True, n_loops=n_loops, compile=True)
             assert torch.equal(out.sequences, ref.sequences)
             torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
@@ -61,15 +61,15 @@ def test_static_decoding_refuses_what_it_does_not_cover(over, name):
     cfg = LoopedLMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, n_loops=2, headdim=8, **over)
     assert name in static_decode_unsupported(cfg)
     with pytest.raises(ValueError, match=name):
-        generate(LoopedLM(cfg).eval(), torch.tensor([[1, 2]]), 2, static_cache=True)
+        generate(LoopedLM(cfg).eval(), torch.tensor([[1, 2]]), 2, compile=True)
 
 
 def test_static_decoding_refuses_other_strategies_by_name():
     model = _model(exit_gate="ouro")
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="speculative_loops=1"):
-        generate(model, ids, 3, static_cache=True, speculative_loops=1)
+        generate(model, ids, 3, speculation=Speculation(1), compile=True)
     with pytest.raises(ValueError, match="exit_threshold=0.5"):
-        generate(model, ids, 3, static_cache="eager", exit_threshold=0.5)
+        generate(model, ids, 3, exits=ExitPolicy.from_kwargs(exit_threshold=0.5), compile="eager")
     with pytest.raises(ValueError, match="static_cache='graphs' is unknown"):
-        generate(model, ids, 3, static_cache="graphs")
+        generate(model, ids, 3, compile="graphs")

@@ -70,6 +70,8 @@ options and skip_compute, self-speculation (speculative_loops), static_cache, a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field, replace
 
@@ -148,8 +150,14 @@ class DepthRouter(nn.Module):
                                  "KV / SSM caches)")
 
     def check_generate(self, **options) -> None:
-        """Refuse the decoding options that do not route, naming them (generate, stream, decode_step)."""
-        bad = [f"{k}={v!r}" for k, v in options.items() if v not in (None, False)]
+        """Refuse the decoding options that do not route, naming them (generation.check_options)."""
+        def named(k, v):
+            if dataclasses.is_dataclass(v):  # only the fields set: ExitPolicy(threshold=0.5, skip='kv_copy')
+                set_ = [f"{f.name}={getattr(v, f.name)!r}" for f in dataclasses.fields(v)
+                        if getattr(v, f.name) is not None and getattr(v, f.name) != f.default]
+                return f"{k}={type(v).__name__}({', '.join(set_)})"
+            return f"{k}={v!r}"
+        bad = [named(k, v) for k, v in options.items() if v not in (None, False)]
         if bad:
             raise ValueError(f"depth_router={self.cfg.name}: routed decoding runs plain greedy/sampled steps; "
                              f"{', '.join(bad)} does not combine with a depth router (each token's depth is the "
