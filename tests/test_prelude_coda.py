@@ -173,12 +173,13 @@ def test_cached_decoding_equals_recomputation(backbone, state_mode):
     threshold (the coda at every depth), and at R′ ≠ R."""
     model = make_model(backbone, state_mode, prelude_layers=1, coda_layers=1)
     prompt = ids(B=1, T=5)
-    for kw in ({}, {"exit_threshold": 0.5}, {"n_loops": 5}, {"n_loops": 2, "exit_threshold": 0.5}):
+    q = ExitPolicy(threshold=0.5)
+    for kw in ({}, {"exits": q}, {"n_loops": 5}, {"n_loops": 2, "exits": q}):
         out = model.generate(prompt, 4, return_logits=True, **kw)
         for i in range(4):
             full = model(out.sequences[:, : 5 + i], **kw)
             torch.testing.assert_close(out.logits[:, i], full.logits[:, -1], atol=ATOL, rtol=0, msg=lambda m: f"{kw}: {m}")
-            if "exit_threshold" in kw:
+            if "exits" in kw:
                 assert torch.equal(out.exit_steps[:, i], full.exit_steps[:, -1])
 
 

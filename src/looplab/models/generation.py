@@ -372,9 +372,9 @@ def check_options(model, n_loops: int, *, sampling=None, exits=None, speculation
         if bad:
             raise ValueError(f"generate exits by a threshold rule; ExitPolicy({', '.join(bad)}) is forward's read-out, "
                              "not a decoding policy")
+        exits.check(model, R)
         if exits.threshold is None:
             raise ValueError("exits=ExitPolicy(...) needs threshold=q (exit_threshold: the depth at which a token stops)")
-        exits.check(model, R)
     if speculation is not None:
         if not isinstance(speculation, Speculation):
             raise TypeError(f"speculation={speculation!r}: give looplab.models.Speculation(loops=k, draft_tokens=γ)")
