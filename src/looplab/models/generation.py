@@ -466,10 +466,15 @@ def _stream_speculative(model, input_ids, attention_mask, max_new_tokens: int, e
     produced = torch.ones(B, dtype=torch.long, device=dev)  # tokens each row has emitted into its queue
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     emitted = 0
+    last_logits = logits.clone()
     while True:
-        while all(queues):
-            tokens = torch.stack([q[0][0] for q in queues])
-            lg = torch.stack([q.pop(0)[1] for q in queues])
+        # a finished row needs no more tokens: it emits eos (with its last logits) once its queue runs dry
+        while all(q or bool(finished[b]) for b, q in enumerate(queues)):
+            for b, q in enumerate(queues):
+                if q:
+                    last_logits[b] = q[0][1]
+            tokens = torch.stack([q.pop(0)[0] if q else eos[0] for q in queues])
+            lg = last_logits.clone()
             if eos is not None:
                 tokens = torch.where(finished, eos[0], tokens)
                 finished |= torch.isin(tokens, eos)
