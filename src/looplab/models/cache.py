@@ -331,6 +331,10 @@ class LoopCache:
         if rows is not None:
             raise ValueError("a static cache decodes the whole batch at once; select_rows needs an eager cache")
         cols = self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+        if not torch.compiler.is_compiling():  # eager only: a compiled step keeps no host sync (the caller sized it)
+            end = int(self.lengths.max()) + T
+            if end > self.max_len:
+                raise RuntimeError(f"cache full: {end} tokens > max_len={self.max_len}")
         self.valid.scatter_(1, cols, True if new_valid is None else new_valid)
         self.lengths += T
         positions = self._positions(None, new_valid, T)
