@@ -276,3 +276,46 @@ def test_bench_measures_every_cell_against_plain_decoding():
         assert c["row_acceptance_min"] <= c["acceptance"] + 1e-9
     run = {"checkpoint": "m", "backbone": "llama", "state_mode": "vanilla", "d_model": 32, "batches": {"1": res}}
     assert best_cell([run])["speedup"] == max(c["speedup"] for c in res["cells"])
+
+
+# ------------------------------------------------------------ speculative sampling
+@torch.no_grad()
+def test_speculative_sampling_keeps_the_full_models_distribution():
+    """temperature > 0: tokens 2 and 3 (token 1 comes from the prefill) of many speculative generations — rows
+    of one batch, which decode independently — against the full model's distribution of them, enumerated
+    exactly from forward passes; a chi-square test at a fixed seed. The draft's acceptance must lie strictly
+    inside (0, 1), so that both the accepting and the resampling path ran."""
+    Vs, n, k, gamma = 6, 3000, 1, 2
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=Vs, d_model=16, n_heads=2, n_layers=1, n_loops=3, max_seq_len=16)).eval()
+    with torch.no_grad():  # logits of a useful spread: neither uniform nor one-hot
+        model.head.weight.mul_(6.0)
+    prompt = torch.tensor([[1, 4, 2]])
+    ids = prompt.expand(n, -1).contiguous()
+    sampling = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(1))
+    out = generate(model, ids, 3, sampling=sampling, speculation=Speculation(k, gamma), return_logits=True)
+    acc = out.speculation.acceptance_rate
+    assert 0.05 < acc < 0.95, f"acceptance {acc:.3f}: the test needs both accepted and rejected drafts"
+    # the exact distribution of (token 2, token 3) given the prompt and token 1, averaged over token 1's draws
+    seqs = out.sequences[:, 3:]  # (n, 3)
+    observed = torch.zeros(Vs, Vs, Vs)  # (token 1, token 2, token 3)
+    expected = torch.zeros(Vs, Vs, Vs)
+    p1 = model(prompt).logits[0, -1].softmax(-1)
+    for a in range(Vs):
+        rows = seqs[:, 0] == a
+        if not bool(rows.any()):
+            continue
+        p2 = model(torch.tensor([[1, 4, 2, a]])).logits[0, -1].softmax(-1)
+        p3 = torch.stack([model(torch.tensor([[1, 4, 2, a, b]])).logits[0, -1].softmax(-1) for b in range(Vs)])
+        expected[a] = int(rows.sum()) * p2[:, None] * p3  # conditional on token 1 = a, as drawn
+        observed[a] = torch.bincount(seqs[rows, 1] * Vs + seqs[rows, 2], minlength=Vs * Vs).view(Vs, Vs).float()
+    # token 1 itself is plain sampling from the prefill: check it too (its own chi-square cell set)
+    first = torch.bincount(seqs[:, 0], minlength=Vs).float()
+    cells = [(observed.flatten(), expected.flatten()), (first, n * p1)]
+    for obs, exp in cells:
+        keep = exp >= 5  # pool the cells too small for the chi-square approximation
+        o = torch.cat([obs[keep], obs[~keep].sum()[None]]) if bool((~keep).any()) else obs[keep]
+        e = torch.cat([exp[keep], exp[~keep].sum()[None]]) if bool((~keep).any()) else exp[keep]
+        stat, df = float(((o - e) ** 2 / e.clamp_min(1e-9)).sum()), int(o.numel()) - 1
+        p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+        assert p_value > 1e-3, f"chi-square {stat:.1f} on {df} df (p = {p_value:.2g}): not the full model's distribution"
