@@ -14,13 +14,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from looplab.tables import retrofit
+import looplab.tables.retrofit as retrofit  # a module, not the package: the package imports spec
 
 ROOT = Path(__file__).resolve().parents[3]
 CONF = ROOT / "conf"
 SCALES = ("tiny", "paper")
 # Seeds a table runs when `--seeds` is not given: three at tiny scale, so every row has an interval
 # and every paper comparison a paired difference across seeds; the experiment's own seed at paper scale.
+DEFAULT_OUT_ROOT = Path("outputs/tables")  # where the sweeps write their runs: <out_root>/tableN/<scale>/<sweep>/
+DEFAULT_DECODE_JSON = Path("bench/decode.json")  # table 4's decoding benchmark (bench/decode.py), run by the runner, read by the report
 DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10's exit grid (bench/exit_grid.py), run by the runner, read by the report
 DEFAULT_SEEDS: dict[str, tuple[int, ...]] = {"tiny": (1, 2, 3), "paper": ()}
 # lm-eval tasks of table 1's zero-shot column (None: the paper's 8-task hub suite)
