@@ -73,7 +73,7 @@ def build_decode(spec: TableSpec, scale: str, out_root: Path, decode_json: Path 
 
 
 def _exit_decoding_summary(table: Table, sc: dict[str, Any]) -> None:
-    """Table 4's exit columns: trained, gated checkpoints decoding their task (bench/exit_decode.py),
+    """Table 4's exit columns: trained, gated checkpoints decoding their task (bench/decode.py's skip_compute part),
     mean ± 95% t over the checkpoints (seeds) of each state mode; accuracies carry the Wilson
     interval over the answers of one run."""
     if sc.get("skipped") or not sc.get("groups"):
@@ -156,7 +156,7 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
                      *(ppl if any(r["task"] == "lm" for r in table.rows) else []), "mean exit step (skip)",
                      "speed-up vs all loops", "speed-up vs exact exit", "ms/token, skip", "target"]
     ssm = [m for m in met if not m.split()[-1] == "kv_copy"]
-    table.summary[f"target (issue 16): skip decoding ≥ {TARGET_SPEEDUP}× faster than all loops, ≤ {100 * TARGET_LOSS:g} "
+    table.summary[f"target: skip decoding ≥ {TARGET_SPEEDUP}× faster than all loops, ≤ {100 * TARGET_LOSS:g} "
                   f"point of accuracy lost, on {TARGET_TASK}, on some Mamba-2 or hybrid configuration (seed means)"] = (
         "**met** by " + "; ".join(ssm) if ssm else "**not met** by any Mamba-2 or hybrid configuration")
     within = [r for r in table.rows if r["task"] == TARGET_TASK and r["handling"] != "kv_copy"
@@ -178,7 +178,7 @@ def build_exitgrid(spec: TableSpec, scale: str, out_root: Path, seeds: list[int]
 
 
 def _exit_aware_training(table: Table, groups: dict[tuple, list[tuple[dict, dict]]]) -> None:
-    """Issue 16 item 3: exit-aware training − standard training of the same backbone, paired by seed, on skip
+    """Exit-aware training − standard training of the same backbone, paired by seed, on skip
     decoding's accuracy at every rule × threshold, with the handling the exit-aware body was trained with."""
     by_key: dict[tuple, dict[str, dict[int, dict]]] = {}
     trained_with = set()
@@ -243,7 +243,7 @@ def build_speculation(spec: TableSpec, scale: str, out_root: Path, seeds: list[i
     best = data.get("best_batch1")
     if best:
         label = next((_model_label(r) for r in runs if r["checkpoint"] == best["checkpoint"]), best["checkpoint"])
-        table.summary[f"target (issue 27): ≥ {target}× tokens/s at identical output at batch 1 on some trained model"] = (
+        table.summary[f"target: ≥ {target}× tokens/s at identical output at batch 1 on some trained model"] = (
             f"**{'met' if best['speedup'] >= target else 'not met'}**: best cell {label} ({best.get('training')}), "
             f"k = {best['k']}, γ = {best['gamma']}: {best['speedup']:.2f}× plain"
             + (" (rounds {:.2f}–{:.2f})".format(*best["speedup_range"]) if best.get("speedup_range") else "")
