@@ -14,13 +14,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from looplab.stats import Stat
+from looplab.targets import EXIT_SPEEDUP_TARGET, SPECULATION_SPEEDUP_TARGET
 
 if TYPE_CHECKING:
-    from looplab.tables.report import Table
+    from looplab.tables.render import Table
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported when a figure is drawn, not when the report is."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _split_nr(s: str) -> tuple[int, int] | None:
@@ -32,8 +40,6 @@ def _split_nr(s: str) -> tuple[int, int] | None:
 
 
 def _mean_std(table: "Table", row, col):
-    from looplab.tables.report import Stat
-
     v = row.get(col)
     if isinstance(v, Stat):
         return v.mean, v.half or 0.0  # the 95% t-interval's half-width over seeds
@@ -87,6 +93,11 @@ def plot_bars(table: "Table", ax, metric: str) -> None:
     ax.set_ylabel(metric)
 
 
+def plot_perplexity(table: "Table", ax) -> None:
+    """The LM tables (1, 3, 7) and table 12: perplexity per configuration (bars)."""
+    plot_bars(table, ax, "perplexity")
+
+
 def plot_task(table: "Table", ax) -> None:
     """Accuracy vs R for experiments whose N is fixed; bars otherwise."""
     by_exp: dict[str, list[tuple[int, int, float, float]]] = {}
@@ -123,7 +134,7 @@ def plot_exitgrid(table: "Table", ax) -> None:
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], xerr=[p[2] for p in pts], yerr=[p[3] for p in pts],
                     fmt="o", capsize=2, label=name, alpha=0.8)
     ax.axvline(1.0, color="grey", lw=0.8)
-    ax.axvline(1.5, color="tab:red", lw=0.8, ls="--", label="target 1.5×")
+    ax.axvline(EXIT_SPEEDUP_TARGET, color="tab:red", lw=0.8, ls="--", label=f"target {EXIT_SPEEDUP_TARGET:g}×")
     ax.set_xlabel("decoding speed-up of skip vs all loops (per-token latency)")
     ax.set_ylabel("answer accuracy, skip decoding")
     ax.legend(fontsize=7)
@@ -153,7 +164,7 @@ def _save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -167,32 +178,34 @@ def plot_speculation(table: "Table", ax) -> None:
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1.5, color="r", lw=0.8, ls="--")  # issue 27's target
+    ax.axhline(SPECULATION_SPEEDUP_TARGET, color="r", lw=0.8, ls="--")
     ax.set_xlabel("draft tokens γ")
     ax.set_ylabel("tokens/s ÷ plain (batch 1)")
     ax.legend(fontsize=5, ncol=2)
 
 
+# Each table kind's figure (spec.TableSpec.kind; None: no figure), drawn by draw(table, ax).
+PLOTS = {
+    "lm": plot_perplexity,  # tables 1, 7
+    "depth": plot_depth,  # table 2
+    "reset": plot_perplexity,  # table 3
+    "decode": None,  # table 4
+    "task": plot_task,  # tables 5, 6
+    "exit": plot_exit,  # table 8
+    "extrapolation": plot_extrapolation,  # table 9
+    "exitgrid": plot_exitgrid,  # table 10
+    "speculation": plot_speculation,  # table 11
+    "routing": plot_perplexity,  # table 12
+}
+
+
 def plot_table(table: "Table", path: Path) -> Path | None:
-    """Draw the table's figure into `path` (PNG); None when the table kind has no plot (decode)."""
-    kind = table.spec.kind
-    if kind == "decode":
+    """Draw the table's figure into `path` (PNG); None when the table's kind has no figure (decode)."""
+    draw = PLOTS[table.spec.kind]
+    if draw is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    if kind == "depth":
-        plot_depth(table, ax)
-    elif kind == "exit":
-        plot_exit(table, ax)
-    elif kind == "exitgrid":
-        plot_exitgrid(table, ax)
-    elif kind == "extrapolation":
-        plot_extrapolation(table, ax)
-    elif kind == "task":
-        plot_task(table, ax)
-    elif kind == "speculation":
-        plot_speculation(table, ax)
-    else:
-        plot_bars(table, ax, "perplexity")
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    draw(table, ax)
     ax.set_title(f"Table {table.spec.number}: {table.spec.title} ({table.scale})", fontsize=9)
     ax.grid(alpha=0.3)
     return _save(fig, path)
@@ -207,7 +220,7 @@ def plot_eval_loops(results: dict, path: Path) -> Path:
     metric = "accuracy" if all(sweep[str(d)].get("accuracy") is not None for d in depths) else "perplexity"
     values = [sweep[str(d)].get(metric) for d in depths]
     R = results["model"]["loops"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     ax.plot(depths, values, marker="o")
     ax.axvline(R, color="grey", linestyle="--", label=f"trained R = {R}")
     ax.set_xscale("log", base=2)

@@ -1,4 +1,4 @@
-"""Table 11's realistic-width model (issue 27): a transformers Llama of d 512 retrofitted into a looped model.
+"""Table 11's realistic-width model (docs/tables.md#table-11): a transformers Llama of d 512 retrofitted into a looped model.
 
 No machine here reaches the Hub, so the source is a `LlamaForCausalLM` with random weights of a
 SmolLM-like shape (d 512, 8 heads, 6 layers, SwiGLU 1,376), written with `save_pretrained` like any

@@ -18,11 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from looplab.tables.spec import (DEFAULT_EXITS_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
+from looplab.tables.spec import (DEFAULT_DECODE_JSON, DEFAULT_EXITS_JSON, DEFAULT_OUT_ROOT, DEFAULT_ROUTING_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
                                  TableSpec, default_seeds, get)
 
-DEFAULT_OUT_ROOT = Path("outputs/tables")
-DEFAULT_DECODE_JSON = Path("bench/decode.json")
 EXIT_GRID_TIMED = 2  # table 10: test sequences decoded token by token per configuration and decoder (p-hop: ≈ 70 tokens; LM windows: 256)
 
 

@@ -1,7 +1,7 @@
-"""The eight paper tables: which sweeps feed each one, at tiny (CPU) and paper scale.
+"""The paper tables: which sweeps feed each one, at tiny (CPU) and paper scale, and the findings each checks.
 
 A table is a list of `Sweep`s (one `python -m looplab.train -m +experiment=X ...`
-each) plus the way its rows are built (report.py). The grid of a sweep is the
+each) plus the way its rows are built (`kind`: builders/). The grid of a sweep is the
 product of the experiment file's own `hydra.sweeper.params` and the sweep
 parameters the table adds here, so the report knows which runs *should* exist and
 can list the missing ones. Nothing here imports the model or the trainer.
@@ -14,20 +14,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from looplab.tables import retrofit
+import looplab.tables.retrofit as retrofit  # the module itself: looplab.tables' __init__ imports this one
 
 ROOT = Path(__file__).resolve().parents[3]
 CONF = ROOT / "conf"
 SCALES = ("tiny", "paper")
 # Seeds a table runs when `--seeds` is not given: three at tiny scale, so every row has an interval
 # and every paper comparison a paired difference across seeds; the experiment's own seed at paper scale.
+DEFAULT_OUT_ROOT = Path("outputs/tables")  # where the sweeps write their runs: <out_root>/tableN/<scale>/<sweep>/
+DEFAULT_DECODE_JSON = Path("bench/decode.json")  # table 4's decoding benchmark (bench/decode.py), run by the runner, read by the report
 DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10's exit grid (bench/exit_grid.py), run by the runner, read by the report
 DEFAULT_SEEDS: dict[str, tuple[int, ...]] = {"tiny": (1, 2, 3), "paper": ()}
 # lm-eval tasks of table 1's zero-shot column (None: the paper's 8-task hub suite)
 ZEROSHOT_TASKS: dict[str, str | None] = {"tiny": "looplab_tiny", "paper": None}
 
 
-# Tables whose tiny build runs five seeds (issue 25: five where the table still fits in 60 minutes on 2 idle cores):
+# Tables whose tiny build runs five seeds (docs/tables.md#seeds: five where the table still fits in 60 minutes on 2 idle cores):
 # table 2, 30 LM runs (measured: see experiments/README.md). Tables 1 and 3 stay at three.
 TINY_SEEDS_PER_TABLE: dict[int, tuple[int, ...]] = {2: (1, 2, 3, 4, 5),
                                                     # table 11 measures speed, no paired claim: one model per arm
@@ -142,7 +144,7 @@ class Precondition:
     """What the arms of a finding must show for the comparison to test its claim; when an arm misses,
     the finding's verdict is **not tested** and the line names the arm and its figure.
 
-    metric: a finding metric (report.Unit.value), taken as the arm's mean over its seeds.
+    metric: a finding metric (load.METRICS), taken as the arm's mean over its seeds.
     op: '<' or '>='. threshold: a number, or 'unigram' (the run's own unigram perplexity of its
     held-out targets, recorded by LM runs). arms: 'each' (every arm of the comparison) or 'any'
     (at least one: a task the setting cannot teach any arm tests nothing). why: said in the report."""
@@ -167,7 +169,7 @@ class Precondition:
 class Finding:
     """One claim of a paper, checked as a paired difference A − B across seeds.
 
-    Arms are filters on a run's facets (report.py: `experiment` — the experiment name without
+    Arms are filters on a run's facets (load.run_facets: `experiment` — the experiment name without
     `_tiny`/`_paper` —, `arm`, `backbone`, `size` (a swept backbone preset), `N`, `R`, `NR`,
     `mode` (table 8), `model` (table 4)); a value `max`/`min` picks the largest/smallest value
     of that facet among the stratum's runs matching the rest of the filter; the key `q` is not a
@@ -233,7 +235,7 @@ def finding(label: str, claim: str, metric: str, a: dict[str, Any], b: dict[str,
 class TableSpec:
     number: int
     title: str
-    kind: str  # how report.py builds rows: lm | task | depth | reset | decode | exit
+    kind: str  # its builder (builders.BUILDERS) and figure (plots.PLOTS): lm | depth | reset | decode | task | exit | ...
     sweeps: dict[str, tuple[Sweep, ...]]  # scale -> sweeps (empty for table 4)
     metric: str  # 'perplexity' or 'accuracy'
     notes: dict[str, str] = field(default_factory=dict)  # scale -> what differs from the paper
@@ -263,7 +265,7 @@ def _exit_sweeps(experiments: list[str], stage1: tuple[str, ...] = (), per_seed:
     return tuple(out)
 
 
-# Table 12 (issue 28): MoR's comparisons are at equal training FLOPs, so the MoR arms train for more steps, up to
+# Table 12 (docs/tables.md#table-12): MoR's comparisons are at equal training FLOPs, so the MoR arms train for more steps, up to
 # the fixed-depth model's training FLOPs: steps × (1⊗R's FLOPs/token) / (the routed model's at MoR's capacities).
 # The counts were set before LoopedLM.flops_per_token counted a routed loop's shorter attention; by that exact
 # count the MoR arms get 2.4–3.1% fewer training FLOPs than 1⊗R (tests/test_tables.py), which leans, if anything,
@@ -308,7 +310,7 @@ TABLES: dict[int, TableSpec] = {
                  {"tiny": (sweep("mano_mamba_tiny"), sweep("mano_hybrid_tiny")),
                   "paper": (sweep("mano_paper"), sweep("mano_mamba"), sweep("mano_hybrid"))}, "accuracy",
                  notes={"tiny": "L = 3, modulus 5, d 64, 1,000 steps (mano_mamba_tiny: 1⊗1, 4⊗1, 1⊗4; mano_hybrid_tiny: 2⊗1, 4⊗1, 2⊗2; "
-                                "modulus 23 does not learn in CPU-minutes, SPEC §5); the paper's rows are Mamba-2 and hybrid, "
+                                "modulus 23 does not learn in CPU-minutes); the paper's rows are Mamba-2 and hybrid, "
                                 "so the Transformer `mano_tiny` is left out of the 60-minute budget; `steps` gives each run's training steps",
                         "paper": "L = 24, modulus 23: 4⊗1, 4⊗6, 24⊗1"}),
     6: TableSpec(6, "p-hop induction: accuracy per N⊗R", "task",
@@ -339,7 +341,7 @@ TABLES: dict[int, TableSpec] = {
                         "paper": "llama 4⊗4 at 410M on the Pile, the same recipes, perplexity at R′ = 1..8"}),
     10: TableSpec(10, "Exit rules × state handlings: answer accuracy against measured decoding speed", "exitgrid",
                   {"tiny": (sweep("exit_gate_hybrid_tiny", params={"exit_gate": ["none"]}),
-                            # issue 16 item 3: the same body trained exit-aware (ssm_skip at sampled exits, p = 0.5)
+                            # the same body trained exit-aware (ssm_skip at sampled exits, p = 0.5)
                             sweep("exit_gate_hybrid_tiny", params={"exit_gate": ["none"]},
                                   fixed=[f"exit_gate.skip_train_prob={SKIP_TRAIN_PROB}", "exit_gate.skip_compute=ssm_skip"],
                                   name="exit_gate_hybrid_tiny_skiptrain"),
@@ -397,12 +399,12 @@ TABLES: dict[int, TableSpec] = {
 }
 
 
-# Preconditions (issue 25): a comparison tests a claim only when its arms did what the claim needs; an arm
+# Preconditions (docs/tables.md#preconditions): a comparison tests a claim only when its arms did what the claim needs; an arm
 # that misses makes the verdict **not tested** and the report names the arm and its figure.
 LM_LEARNED = Precondition(
     "perplexity", "<", "unigram", "each",
     "a language model above the unigram perplexity of its held-out text has learned nothing from context")
-# Mano at modulus 5 scores 0.2 by guessing; p-hop's last-position shortcut reaches ≈ 0.49 (SPEC §5).
+# Mano at modulus 5 scores 0.2 by guessing; p-hop's last-position shortcut reaches ≈ 0.49.
 MANO_TAUGHT = Precondition("accuracy", ">=", 0.5, "any",
                            "a setting that teaches Mano to no arm (guessing: 0.2) cannot show what looping adds")
 PHOP_TAUGHT = Precondition("accuracy", ">=", 0.6, "any",
@@ -484,7 +486,7 @@ FINDINGS: dict[int, tuple[Finding, ...]] = {
                 requires=(PHOP_LEARNED_AT_R,)),
     ),
     12: (
-        # MoR's claims (issue 28). "Matches" is judged as parity: the routed model's perplexity at most MOR_PARITY
+        # MoR's claims (docs/tables.md#table-12). "Matches" is judged as parity: the routed model's perplexity at most MOR_PARITY
         # above the unrolled model's (a ratio), its p-hop accuracy at most MOR_PARITY (2 pp) below.
         *(finding(f"MoR {how} / unrolled (N·R)⊗1 − 1 (equal training FLOPs)", "MoR matches a vanilla Transformer at "
                   "equal training FLOPs with one half to one third of its parameters (here: 1/3)", metric,

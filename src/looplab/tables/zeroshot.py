@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from looplab.tables.report import load_runs
+from looplab.runs import load_runs
 from looplab.tables.spec import get
 
 TINY_SUITE = ["looplab_tiny"]  # lm-eval tag of the three looplab_tiny_* tasks

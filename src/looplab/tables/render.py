@@ -1,0 +1,200 @@
+"""A table as the report writes it: the `Table` its builder fills, rendered as Markdown, CSV and findings.json,
+and the verdict summary README.md of the tables folder (plots: plots.py)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from looplab.stats import Stat
+from looplab.tables.findings import Verdict, holm_of_file
+from looplab.tables.spec import SCALES, TABLES, TableSpec
+
+DEFAULT_TABLE_DIR = Path("experiments/tables")
+
+
+METHOD = ("95% intervals: `m ± h` is the mean over seeds with its t-interval (h = t₀.₉₇₅,ₙ₋₁·s/√n, n seeds; "
+          "a single seed has none); accuracies also show the Wilson interval over the test examples of one run at "
+          "the seed-mean accuracy; paired differences (findings, Δ columns) are A − B per seed, same seed in both "
+          "arms, with the t-interval over those differences, for accuracies widened by the examples' sampling "
+          "noise (half-widths added in quadrature)")
+
+
+@dataclass
+class Table:
+    spec: TableSpec
+    scale: str
+    columns: list[str]
+    rows: list[dict[str, Any]]  # values: str, int, float or Stat
+    missing: list[str] = field(default_factory=list)
+    failed: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    verdicts: list[Verdict] = field(default_factory=list)
+    seeds: list[int] | None = None  # the seeds every configuration should have (None: whatever ran)
+    sizes: str = ""  # the held-out evaluation size per run
+    method: str = METHOD
+
+    @property
+    def stem(self) -> str:
+        return f"table{self.spec.number}" + ("" if self.scale == "tiny" else f"-{self.scale}")
+
+    def setting(self) -> str:
+        parts = [self.spec.notes.get(self.scale, "")]
+        if self.spec.kind != "decode":
+            parts.append("seeds: " + (", ".join(map(str, self.seeds)) + " per configuration" if self.seeds
+                                      else "the runs found (`seeds` column)"))
+        if self.sizes:
+            parts.append(f"held-out evaluation per run: {self.sizes}")
+        parts.append(self.method)
+        return ". ".join(p[0].upper() + p[1:].rstrip(".") for p in parts if p) + "."
+
+    def markdown(self) -> str:
+        out = [f"# Table {self.spec.number} — {self.spec.title} ({self.scale} scale)", "", f"Setting: {self.setting()}", ""]
+        out += [f"_{n}_" for n in self.notes] + ([""] if self.notes else [])
+        if self.rows:
+            out.append("| " + " | ".join(self.columns) + " |")
+            out.append("|" + "|".join("---" for _ in self.columns) + "|")
+            for row in self.rows:
+                out.append("| " + " | ".join(_cell(row.get(c)) for c in self.columns) + " |")
+        else:
+            out.append("(no completed runs)")
+        if self.summary:
+            out += ["", "Summary:", ""] + [f"- {k}: {_cell(v)}" for k, v in self.summary.items()]
+        out += ["", f"Missing runs ({len(self.missing)}): " + ("none" if not self.missing else "")]
+        out += [f"- {m}" for m in self.missing]
+        out += ["", f"Failed runs ({len(self.failed)}): " + ("none" if not self.failed else "")]
+        out += [f"- {f['config']} — {f['error']} ({f['path']})" for f in self.failed]
+        judged = sum(v.family is not None for v in self.verdicts)
+        out += ["", "## Findings", "", "The papers' claims (experiments/README.md), each checked as a paired difference "
+                "A − B with its 95% interval (arms with common random numbers: the same initial values of every shared "
+                "parameter and the same batches). Sign claims: **reproduced** = the interval excludes 0 on the paper's "
+                "side, **contradicted** = on the other side, **inconclusive** = it contains 0 (or could not be computed); "
+                "claims of a size are judged against it (at most X: the whole interval ≤ X; about X ± δ: inside the band); "
+                "**not tested** = an arm missed the finding's precondition (named with its figure). Holm: the verdict "
+                f"after Holm's adjustment over this table's {judged} judged line(s).", ""]
+        out += [v.line() for v in self.verdicts] or ["(this table checks no finding)"]
+        return "\n".join(out) + "\n"
+
+    def csv(self) -> str:
+        cols: list[str] = []
+        wilson = set()
+        for c in self.columns:
+            cols.append(c)
+            if any(isinstance(r.get(c), Stat) for r in self.rows):
+                cols += [f"{c} lo", f"{c} hi", f"{c} std", f"{c} n"]
+                if any(isinstance(r.get(c), Stat) and r[c].examples for r in self.rows):
+                    cols += [f"{c} wilson lo", f"{c} wilson hi", f"{c} examples"]
+                    wilson.add(c)
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(cols)
+        for r in self.rows:
+            line = []
+            for c in self.columns:
+                v = r.get(c)
+                has_stat = f"{c} std" in cols
+                if isinstance(v, Stat):
+                    ci = v.interval or (None, None)
+                    line += [_num(v.mean), _num(ci[0]), _num(ci[1]), _num(v.std), v.n]
+                    if c in wilson:
+                        wi = v.wilson or (None, None)
+                        line += [_num(wi[0]), _num(wi[1]), v.examples or ""]
+                else:
+                    line.append("" if v is None else v)
+                    if has_stat:
+                        line += ["", "", "", ""] + (["", "", ""] if c in wilson else [])
+            w.writerow(line)
+        return buf.getvalue()
+
+    def value(self, row: dict[str, Any], column: str) -> float | None:
+        v = row.get(column)
+        return v.mean if isinstance(v, Stat) else v if isinstance(v, (int, float)) else None
+
+    def findings_json(self) -> dict[str, Any]:
+        return {"table": self.spec.number, "title": self.spec.title, "scale": self.scale, "stem": self.stem,
+                "seeds": self.seeds, "sizes": self.sizes, "missing": len(self.missing), "failed": len(self.failed),
+                "findings": [v.as_dict() for v in self.verdicts]}
+
+
+def _num(v):
+    return "" if v is None else f"{v:.6g}"
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, Stat):
+        return v.fmt()
+    if isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, float) for x in v):
+        return f"[{v[0]:.3f}, {v[1]:.3f}]"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, int) and abs(v) >= 10_000:
+        return f"{v:,}"
+    return str(v)
+
+
+def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
+    """README.md of the tables folder: every table's verdicts, from the tableN*.findings.json files the reports wrote."""
+    table_dir = Path(table_dir)
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for p in sorted(table_dir.glob("table*.findings.json")):
+        try:
+            d = json.loads(p.read_text())
+            found[(d["scale"], int(d["table"]))] = d
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    out = ["# Paper findings: verdicts of every table", "",
+           "Generated by `python -m looplab.tables report N` (every report rewrites this file from the "
+           "`tableN.findings.json` files next to it; `python -m looplab.tables summary` does it alone): do not edit by hand.",
+           "", "Each finding is a paired difference A − B across seeds (same seed and, with common random numbers, the "
+           "same initial values of every shared parameter and the same batches in both arms; table 4: across repeated "
+           "timings in one process) with its 95% interval. Verdict kinds:", "",
+           "- **reproduced** — sign claims: the interval excludes 0 on the paper's side; *at most X*: the whole "
+           "interval is ≤ X; *about X ± δ*: the whole interval lies inside the band.",
+           "- **contradicted** — sign: the interval excludes 0 on the other side; at most X: it lies wholly above X; "
+           "about X ± δ: it lies wholly outside the band.",
+           "- **inconclusive** — anything else, or no interval could be computed.",
+           "- **not tested** — an arm missed the finding's precondition (e.g. a language model above its unigram "
+           "perplexity, a table-9 arm below 0.9 at its trained depth); the row names the arm and its figure, and "
+           "no comparison is judged.", "",
+           "The **Holm** column adjusts each table's judged verdicts for multiple comparisons: the family is every "
+           "judged line of that table (its size is shown), each line's decisive p-value (the test its plain verdict "
+           "rests on: p < 0.05 exactly when the plain rule decides) is Holm step-down adjusted, and a decisive verdict "
+           "whose adjusted p is ≥ 0.05 becomes inconclusive. Tables built before a finding's rule or precondition "
+           "existed keep the verdict they were built with until they are rebuilt (their Holm column is computed from "
+           "the stored intervals under the sign rule). Methods and the findings per table: `experiments/README.md`.", ""]
+    scales = [s for s in SCALES if any(k[0] == s for k in found)] or ["tiny"]
+    for scale in scales:
+        counts: dict[str, int] = {}
+        holm_counts: dict[str, int] = {}
+        rows = []
+        for n in sorted(TABLES):
+            d = found.get((scale, n))
+            name = f"table{n}" + ("" if scale == "tiny" else f"-{scale}")
+            if d is None:  # the findings it will check, until `report N` writes its tableN.findings.json
+                for f in TABLES[n].findings or ():
+                    rows.append(f"| [{n}]({name}.md) | {f.label}, {f.metric} | {f.claim} | — | not built yet | — |")
+                if not TABLES[n].findings:
+                    rows.append(f"| [{n}]({name}.md) | {TABLES[n].title} | — | — | not built yet | — |")
+                continue
+            if not d["findings"]:
+                rows.append(f"| [{n}]({name}.md) | {d['title']} | — | — | no finding | — |")
+            for f, (hv, htxt) in zip(d["findings"], holm_of_file(d["findings"])):
+                counts[f["verdict"]] = counts.get(f["verdict"], 0) + 1
+                holm_counts[hv] = holm_counts.get(hv, 0) + 1
+                rows.append(f"| [{n}]({name}.md) | {f['title']} | {f['claim']} | {f['measured']} | **{f['verdict']}** | {htxt} |")
+        kinds = ("reproduced", "contradicted", "inconclusive", "not tested")
+        tally = ", ".join(f"{counts.get(v, 0)} {v}" for v in kinds)
+        htally = ", ".join(f"{holm_counts.get(v, 0)} {v}" for v in kinds)
+        out += [f"## {scale} scale — {tally}", "", f"Holm-adjusted: {htally}.", "",
+                "| table | finding (A − B) | paper | measured: mean [95% interval] | verdict | Holm-adjusted |",
+                "|---|---|---|---|---|---|"] + rows + [""]
+    path = table_dir / "README.md"
+    path.write_text("\n".join(out))
+    return path
