@@ -129,6 +129,31 @@ def test_rows_of_a_batch_reach_different_lengths_in_a_round():
     pytest.fail("the rows were meant to keep different numbers of draft tokens in some round")
 
 
+@torch.no_grad()
+def test_batched_speculation_is_per_row_and_equals_plain_greedy():
+    """A tiny looped llama (4 loops, random weights) over four left-padded prompts of different lengths with
+    a depth-1 draft of 3 tokens: the batch decodes plain greedy decoding's tokens, its rows keep different numbers
+    of draft tokens and so run different numbers of rounds, and each row keeps and is proposed exactly what it is
+    when decoded alone — its own agreeing prefix, not the batch's shortest."""
+    model = make_model("llama", "vanilla", n_loops=4, seed=1)
+    ids, mask = left_padded((3, 9, 5, 7), seed=4)
+    spec_opts = Speculation(loops=1, draft_tokens=3)
+    plain = generate(model, ids, 12, attention_mask=mask, return_logits=True)
+    spec = generate(model, ids, 12, attention_mask=mask, return_logits=True, speculation=spec_opts)
+    assert torch.equal(spec.sequences, plain.sequences)
+    torch.testing.assert_close(spec.logits, plain.logits, atol=2e-5, rtol=1e-4)
+    st = spec.speculation
+    assert st.agreed.unique().numel() > 1 and st.row_drafted.unique().numel() > 1, (
+        f"the rows were meant to keep different numbers of draft tokens: {st.agreed.tolist()} of "
+        f"{st.row_drafted.tolist()}")
+    for b in range(ids.shape[0]):
+        n = int(mask[b].sum())
+        alone = generate(model, ids[b:b + 1, -n:], 12, return_logits=True, speculation=spec_opts)
+        assert torch.equal(alone.sequences[0, n:], plain.sequences[b, ids.shape[1]:])
+        assert int(alone.speculation.agreed[0]) == int(st.agreed[b]), b
+        assert int(alone.speculation.row_drafted[0]) == int(st.row_drafted[b]), b
+
+
 @pytest.mark.parametrize("injection", ["concat", "diag"])
 @torch.no_grad()
 def test_other_injections(injection):
@@ -279,43 +304,55 @@ def test_bench_measures_every_cell_against_plain_decoding():
 
 
 # ------------------------------------------------------------ speculative sampling
+def _chi_square(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom, the cells expected below 5 pooled into one."""
+    keep = expected >= 5
+    o = torch.cat([observed[keep], observed[~keep].sum()[None]])
+    e = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    nonempty = e > 0  # the pooled cell, when nothing was pooled
+    return float(((o - e)[nonempty] ** 2 / e[nonempty]).sum()), int(nonempty.sum()) - 1
+
+
+def _chi_square_p(stat: float, df: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
 @torch.no_grad()
 def test_speculative_sampling_keeps_the_full_models_distribution():
-    """temperature > 0: tokens 2 and 3 (token 1 comes from the prefill) of many speculative generations — rows
-    of one batch, which decode independently — against the full model's distribution of them, enumerated
-    exactly from forward passes; a chi-square test at a fixed seed. The draft's acceptance must lie strictly
-    inside (0, 1), so that both the accepting and the resampling path ran."""
+    """temperature > 0: tokens 2 and 3 of many speculative generations (rows of one batch, which decode
+    independently) against the full model's distribution of them given token 1, enumerated exactly from forward
+    passes over every prefix; chi-square tests at a fixed seed. Token 1 comes from the prefill (plain sampling,
+    checked too); tokens 2 and 3 from the first round (accepted drafts, a resample after a rejection, the extra
+    token) or, after an early rejection, from the second. The draft's acceptance must lie well inside (0, 1), so
+    that both the accepting and the resampling path ran. Resampling from p instead of max(0, p − q) fails this
+    at this seed (p ≈ 6e-11), as it does at 9 of the seeds 1..10."""
     Vs, n, k, gamma = 6, 3000, 1, 2
     torch.manual_seed(0)
     model = LoopedLM(LoopedLMConfig(vocab_size=Vs, d_model=16, n_heads=2, n_layers=1, n_loops=3, max_seq_len=16)).eval()
-    with torch.no_grad():  # logits of a useful spread: neither uniform nor one-hot
-        model.head.weight.mul_(6.0)
+    model.head.weight.mul_(6.0)  # logits of a useful spread: neither uniform nor one-hot
     prompt = torch.tensor([[1, 4, 2]])
-    ids = prompt.expand(n, -1).contiguous()
     sampling = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(1))
-    out = generate(model, ids, 3, sampling=sampling, speculation=Speculation(k, gamma), return_logits=True)
+    out = generate(model, prompt.expand(n, -1), 3, sampling=sampling, speculation=Speculation(k, gamma),
+                   return_logits=True)
     acc = out.speculation.acceptance_rate
     assert 0.05 < acc < 0.95, f"acceptance {acc:.3f}: the test needs both accepted and rejected drafts"
-    # the exact distribution of (token 2, token 3) given the prompt and token 1, averaged over token 1's draws
-    seqs = out.sequences[:, 3:]  # (n, 3)
-    observed = torch.zeros(Vs, Vs, Vs)  # (token 1, token 2, token 3)
-    expected = torch.zeros(Vs, Vs, Vs)
-    p1 = model(prompt).logits[0, -1].softmax(-1)
-    for a in range(Vs):
-        rows = seqs[:, 0] == a
-        if not bool(rows.any()):
-            continue
-        p2 = model(torch.tensor([[1, 4, 2, a]])).logits[0, -1].softmax(-1)
-        p3 = torch.stack([model(torch.tensor([[1, 4, 2, a, b]])).logits[0, -1].softmax(-1) for b in range(Vs)])
-        expected[a] = int(rows.sum()) * p2[:, None] * p3  # conditional on token 1 = a, as drawn
-        observed[a] = torch.bincount(seqs[rows, 1] * Vs + seqs[rows, 2], minlength=Vs * Vs).view(Vs, Vs).float()
-    # token 1 itself is plain sampling from the prefill: check it too (its own chi-square cell set)
-    first = torch.bincount(seqs[:, 0], minlength=Vs).float()
-    cells = [(observed.flatten(), expected.flatten()), (first, n * p1)]
-    for obs, exp in cells:
-        keep = exp >= 5  # pool the cells too small for the chi-square approximation
-        o = torch.cat([obs[keep], obs[~keep].sum()[None]]) if bool((~keep).any()) else obs[keep]
-        e = torch.cat([exp[keep], exp[~keep].sum()[None]]) if bool((~keep).any()) else exp[keep]
-        stat, df = float(((o - e) ** 2 / e.clamp_min(1e-9)).sum()), int(o.numel()) - 1
-        p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-        assert p_value > 1e-3, f"chi-square {stat:.1f} on {df} df (p = {p_value:.2g}): not the full model's distribution"
+    # p(a | prompt), p(b | prompt, a), p(c | prompt, a, b): one batched forward per prefix length
+    a, b = torch.arange(Vs).repeat_interleave(Vs), torch.arange(Vs).repeat(Vs)
+    p1 = model(prompt).logits[0, -1].softmax(-1).double()  # (V,)
+    p2 = model(torch.cat([prompt.expand(Vs, -1), torch.arange(Vs)[:, None]], 1)).logits[:, -1].softmax(-1)
+    p3 = model(torch.cat([prompt.expand(Vs * Vs, -1), a[:, None], b[:, None]], 1)).logits[:, -1].softmax(-1)
+    p23 = (p2[:, :, None] * p3.view(Vs, Vs, Vs)).double()  # (a, b, c): p(b, c | prompt, a)
+    seqs = out.sequences[:, prompt.shape[1]:]  # (n, 3)
+    stat, df = _chi_square(torch.bincount(seqs[:, 0], minlength=Vs).double(), n * p1)
+    assert _chi_square_p(stat, df) > 1e-3, f"token 1: chi-square {stat:.1f} on {df} df"
+    # given token 1 = a, as drawn: one cell set per a, so df = Σ_a (cells_a − 1)
+    stat = df = 0
+    for t in range(Vs):
+        rows = seqs[:, 0] == t
+        if bool(rows.any()):
+            obs = torch.bincount(seqs[rows, 1] * Vs + seqs[rows, 2], minlength=Vs * Vs).double()
+            s_t, df_t = _chi_square(obs, int(rows.sum()) * p23[t].flatten())
+            stat, df = stat + s_t, df + df_t
+    p_value = _chi_square_p(stat, df)
+    assert p_value > 1e-3, f"tokens 2-3: chi-square {stat:.1f} on {df} df (p = {p_value:.2g}): not the full model's"
