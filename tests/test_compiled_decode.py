@@ -65,11 +65,13 @@ def test_static_cache_decoding_equals_eager_decoding(name):
 def test_static_cache_keeps_its_buffers_and_refuses_overflow():
     model = _model()
     cache = model.allocate_cache(1, 12, static=True)
-    logits, _ = prefill(model, torch.tensor([[1, 2, 3]]), None, cache, 3)
+    logits, _ = prefill(model, torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0, 1, 1, 1]]), cache, 3)  # one pad column
     k_before = cache[0, 0].k
-    for t in range(3, 12):
+    for t in range(4, 12):
         logits, _ = decode_one_token(model, logits.argmax(-1), cache)
         assert logits.shape == (1, 64) and cache[0, 0].k is k_before and int(cache.lengths[0]) == t + 1
+    # every column written, only the padding one masked out; RoPE positions count the real tokens
+    assert cache.valid[0].tolist() == [False] + [True] * 11 and int(cache.next_pos[0]) == 11
     with pytest.raises(RuntimeError, match="full"):
         decode_one_token(model, logits.argmax(-1), cache)
 
