@@ -1,4 +1,4 @@
-"""Depth as a knob (issue 15): test-time depth n_loops=R′, randomized training depth with
+"""Depth as a knob (docs/formulations.md#depth-as-a-knob): test-time depth n_loops=R′, randomized training depth with
 truncated backprop, eval_loops, and FLOPs at the expected depth."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from looplab.models.exits import ExitPolicy
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.config import ConfigError
+from looplab.models.exits import ExitPolicy
 from looplab.training.depth import DepthSampler
 
 V = 64
@@ -96,7 +96,8 @@ def test_exit_options_range_over_r_prime():
     assert bool((out.exit_steps == 5).all())
     with pytest.raises(ValueError, match="exit_at_step=4 must lie in 1..2"):
         model(x, n_loops=2, exits=ExitPolicy.from_kwargs(exit_at_step=4))
-    out = model(x, n_loops=6, exits=ExitPolicy.from_kwargs(exit_threshold=1.01))  # never reached: every token takes the last step R′
+    # never reached: every token takes the last step R′
+    out = model(x, n_loops=6, exits=ExitPolicy.from_kwargs(exit_threshold=1.01))
     assert bool((out.exit_steps == 6).all())
     out = model(x, n_loops=6, exits=ExitPolicy.from_kwargs(exit_rule="entropy", exit_threshold=0.0, exit_min_loops=5))
     assert bool((out.exit_steps == 6).all())

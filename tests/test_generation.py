@@ -134,7 +134,8 @@ def test_batched_left_padding_equals_alone(backbone, state_mode, exit_gate):
     ids = torch.stack([torch.cat([torch.full((T - len(p),), pad), p]) for p in prompts])
     mask = torch.stack([torch.cat([torch.zeros(T - len(p)), torch.ones(len(p))]) for p in prompts]).long()
     q = 0.5 if exit_gate == "ouro" else None
-    batched = generate(model, ids, 5, attention_mask=mask, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=q))
+    batched = generate(model, ids, 5, attention_mask=mask, return_logits=True,
+                       exits=ExitPolicy.from_kwargs(exit_threshold=q))
     for i, p in enumerate(prompts):
         alone = generate(model, p[None], 5, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=q))
         assert torch.equal(batched.sequences[i, T:], alone.sequences[0, len(p):])
@@ -194,7 +195,8 @@ def test_skip_compute_never_exiting_equals_cached(state_mode):
     prompt = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     plain = generate(model, prompt, 8, attention_mask=mask, return_logits=True)
-    skip = generate(model, prompt, 8, attention_mask=mask, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=0.9, skip_compute=True))
+    skip = generate(model, prompt, 8, attention_mask=mask, return_logits=True,
+                    exits=ExitPolicy.from_kwargs(exit_threshold=0.9, skip_compute=True))
     assert torch.equal(skip.sequences, plain.sequences)
     torch.testing.assert_close(skip.logits, plain.logits, atol=ATOL, rtol=1e-4)
     assert (skip.exit_steps == 4).all()
@@ -217,7 +219,8 @@ def test_skip_compute_early_exit_uses_threshold_depth_and_reuses_kv(state_mode):
     for step in range(12):
         ref_cache = copy.deepcopy(cache)
         ref = model(tok, cache=ref_cache, exits=ExitPolicy.from_kwargs(exit_threshold=q))
-        logits, exits = decode_one_token(model, tok, cache, exits=ExitPolicy.from_kwargs(exit_threshold=q, skip_compute=True))
+        logits, exits = decode_one_token(model, tok, cache,
+                                         exits=ExitPolicy.from_kwargs(exit_threshold=q, skip_compute=True))
         assert torch.equal(exits, ref.exit_steps[:, 0])
         torch.testing.assert_close(logits, ref.logits[:, 0], atol=ATOL, rtol=1e-4)
         pos = int(cache.lengths[0]) - 1  # no padding: every row at one length
@@ -295,15 +298,19 @@ def test_skip_compute_with_zero_shot_exit_rules_matches_forward(rule, state_mode
     model(prompt, cache=cache)
     tok, seen_early = prompt[:, -1:], False
     for _ in range(8):
-        ref = model(tok, cache=copy.deepcopy(cache), exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau, exit_min_loops=2))
-        logits, exits = decode_one_token(model, tok, cache, exits=ExitPolicy.from_kwargs(exit_threshold=tau, skip_compute=True, exit_rule=rule, exit_min_loops=2))
+        ref = model(tok, cache=copy.deepcopy(cache),
+                    exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau, exit_min_loops=2))
+        logits, exits = decode_one_token(model, tok, cache, exits=ExitPolicy.from_kwargs(
+            exit_threshold=tau, skip_compute=True, exit_rule=rule, exit_min_loops=2))
         assert torch.equal(exits, ref.exit_steps[:, 0]) and int(exits.min()) >= 2
         torch.testing.assert_close(logits, ref.logits[:, 0], atol=ATOL, rtol=1e-4)
         seen_early |= bool((exits < R).any())
         tok = logits.argmax(-1, keepdim=True)
     assert seen_early, f"threshold {tau} of {rule!r} was meant to make some tokens stop early"
-    out = generate(model, prompt, 4, return_logits=True, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau, skip_compute=True))
-    full = generate(model, prompt, 4, return_logits=True, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau))
+    out = generate(model, prompt, 4, return_logits=True,
+                   exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau, skip_compute=True))
+    full = generate(model, prompt, 4, return_logits=True,
+                    exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=tau))
     assert out.exit_steps.shape == (B, 4) and full.exit_steps.shape == (B, 4)
 
 
@@ -312,7 +319,8 @@ def test_skip_compute_whole_batch_exit_at_depth_one():
     """A gate that always exits after loop 1: deeper loops are never run, only copied."""
     model = make_model("llama", "stateloop_attn", "ouro", n_loops=3, gate_bias=20.0)
     prompt = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(8))
-    out = generate(model, prompt, 5, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
+    out = generate(model, prompt, 5, return_logits=True,
+                   exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
     assert (out.exit_steps[:, 1:] == 1).all()
     # depth-1 logits with a cache whose deeper loops hold depth-1 KV == a 1-loop model's decoding
     one = LoopedLM(LoopedLMConfig(**{**model.config.to_dict(), "n_loops": 1})).eval()
@@ -327,18 +335,22 @@ def test_skip_compute_refused_for_ssm(backbone, state_mode):
     model = make_model(backbone, state_mode, "ouro")
     assert "recurrent" in skip_compute_unsupported(model.config)
     with pytest.raises(ValueError, match="Choose skip_compute=ssm_skip"):
-        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2,
+                 exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
 
 
 def test_skip_compute_needs_gate_and_threshold():
     with pytest.raises(ValueError, match="exit gate"):
-        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2,
+                 exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
     with pytest.raises(ValueError, match="exit_rule='kl' needs exit_threshold"):
         generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_rule="kl"))
     with pytest.raises(ValueError, match="'loudness'"):
-        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_rule="loudness", exit_threshold=1.0))
+        generate(make_model(), torch.zeros(1, 3, dtype=torch.long), 2,
+                 exits=ExitPolicy.from_kwargs(exit_rule="loudness", exit_threshold=1.0))
     with pytest.raises(ValueError, match="exit_threshold"):
-        generate(make_model(exit_gate="ouro"), torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(skip_compute=True))
+        generate(make_model(exit_gate="ouro"), torch.zeros(1, 3, dtype=torch.long), 2,
+                 exits=ExitPolicy.from_kwargs(skip_compute=True))
 
 
 # ----------------------------------------------------------------------- CLI

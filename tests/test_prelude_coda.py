@@ -1,4 +1,4 @@
-"""Prelude and coda (issue 15, item 1): non-shared layers before and after the looped block.
+"""Prelude and coda (docs/formulations.md#prelude-and-coda): non-shared layers before and after the looped block.
 
 Defaults unchanged; the forward equals a hand construction from its parts; per-depth readouts, gates and
 StateLoop readouts pass through the coda; cached decoding (prelude cache, one coda cache per depth)
@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from looplab.models.exits import ExitPolicy
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.config import ConfigError
 from looplab.models.exit_compute import forward_with_exits
+from looplab.models.exits import ExitPolicy
 from looplab.models.generation import decode_one_token
 
 V, R, ATOL = 64, 3, 3e-5
@@ -217,7 +217,8 @@ def test_skip_compute_equals_online_reference(backbone, state_mode, handling, ru
     assert bool((ref.exit_steps < depth).any()) and len(ref.exit_steps.unique()) > 1, "exits were meant to be mixed"
     cache = model.allocate_cache(3, 12, n_loops=depth)
     for t in range(12):
-        logits, steps = decode_one_token(model, x[:, t:t + 1], cache, n_loops=n_loops, exits=ExitPolicy.from_kwargs(exit_threshold=threshold, exit_rule=rule, skip_compute=handling))
+        logits, steps = decode_one_token(model, x[:, t:t + 1], cache, n_loops=n_loops, exits=ExitPolicy.from_kwargs(
+            exit_threshold=threshold, exit_rule=rule, skip_compute=handling))
         assert torch.equal(steps, ref.exit_steps[:, t]), t
         torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
     # never exiting, the reference is the model's own forward
@@ -233,12 +234,14 @@ def test_exited_tokens_leave_their_exit_depth_coda_keys():
     model = make_model("llama", prelude_layers=1, coda_layers=1)
     cache = model.allocate_cache(1, 8)
     model(ids(B=1, T=3), cache=cache, exits=ExitPolicy.from_kwargs(exit_threshold=0.0))  # prefill: every depth
-    _, steps = decode_one_token(model, ids(B=1, T=1, seed=5), cache, exits=ExitPolicy.from_kwargs(exit_threshold=0.0, skip_compute="kv_copy"))
+    _, steps = decode_one_token(model, ids(B=1, T=1, seed=5), cache,
+                                exits=ExitPolicy.from_kwargs(exit_threshold=0.0, skip_compute="kv_copy"))
     assert int(steps) == 1
     e = cache[0, ("coda", 0)]
     for r in (1, 2):
         deeper = cache[r, ("coda", 0)]
-        assert int(cache.lengths[0]) == 4 and torch.equal(deeper.k[:, :, 3], e.k[:, :, 3]) and torch.equal(deeper.v[:, :, 3], e.v[:, :, 3])
+        assert int(cache.lengths[0]) == 4
+        assert torch.equal(deeper.k[:, :, 3], e.k[:, :, 3]) and torch.equal(deeper.v[:, :, 3], e.v[:, :, 3])
 
 
 # ------------------------------------------------------------------ FLOPs
@@ -297,8 +300,8 @@ def run_train(overrides, run_dir):
 
 
 def test_training_run_with_prelude_and_coda(tiny_overrides, tmp_path):
-    """The issue's done-when run at tiny scale: prelude, coda, injection, a depth sampler with truncated
-    backprop and test-time depths."""
+    """A training run with every depth option at tiny scale: prelude, coda, injection, a depth sampler with
+    truncated backprop and test-time depths."""
     run_dir = tmp_path / "run"
     res = run_train(tiny_overrides + ["loop_depth=1x2", "loop_depth.prelude=1", "loop_depth.coda=1",
                                       "loop_depth.injection=add", "loop_depth.sampler=poisson_lognormal",
