@@ -1,4 +1,4 @@
-"""depth_router (issue 28, Mixture-of-Recursions): models/router.py against slow references.
+"""depth_router (docs/formulations.md#routed-depth, Mixture-of-Recursions): models/router.py against slow references.
 
 The references recompute routing on their own (full-size router scores, a Python top-k over the
 candidates) and run the block either at full size under an explicit mask (the model's own masked
@@ -291,13 +291,16 @@ def test_unsupported_combinations_are_refused_naming_the_option(kw, words):
 
 
 def test_other_depths_and_decoding_options_are_refused():
-    """Cached decoding routes (tests/test_depth_router_decode.py); other depths and exit options do not."""
+    """Cached decoding routes (tests/test_depth_router_decode.py); other depths and exit options do not, and the
+    refusal names the option."""
     model = make("token_choice")
     ids = ids_for()
-    for call in (lambda: model(ids, n_loops=2), lambda: model.generate(ids, 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, exit_rule="entropy")),
-                 lambda: model(ids, cache=model.allocate_cache(B, 32), exits=ExitPolicy.from_kwargs(exit_at_step=1))):
-        with pytest.raises(ValueError, match="depth_router=token_choice"):
+    for word, call in (("n_loops=2", lambda: model(ids, n_loops=2)),
+                       ("exits=ExitPolicy", lambda: model.generate(ids, 2, exits=ExitPolicy(threshold=0.5, rule="entropy"))),
+                       ("exit_at_step", lambda: model(ids, cache=model.allocate_cache(B, 32), exits=ExitPolicy(at_step=1)))):
+        with pytest.raises(ValueError, match="depth_router=token_choice") as e:
             call()
+        assert word in str(e.value)
 
 
 def test_depth_router_group_composes():

@@ -1,4 +1,4 @@
-"""depth_router cached decoding (issue 28 item 4): causal routing per token, per-depth KV caches.
+"""depth_router cached decoding (docs/decoding.md#routed-decoding): causal routing per token, per-depth KV caches.
 
 Decoding one token at a time routes each token with the inference router (expert choice: the auxiliary
 router or a threshold on the main router; token choice: its own depth) and writes each (loop, layer)
@@ -14,7 +14,7 @@ import torch
 
 from looplab.models.exits import ExitPolicy
 from looplab.models.stream import Stream
-from looplab.models.generation import Speculation
+from looplab.models.generation import Speculation, decode_one_token
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
 from looplab.models.cache import RoutedKVCache
 from test_depth_router import slow_layer
@@ -163,6 +163,39 @@ def slow_given(model, ids, D):
     return model.head(model.final_norm(model.readout(Stream(x, x, s, h, pos, None))))
 
 
+@pytest.mark.parametrize("case, state_mode", [("ec_aux_router", "stateloop"), ("tc_share_first", "vanilla")])
+def test_a_cached_step_runs_each_loop_on_the_rows_routed_to_it(case, state_mode):
+    """At one token per row, loop r runs on the rows whose token the router sends to loop r, and no others: the
+    shared block's layers receive exactly those rows, while the logits stay the routed reference's."""
+    model = make(CASES[case], state_mode=state_mode)
+    B, P, T = 4, 3, 10
+    ids = ids_for(B, T, seed=5)
+    seen = []  # (rows, tokens) of every call of the block's first layer
+    hook = model.block[0].register_forward_pre_hook(lambda layer, args: seen.append(tuple(args[0].shape[:2])))
+    cache = model.allocate_cache(B, T)
+    try:
+        with torch.no_grad():
+            out = model(ids[:, :P], cache=cache)
+            logits, depths, fewer = [out.logits], [out.routing.depth], False
+            for t in range(P, T):
+                seen.clear()
+                out = model(ids[:, t:t + 1], cache=cache)
+                d = out.routing.depth[:, 0]
+                assert seen == [(n, 1) for n in (int((d > r).sum()) for r in range(R)) if n > 0], t
+                fewer |= max((n for n, _ in seen[1:]), default=0) < B  # loops after the first
+                logits.append(out.logits)
+                depths.append(out.routing.depth)
+    finally:
+        hook.remove()
+    assert fewer, "some step should send fewer rows than the batch to the deeper loops"
+    logits, depths = torch.cat(logits, 1), torch.cat(depths, 1)
+    with torch.no_grad():
+        ref = model(ids, depths=depths)
+        causal = model(ids, depths="inference")
+    torch.testing.assert_close(logits, ref.logits, **TOL)
+    assert torch.equal(causal.routing.depth, depths)
+
+
 @pytest.mark.parametrize("case, state_mode", [("ec_threshold", "vanilla"), ("token_choice", "stateloop"),
                                               ("ec_aux_share_first", "stateloop"), ("tc_share_first", "vanilla")])
 def test_given_depths_reference_equals_the_slow_per_token_loop(case, state_mode):
@@ -246,8 +279,8 @@ def test_other_misuse_is_refused_by_name():
         make(None)(ids, depths=torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="allocate_cache"):
         model(ids, cache=make(None).allocate_cache(1, 8))
-    with pytest.raises(ValueError, match="exits=ExitPolicy"):
-        model.generate(ids[:, :1], 1, exits=ExitPolicy(threshold=0.5, rule="entropy"))
+    with pytest.raises(ValueError, match="exit_threshold"):  # one cached step, as generate's are
+        decode_one_token(model, ids[:, :1], model.allocate_cache(1, 8), exits=ExitPolicy(threshold=0.5, rule="entropy"))
     with pytest.raises(ConfigError, match="depth_router.inference=aux_router"):
         make({"name": "expert_choice", "inference": "aux_router"})
     with pytest.raises(ConfigError, match="depth_router.inference_threshold"):

@@ -1,4 +1,4 @@
-"""depth_router on Mamba-2 layers (issue 28 item 5): backbone mamba2 / hybrid and the stateloop_mamba2 mixer.
+"""depth_router on Mamba-2 layers (docs/formulations.md#routed-depth): backbone mamba2 / hybrid and the stateloop_mamba2 mixer.
 
 What a token that stopped before loop r leaves for the tokens behind it: nothing. Loop r's scan and causal
 conv run over the subsequence of tokens active at loop r (recursion-wise, as attention). The references run

@@ -1,4 +1,4 @@
-"""Compute-saving exits on every backbone (issue 16): skip_compute's state handlings against their reference.
+"""Compute-saving exits on every backbone (docs/decoding.md#exits-that-save-compute): the skip handlings against their reference.
 
 The reference (`forward_with_exits`) is a full forward pass without caches in which each token stops
 at a given exit step; cached skip_compute decoding must give the same logits when it is handed the
@@ -19,10 +19,11 @@ import torch
 
 from looplab.models.exits import ExitPolicy
 from looplab.models import LoopedLM, LoopedLMConfig
-from looplab.models.exit_compute import HANDLINGS, forward_with_exits, resolve_handling, skip_compute_unsupported
+from looplab.models.exit_compute import (HANDLINGS, SkipDecoding, forward_with_exits, resolve_handling,
+                                         skip_compute_unsupported)
 from looplab.models.exit_gate import exit_distribution, logits_at_depth
 from looplab.models.exit_rules import first_exit
-from looplab.models.generation import generate
+from looplab.models.generation import decode_one_token, generate
 
 BACKBONES = ("llama", "mamba2", "hybrid")
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
@@ -83,7 +84,7 @@ def test_skip_compute_equals_its_reference(backbone, state_mode, handling, batch
     if batch > 1:
         mask = torch.ones(batch, 5, dtype=torch.long)
         mask[0, :2] = 0
-    out = generate(model, prompt, 10, attention_mask=mask, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=Q, skip_compute=handling))
+    out = generate(model, prompt, 10, attention_mask=mask, return_logits=True, exits=ExitPolicy(threshold=Q, skip=handling))
     assert bool((out.exit_steps < R).any()) and len(out.exit_steps.unique()) > 1, "exits were meant to be mixed"
     ref, want = reference_logits(model, out, prompt, mask, handling)
     torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=1e-4)
@@ -124,9 +125,60 @@ def test_never_exiting_skip_equals_plain_decoding(backbone, state_mode, handling
     model.exit_gate.proj.weight.zero_()
     prompt = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(6))
     plain = generate(model, prompt, 8, return_logits=True)
-    skip = generate(model, prompt, 8, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=0.9, skip_compute=handling))
+    skip = generate(model, prompt, 8, return_logits=True, exits=ExitPolicy(threshold=0.9, skip=handling))
     assert torch.equal(skip.sequences, plain.sequences) and bool((skip.exit_steps == R).all())
     torch.testing.assert_close(skip.logits, plain.logits, atol=ATOL, rtol=1e-4)
+
+
+def rows_per_loop(exit_steps: torch.Tensor, n_loops: int = R) -> list[int]:
+    """The rows a decoding step with these exit steps (B,) computes at each loop it runs: those not yet exited."""
+    counts = [int((exit_steps > r).sum()) for r in range(n_loops)]
+    return [n for n in counts if n > 0]
+
+
+@pytest.mark.parametrize("backbone,state_mode,handling", [("llama", "vanilla", "kv_copy"),
+                                                          ("hybrid", "stateloop_mamba2", "ssm_propagate")])
+@torch.no_grad()
+def test_skip_decoding_computes_only_the_rows_still_running(backbone, state_mode, handling):
+    """A decoding step runs loop r on the rows whose token has not exited before it, and no others: the shared
+    block's layers receive exactly those rows, while the logits stay the reference's."""
+    model = make_model(backbone, state_mode)
+    # the gate reads a direction u that two tokens carry strongly: EARLY exits after loop 1, LATE never
+    u = torch.nn.functional.normalize(torch.randn(32, generator=torch.Generator().manual_seed(0)), dim=0)
+    EARLY, LATE = 1, 2
+    model.embed.weight[EARLY] += 10 * u
+    model.embed.weight[LATE] -= 10 * u
+    model.exit_gate.proj.weight.copy_(2 * u[None])
+    model.exit_gate.proj.bias.zero_()
+    B, T = 4, 8
+    ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(2))
+    ids[0], ids[1], ids[2, ::2] = EARLY, LATE, EARLY
+    policy = ExitPolicy(threshold=Q, skip=handling)
+    ref = forward_with_exits(model, ids, None, handling, rule="gate", threshold=Q)
+    assert bool((ref.exit_steps[0] == 1).all()) and bool((ref.exit_steps[1] == R).all())
+    seen = []  # (rows, tokens) of every call of the block's first layer
+    hook = model.block[0].register_forward_pre_hook(lambda layer, args: seen.append(tuple(args[0].shape[:2])))
+    try:
+        cache = model.allocate_cache(B, T)
+        for t in range(T):  # teacher forcing: the reference's tokens, one step each
+            seen.clear()
+            skip = SkipDecoding(model, policy, R)
+            logits, steps = decode_one_token(model, ids[:, t:t + 1], cache, exits=policy, skip=skip)
+            assert torch.equal(steps, ref.exit_steps[:, t]), t
+            torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
+            assert skip.block_rows == [int((steps > r).sum()) for r in range(R)], t
+            assert seen == [(n, 1) for n in rows_per_loop(steps)], t
+            assert max(skip.block_rows[1:]) < B  # row 0 has left after loop 1
+        # generate: every step after the prefill computes only the rows still running
+        seen.clear()
+        out = generate(model, ids[:, :3], 5, exits=policy, return_logits=True)
+        steps_rows = [(n, 1) for i in range(1, 5) for n in rows_per_loop(out.exit_steps[:, i])]
+        assert seen == [(B, 3)] * R + steps_rows and len(steps_rows) < 4 * R
+    finally:
+        hook.remove()
+    _, want = reference_logits(model, out, ids[:, :3], None, handling)
+    torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=1e-4)
+    assert torch.equal(out.sequences[:, 3:], want.argmax(-1))  # greedy: the tokens are the reference's argmax
 
 
 def test_handling_names_and_refusals():
@@ -140,9 +192,9 @@ def test_handling_names_and_refusals():
     attn = make_model("llama", "stateloop")
     assert skip_compute_unsupported(attn.config, skip_compute="ssm_propagate") is None
     with pytest.raises(ValueError, match="ssm_skip"):
-        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(exit_threshold=0.5, skip_compute=True))
+        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy(threshold=0.5, skip=True))
     with pytest.raises(ValueError, match="needs exit_threshold"):
-        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy.from_kwargs(skip_compute="ssm_skip"))
+        generate(ssm, torch.zeros(1, 3, dtype=torch.long), 2, exits=ExitPolicy(skip="ssm_skip"))
 
 
 def test_generate_cli_takes_a_handling():
@@ -204,7 +256,6 @@ def test_exit_aware_fine_tuning_trains_and_refuses_bad_configs(tiny_overrides, t
 def test_online_reference_decides_exits_as_skip_decoding(backbone, state_mode, handling, rule, threshold):
     """forward_with_exits(rule=...) over a whole sequence = skip_compute decoding fed the same tokens one by one
     (teacher forcing): same exit steps, same logits. Table 10 measures quality with it, batched."""
-    from looplab.models.generation import decode_one_token
 
     model = make_model(backbone, state_mode, seed=2)
     ids = torch.randint(0, V, (3, 14), generator=torch.Generator().manual_seed(8))
@@ -212,7 +263,8 @@ def test_online_reference_decides_exits_as_skip_decoding(backbone, state_mode, h
     assert bool((ref.exit_steps < R).any()) and bool((ref.exit_steps == R).any()), "exits were meant to be mixed"
     cache = model.allocate_cache(3, 14)
     for t in range(14):
-        logits, steps = decode_one_token(model, ids[:, t:t + 1], cache, exits=ExitPolicy.from_kwargs(exit_threshold=threshold, exit_rule=rule, skip_compute=handling))
+        logits, steps = decode_one_token(model, ids[:, t:t + 1], cache,
+                                         exits=ExitPolicy(threshold=threshold, rule=rule, skip=handling))
         assert torch.equal(steps, ref.exit_steps[:, t]), t
         torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
 
@@ -300,7 +352,7 @@ def test_exit_grid_skips_one_loop_checkpoints(tmp_path):
 
 
 def test_exit_grid_names_the_body_training_through_the_stage2_run(tmp_path):
-    """A stage-2 gate's row says how the body it started from was trained (issue 16 item 3: exit-aware vs standard)."""
+    """A stage-2 gate's row says how the body it started from was trained (exit-aware vs standard)."""
     from looplab.bench.exit_grid import body_training
 
     def run(name, gate):
@@ -321,9 +373,8 @@ def test_exit_grid_names_the_body_training_through_the_stage2_run(tmp_path):
 @pytest.mark.parametrize("n_loops", [3, 6])
 @torch.no_grad()
 def test_skip_compute_with_test_time_depth_and_injection(backbone, state_mode, handling, injection, n_loops):
-    """skip_compute composes with the depth knobs (issue 15): at R′ ≠ R and with input injection, cached skip
+    """Skip decoding composes with the depth knobs (docs/formulations.md#depth-as-a-knob): at R′ ≠ R and with input injection, cached skip
     decoding equals the online reference at R′."""
-    from looplab.models.generation import decode_one_token
 
     torch.manual_seed(0)
     cfg = make_model(backbone, state_mode).config.to_dict() | {"injection": injection}
@@ -338,7 +389,8 @@ def test_skip_compute_with_test_time_depth_and_injection(backbone, state_mode, h
     assert ref.loop_logits.shape[0] == n_loops and bool((ref.exit_steps < n_loops).any())
     cache = model.allocate_cache(2, 10, n_loops=n_loops)
     for t in range(10):
-        logits, steps = decode_one_token(model, ids[:, t:t + 1], cache, n_loops=n_loops, exits=ExitPolicy.from_kwargs(exit_threshold=tau, exit_rule="entropy", skip_compute=handling))
+        logits, steps = decode_one_token(model, ids[:, t:t + 1], cache, n_loops=n_loops,
+                                         exits=ExitPolicy(threshold=tau, rule="entropy", skip=handling))
         assert torch.equal(steps, ref.exit_steps[:, t])
         torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
     # never exiting, the reference is the model's own forward at R′

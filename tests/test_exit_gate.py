@@ -1,4 +1,4 @@
-"""Exit gate (SPEC §4): distribution, threshold rule, stage-1 and stage-2 objectives, against hand-computed values."""
+"""Exit gate (docs/formulations.md#exit-gate): distribution, threshold rule, stage-1 and stage-2 objectives, against hand-computed values."""
 
 from __future__ import annotations
 
@@ -101,17 +101,17 @@ def test_model_exit_outputs():
     assert out.exit_probs.shape == (2, 6, 4)
     torch.testing.assert_close(out.exit_probs.sum(-1), torch.ones(2, 6))
     for q in (0.0, 0.5, 1.01):
-        o = model(ids, exits=ExitPolicy.from_kwargs(exit_threshold=q))
+        o = model(ids, exits=ExitPolicy(threshold=q))
         assert o.exit_steps.shape == (2, 6)
         torch.testing.assert_close(o.exit_steps, threshold_exit_steps(out.exit_probs, q))
         picked = out.loop_logits.permute(1, 2, 0, 3)[torch.arange(2)[:, None], torch.arange(6)[None], o.exit_steps - 1]
         torch.testing.assert_close(o.logits, picked)
-    assert bool((model(ids, exits=ExitPolicy.from_kwargs(exit_threshold=0.0)).exit_steps == 1).all())
-    assert bool((model(ids, exits=ExitPolicy.from_kwargs(exit_threshold=1.01)).exit_steps == 4).all())
-    torch.testing.assert_close(model(ids, exits=ExitPolicy.from_kwargs(exit_at_step=2)).logits, out.loop_logits[1])
+    assert bool((model(ids, exits=ExitPolicy(threshold=0.0)).exit_steps == 1).all())
+    assert bool((model(ids, exits=ExitPolicy(threshold=1.01)).exit_steps == 4).all())
+    torch.testing.assert_close(model(ids, exits=ExitPolicy(at_step=2)).logits, out.loop_logits[1])
     expected = torch.einsum("btr,rbtv->btv", out.exit_probs, out.loop_logits)
-    torch.testing.assert_close(model(ids, exits=ExitPolicy.from_kwargs(expected_exit=True)).logits, expected)
+    torch.testing.assert_close(model(ids, exits=ExitPolicy(expected=True)).logits, expected)
     with pytest.raises(ValueError, match="exit_at_step"):
-        model(ids, exits=ExitPolicy.from_kwargs(exit_at_step=5))
+        model(ids, exits=ExitPolicy(at_step=5))
     with pytest.raises(ValueError, match="exit gate"):
-        LoopedLM(LoopedLMConfig(vocab_size=23, d_model=32, n_heads=4))(ids, exits=ExitPolicy.from_kwargs(exit_threshold=0.5))
+        LoopedLM(LoopedLMConfig(vocab_size=23, d_model=32, n_heads=4))(ids, exits=ExitPolicy(threshold=0.5))

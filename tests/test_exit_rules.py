@@ -1,5 +1,5 @@
 """Exit rules (models/exit_rules.py): each rule's decision on hand-built loop outputs at known
-thresholds, and `model(ids, exit_rule=..., exit_threshold=...)` reading logits at those depths."""
+thresholds, and `model(ids, exits=ExitPolicy(threshold=..., rule=...))` reading logits at those depths."""
 
 from __future__ import annotations
 
@@ -85,12 +85,12 @@ def test_model_reads_each_token_at_its_rules_depth(backbone, state_mode, rule, t
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids, return_all_loops=True)
-        out = model(ids, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=threshold, exit_min_loops=2))
+        out = model(ids, exits=ExitPolicy(threshold=threshold, rule=rule, min_loops=2))
     steps = first_exit(rule, threshold, 4, min_loops=2, logits=full.loop_logits, hidden=full.loop_hidden)
     assert torch.equal(out.exit_steps, steps) and int(steps.min()) >= 2
     torch.testing.assert_close(out.logits, logits_at_depth(full.loop_logits, steps), rtol=0, atol=0)
     with torch.no_grad():  # a threshold that never fires reads every token at R: the plain forward pass
-        never = model(ids, exits=ExitPolicy.from_kwargs(exit_rule=rule, exit_threshold=0.0 if rule != "argmax_stable" else 99))
+        never = model(ids, exits=ExitPolicy(threshold=0.0 if rule != "argmax_stable" else 99, rule=rule))
     assert bool((never.exit_steps == 4).all())
     torch.testing.assert_close(never.logits, full.logits, rtol=0, atol=0)
 
@@ -99,14 +99,14 @@ def test_gate_rule_without_a_gate_and_rule_without_threshold_are_refused():
     model = LoopedLM(LoopedLMConfig(vocab_size=16, d_model=16, n_heads=2, n_layers=1, n_loops=2, max_seq_len=8)).eval()
     ids = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="exit gate"):
-        model(ids, exits=ExitPolicy.from_kwargs(exit_threshold=0.5))
+        model(ids, exits=ExitPolicy(threshold=0.5))
     with pytest.raises(ValueError, match="needs exit_threshold"):
-        model(ids, exits=ExitPolicy.from_kwargs(exit_rule="kl"))
+        model(ids, exits=ExitPolicy(rule="kl"))
 
 
 def test_forward_reads_depths_through_an_exit_policy():
     """ExitPolicy.from_kwargs (the flat keys of the CLIs and the lm-eval adapter) builds the policy the grouped
-    form gives; forward takes no flat exit keywords."""
+    form gives; forward takes no flat exit keywords, and a misspelt keyword is refused by name."""
     from looplab.models import ExitPolicy
 
     torch.manual_seed(0)
@@ -126,6 +126,8 @@ def test_forward_reads_depths_through_an_exit_policy():
     assert ExitPolicy.from_kwargs() is None
     with pytest.raises(TypeError, match="exit_threshold"):
         model(ids, exit_threshold=0.5)
+    with pytest.raises(TypeError, match="exit_treshold"):
+        model(ids, exit_treshold=0.5)
     with pytest.raises(ValueError, match="needs exit_threshold"):
         ExitPolicy(rule="kl")
     with pytest.raises(ValueError, match="needs skip_compute"):
