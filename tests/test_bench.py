@@ -196,7 +196,7 @@ def test_timer_synchronises_cuda_around_each_timed_call(monkeypatch, clock):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA GPU visible to torch")
 def test_timer_on_cuda_times_the_kernels():
     a = torch.randn(2048, 2048, device="cuda")
     t = common.time_round_robin({"mm": lambda: a @ a, "mm2": lambda: (a @ a) @ a}, 3, device=a.device)
@@ -212,7 +212,7 @@ def test_cuda_without_gpu_is_refused(capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA GPU visible to torch")
 def test_quick_run_on_cuda(tmp_path):
     out = tmp_path / "results.json"
     runner.main(["--quick", "--device", "cuda", "--only", "train", "--no-compile", "--out", str(out)])

@@ -295,28 +295,3 @@ def test_prelude_coda_and_injection_decode_as_routed():
     logits, depths, _ = decode(model, ids, prompt_len=3)
     with torch.no_grad():
         torch.testing.assert_close(logits, model(ids, depths=depths).logits, **TOL)
-
-
-@pytest.mark.parametrize("case", ["ec_threshold", "token_choice"])
-def test_a_decoded_token_runs_only_the_rows_routed_that_deep(case):
-    """A hook on the shared block counts the rows each loop's call receives at a decoded token: loop r runs only
-    the rows the router sends past r (none once no row goes deeper); the decoding itself is checked against
-    the given-depths reference above."""
-    model = make(CASES[case])
-    ids = ids_for(4, 12, seed=3)
-    calls: list[int] = []
-    hook = model.block[0].register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
-    cache = model.allocate_cache(4, 12)
-    saved = 0
-    try:
-        with torch.no_grad():
-            model(ids[:, :6], cache=cache)
-            for t in range(6, 12):
-                calls.clear()
-                depth = model(ids[:, t:t + 1], cache=cache).routing.depth[:, 0]  # (B,)
-                running = [int((depth > r).sum()) for r in range(R)]
-                assert calls == [n for n in running if n], (calls, depth.tolist())
-                saved += 4 * R - sum(calls)
-    finally:
-        hook.remove()
-    assert saved > 0, "some tokens were meant to stop before the last loop"

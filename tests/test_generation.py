@@ -15,7 +15,7 @@ import torch
 
 from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.cache import KVCache
-from looplab.models.exit_compute import SkipDecoding, skip_compute_unsupported
+from looplab.models.exit_compute import skip_compute_unsupported
 from looplab.models.exits import ExitPolicy
 from looplab.models.generation import Sampling, decode_one_token, generate
 
@@ -238,34 +238,6 @@ def test_skip_compute_early_exit_uses_threshold_depth_and_reuses_kv(state_mode):
         seen_all_early |= bool((exits < R).all())
         tok = logits.argmax(-1, keepdim=True)
     assert seen_mixed and seen_all_early, "the gate was meant to make rows exit at mixed depths"
-
-
-@torch.no_grad()
-def test_skip_decoding_runs_later_loops_on_the_rows_still_going():
-    """A hook on the shared block counts the rows each loop's call receives: loop r runs only the rows whose
-    token had not exited before it (none once every row has), while the logits stay forward's."""
-    model = make_model("llama", "vanilla", "ouro", n_loops=4, seed=1, gate_bias=-0.3)
-    R, q, B, T = 4, 0.5, 3, 5
-    prompt = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(7))
-    cache = model.allocate_cache(B, T + 12)
-    model(prompt, cache=cache, exits=ExitPolicy(threshold=q))
-    calls: list[int] = []
-    hook = model.block[0].register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
-    tok, skipped = prompt[:, -1:], 0
-    try:
-        for _ in range(12):
-            ref = model(tok, cache=copy.deepcopy(cache), exits=ExitPolicy(threshold=q))
-            calls.clear()
-            skip = SkipDecoding(model, ExitPolicy(threshold=q, skip="kv_copy"), R)
-            logits, exits = decode_one_token(model, tok, cache, skip=skip)
-            torch.testing.assert_close(logits, ref.logits[:, 0], atol=ATOL, rtol=1e-4)
-            running = [int((exits > r).sum()) for r in range(R)]  # rows that run loop r + 1
-            assert calls == [n for n in running if n] and skip.block_rows == running
-            skipped += B * R - sum(calls)
-            tok = logits.argmax(-1, keepdim=True)
-    finally:
-        hook.remove()
-    assert skipped > 0, "rows were meant to exit early"
 
 
 def _median_threshold(model, prompt, rule):

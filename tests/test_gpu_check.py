@@ -423,7 +423,7 @@ def test_main_runs_every_check_even_when_one_fails(tmp_path, monkeypatch, capsys
     assert "gpu" not in report["machine"]  # no GPU here, and none is claimed
     printed = capsys.readouterr().out
     assert "overall: fail" in printed and f"wrote {out}" in printed
-    assert "test_gpu_decode.py::test_decoder_on_the_gpu_decodes_plain_tokens[static_eager-1]" in printed
+    assert "test_gpu_decode.py::test_decoder_on_the_gpu_decodes_plain_tokens[compiled-1]" in printed
 
 
 def test_dynamo_counters_callback_writes_counters(tmp_path):
