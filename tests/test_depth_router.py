@@ -297,7 +297,7 @@ def test_other_depths_and_decoding_options_are_refused():
     ids = ids_for()
     for word, call in (("n_loops=2", lambda: model(ids, n_loops=2)),
                        ("exits=ExitPolicy", lambda: model.generate(ids, 2, exits=ExitPolicy(threshold=0.5, rule="entropy"))),
-                       ("exit_at_step", lambda: model(ids, cache=model.allocate_cache(B, 32), exits=ExitPolicy(at_step=1)))):
+                       ("at_step=1", lambda: model(ids, cache=model.allocate_cache(B, 32), exits=ExitPolicy(at_step=1)))):
         with pytest.raises(ValueError, match="depth_router=token_choice") as e:
             call()
         assert word in str(e.value)

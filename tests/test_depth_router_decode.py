@@ -279,7 +279,7 @@ def test_other_misuse_is_refused_by_name():
         make(None)(ids, depths=torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="allocate_cache"):
         model(ids, cache=make(None).allocate_cache(1, 8))
-    with pytest.raises(ValueError, match="exit_threshold"):  # one cached step, as generate's are
+    with pytest.raises(ValueError, match=r"exits=ExitPolicy\(threshold=0.5"):  # one cached step, as generate's are
         decode_one_token(model, ids[:, :1], model.allocate_cache(1, 8), exits=ExitPolicy(threshold=0.5, rule="entropy"))
     with pytest.raises(ConfigError, match="depth_router.inference=aux_router"):
         make({"name": "expert_choice", "inference": "aux_router"})

@@ -118,7 +118,11 @@ class LooplabLM(LM):
         self.speculation = None if self.speculative_loops is None else Speculation(self.speculative_loops, self.draft_tokens)
         if self.exits is not None:
             self.exits.check(model, depth)  # scoring reads out at the exits too, not only generation
-        check_options(model, depth, exits=self.exits, speculation=self.speculation)
+        try:
+            check_options(model, depth, exits=self.exits, speculation=self.speculation)
+        except ValueError as e:  # name the model_args key the user typed
+            raise ValueError(f"model_args speculative_loops={self.speculative_loops}, draft_tokens={self.draft_tokens}, "
+                             f"exit_threshold={self.exit_threshold}: {e}") from e
         self.max_gen_toks = int(max_gen_toks)
         self.checkpoint = checkpoint
 

@@ -124,7 +124,7 @@ def read_depths(model, readouts: list[torch.Tensor], policy: ExitPolicy | None, 
         if policy.expected:
             out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs, loop_logits)
             steps = torch.arange(1, R + 1, device=device, dtype=out.exit_probs.dtype)
-            out.diagnostics["expected_exit_step"] = [float((out.exit_probs * steps).sum(-1).mean())]
+            out.diagnostics["expected_exit_step"] = [float((out.exit_probs.detach() * steps).sum(-1).mean())]
         else:
             out.exit_steps = first_exit(rule, policy.threshold, R, min_loops=policy.min_loops, logits=loop_logits,
                                         hidden=loop_hidden, exit_probs=out.exit_probs)

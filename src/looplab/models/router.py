@@ -57,15 +57,15 @@ With a cache (LoopedLM.allocate_cache) each (loop, layer) entry is a cache.Route
 the tokens that ran that loop (recursion_wise: its own length per depth; share_first: loop 0's entries
 only, read by every loop), or, in a Mamba-2 layer, a cache.RoutedSSMCache: that loop's conv history and
 SSM state over the tokens that ran it (a row whose token stopped keeps both bit for bit). Prefill and
-steps are calls of the same routed forward. Compute: a loop that no token of the call runs is skipped
-(at batch 1, every loop after the token stops); in a batch, a loop runs when some row's token runs it,
-and the rows whose token stopped compute one discarded slot that writes nothing (the batch is not
-regathered by row).
+steps are calls of the same routed forward. Compute: a loop that no token of the call runs is skipped,
+and at one token per row (a decoded token) a loop runs only the rows whose token goes that deep
+(`RoutedLoop.rows`: gathered, their cache entries indexed); in a prefill a loop runs the rows with some
+token that runs it, and their stopped tokens compute one discarded slot that writes nothing.
 
 The loop calls `RoutedLoop.loop_step` in place of `LoopedLM.loop_step` (same signature), which gathers,
 calls the model's own loop_step on the active tokens, and scatters back. Not yet supported, and refused
-with the option named: kv=share_first without an attention layer in the block, the exit gate, exit
-options and skip_compute, self-speculation (speculative_loops), static_cache, a call depth n_loops ≠ R.
+with the option named: kv=share_first without an attention layer in the block, the exit gate, exits
+(`ExitPolicy`) with a cache or a skip handling, speculation, compile, a call depth n_loops ≠ R.
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ import torch.nn.functional as F
 
 from looplab.models.config import LoopedLMConfig
 from looplab.models.stream import Stream
+
+
+def _named(key: str, value) -> str:
+    """An option as the error names it: a dataclass by the fields set (ExitPolicy(threshold=0.5, skip='kv_copy'))."""
+    if dataclasses.is_dataclass(value):
+        set_ = [f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None and getattr(value, f.name) != f.default]
+        return f"{key}={type(value).__name__}({', '.join(set_)})"
+    return f"{key}={value!r}"
 
 
 @dataclass
@@ -132,9 +141,10 @@ class DepthRouter(nn.Module):
     def check_call(self, n_loops: int | None, cache, exits=None, depths=None) -> None:
         name = f"depth_router={self.cfg.name}"
         if exits is not None and exits.skip is not None:
-            raise ValueError(f"{name} with skip_compute / exit_steps: the router already chooses each token's depth")
+            raise ValueError(f"{name} with {_named('exits', exits)} (skip_compute): the router already chooses "
+                             "each token's depth")
         if cache is not None and exits is not None:
-            raise ValueError(f"{name} with a cache and exit_threshold / exit_rule / exit_at_step / expected_exit: "
+            raise ValueError(f"{name} with a cache and {_named('exits', exits)}: "
                              "routed decoding reads the last loop each token ran; decode without exit options")
         if n_loops is not None and n_loops != self.n_loops:
             raise ValueError(f"{name} with n_loops={n_loops}: the router is trained for R={self.n_loops} loops "
@@ -151,13 +161,7 @@ class DepthRouter(nn.Module):
 
     def check_generate(self, **options) -> None:
         """Refuse the decoding options that do not route, naming them (generation.check_options)."""
-        def named(k, v):
-            if dataclasses.is_dataclass(v):  # only the fields set: ExitPolicy(threshold=0.5, skip='kv_copy')
-                set_ = [f"{f.name}={getattr(v, f.name)!r}" for f in dataclasses.fields(v)
-                        if getattr(v, f.name) is not None and getattr(v, f.name) != f.default]
-                return f"{k}={type(v).__name__}({', '.join(set_)})"
-            return f"{k}={v!r}"
-        bad = [named(k, v) for k, v in options.items() if v not in (None, False)]
+        bad = [_named(k, v) for k, v in options.items() if v not in (None, False)]
         if bad:
             raise ValueError(f"depth_router={self.cfg.name}: routed decoding runs plain greedy/sampled steps; "
                              f"{', '.join(bad)} does not combine with a depth router (each token's depth is the "
