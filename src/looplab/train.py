@@ -83,6 +83,7 @@ def build_run(cfg: DictConfig) -> RunParts:
         checkpoint_loops=bool(cfg.hardware.get("activation_checkpointing", False)),
         compile_block=use_compile,  # applied in configure_model, after any sharding
         depth=asdict(depth),
+        loop_diagnostics=bool(cfg.get("loop_diagnostics", True)),  # val_diag/* (eval/diagnostics.py)
     )
     return RunParts(dm, model_cfg, objective, depth, eval_loops, use_compile, compile_why, module)
 

@@ -13,6 +13,7 @@ metric of results.json is compared with the recomputed one (`agreement`).
   python -m looplab.eval outputs/.../checkpoints/last.ckpt --thresholds 0.3 0.5 0.7 0.9
   python -m looplab.eval last.ckpt --zeroshot                 # the 8-task suite (needs the hub)
   python -m looplab.eval last.ckpt --zeroshot looplab_tiny_mc # a local task, offline
+  python -m looplab.eval last.ckpt --diagnostics              # + per-loop diagnostics (eval.json, loop_diagnostics.png)
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="test-time depth: apply the shared block R′ times instead of the trained R (any R′ ≥ 1, also "
                          "above R; per-loop metrics and exits then run over 1..R′)")
     ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--diagnostics", action="store_true",
+                    help="per-loop diagnostics on the split's batches (eval/diagnostics.py: step size, update cosine, "
+                         "effective rank, fixed-point gap, logit-lens KL, exit λ, CLP offset cost): eval.json "
+                         "`diagnostics` and loop_diagnostics.png")
     ap.add_argument("--zeroshot", nargs="*", default=None, metavar="TASK", help="lm-eval tasks or tags (none given: the paper's 8-task hub suite; offline: looplab_tiny)")
     ap.add_argument("--limit", type=float, default=None, help="lm-eval: documents per task")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -121,9 +126,18 @@ def main(argv: list[str] | None = None) -> dict:
             n = len(report["zeroshot"]["results"])  # a group tag (looplab_tiny) expands to its tasks
             print(f"average acc over {n} task(s): {report['zeroshot']['average_acc']:.4f}")
 
+    written = [out_dir / "eval.json", out_dir / "eval.md", out_dir / "exit_curve.png"]
+    if args.diagnostics:
+        from looplab.eval.diagnostics import diagnose, plot_diagnostics
+
+        report["diagnostics"] = diagnose(model, loader, max_batches, device=args.device)
+        plot_diagnostics(report["diagnostics"], out_dir / "loop_diagnostics.png")
+        written.append(out_dir / "loop_diagnostics.png")
+        print(f"loop diagnostics ({report['diagnostics']['batches']} batches): {out_dir / 'loop_diagnostics.png'}")
+
     (out_dir / "eval.json").write_text(json.dumps(report, indent=2))
     (out_dir / "eval.md").write_text(f"# {ckpt}\n\n{args.split} split, {metric}\n\n{table}")
-    print(f"written: {out_dir / 'eval.json'}, {out_dir / 'eval.md'}, {out_dir / 'exit_curve.png'}")
+    print("written: " + ", ".join(str(p) for p in written))
     return report
 
 

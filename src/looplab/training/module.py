@@ -3,8 +3,10 @@
 Objectives (docs/formulations.md#exit-gate): plain next-token cross-entropy on supervised positions;
 exit-gate stage 1 (Σ_t p(t)L^(t) − β·H(p)); stage 2 (gate-only BCE, everything
 else frozen). Validation reports loss/accuracy from every loop depth through
-the shared final norm and head, exit statistics at each threshold q, and the
-StateLoop diagnostics (retention, state norm, ‖W_o s_r‖/‖h_r‖ per loop).
+the shared final norm and head, exit statistics at each threshold q, the
+StateLoop diagnostics (retention, state norm, ‖W_o s_r‖/‖h_r‖ per loop) and, on the first
+validation batch, the per-loop diagnostics of every looped model as `val_diag/<measure>_loop{r}`
+(eval/diagnostics.py, docs/evaluation.md#per-loop-diagnostics; `loop_diagnostics=False` turns them off).
 
 Training depth (docs/formulations.md#randomized-training-depth): each optimizer step runs `depth.draw(global_step)` loops
 (training/depth.py; R when the sampler is fixed), with gradients through the last
@@ -57,6 +59,7 @@ class LoopedLMModule(L.LightningModule):
         checkpoint_loops: bool = False,
         compile_block: bool = False,
         depth: dict[str, Any] | None = None,
+        loop_diagnostics: bool = True,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -81,6 +84,8 @@ class LoopedLMModule(L.LightningModule):
         self.thresholds = [float(q) for q in objective.get("eval_thresholds", [])] if self.model.exit_gate else []
         self._metrics_by_split: dict[str, dict[str, MeanMetric]] = {}
         self.diagnostics: dict[str, list[float]] = {}
+        self.log_loop_diagnostics = bool(loop_diagnostics)  # val_diag/*: one validation batch, no grad
+        self.loop_diag: dict[str, Any] = {}
         if objective.get("exit_stage") == "stage2":
             self.freeze_all_but_gate()
         if objective.get("skip_train_prob", 0.0) > 0:
@@ -225,6 +230,10 @@ class LoopedLMModule(L.LightningModule):
         out = self.model(ids, return_all_loops=per_depth, return_diagnostics=first, n_loops=R)
         if first:
             self.diagnostics = out.diagnostics
+        if split == "val" and self.log_loop_diagnostics and not self.loop_diag and not at_r_prime:
+            from looplab.eval.diagnostics import loop_diagnostics
+
+            self.loop_diag = loop_diagnostics(self.model, ids, batch.get("attention_mask"), n_loops=self.R)
         loop_logits = out.loop_logits if per_depth else out.logits[None]
         depths = range(1, R + 1) if per_depth else [R]
         mask = targets != IGNORE
@@ -281,6 +290,14 @@ class LoopedLMModule(L.LightningModule):
             for r, v in enumerate(series, start=1):
                 values[f"state_{key}_loop{r}"] = v
         self.diagnostics = {}
+        if split == "val" and self.loop_diag:
+            from looplab.eval.diagnostics import MEASURES
+
+            # each rank's first batch; the same names on every rank (None = undefined at that loop, not logged)
+            diag = {f"val_diag/{k}_loop{r}": v for k in MEASURES if k in self.loop_diag
+                    for r, v in enumerate(self.loop_diag[k], start=1) if v is not None}
+            self.loop_diag = {}
+            self.log_dict(diag, prog_bar=False, sync_dist=True)
         # MeanMetric.compute() already reduced across ranks, so every rank holds the same values:
         # sync_dist's mean leaves them as they are (and tells Lightning they are global)
         self.log_dict({f"{split}/{k}": v for k, v in values.items() if k != "acc"}, prog_bar=False, sync_dist=True)
