@@ -58,6 +58,7 @@ def build_run(cfg: DictConfig) -> RunParts:
     """
     import lightning as L
 
+    from looplab.models import ConfigError
     from looplab.training.compose import depth_from_cfg, eval_loops_from_cfg, model_config_from_cfg, objective_from_cfg
     from looplab.training.module import LoopedLMModule
 
@@ -68,6 +69,11 @@ def build_run(cfg: DictConfig) -> RunParts:
     depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop
     eval_loops = eval_loops_from_cfg(cfg)
     use_compile, compile_why = resolve_compile(cfg.get("compile", False), model_cfg.d_model, str(cfg.trainer.accelerator))
+    if use_compile and model_cfg.loop_schedule == "parallel":
+        if cfg.get("compile") is True:
+            raise ConfigError("compile=true with loop_depth.schedule=parallel: the parallel schedule trains eagerly "
+                              "(its attention reads another loop's keys through a per-call object); set compile=false")
+        use_compile, compile_why = False, "compile=auto: off under loop_depth.schedule=parallel (trained eagerly)"
     dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
     for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
         if hasattr(dm, attr):
@@ -345,7 +351,10 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "model": {"backbone": mc.backbone, "layers": mc.n_layers, "loops": mc.n_loops,
                   "prelude": mc.prelude_layers, "coda": mc.coda_layers, "state_mode": mc.state_mode,
                   "exit_gate": mc.exit_gate, "exit_stage": module.objective.get("exit_stage"), "d_model": mc.d_model,
-                  "depth_router": mc.depth_router.name},
+                  "depth_router": mc.depth_router.name,
+                  # the parallel schedule's fields only when it is on: a sequential run's summary as before
+                  **({"loop_schedule": "parallel", "loop_kv": mc.loop_kv, "loop_window": mc.loop_window}
+                     if mc.loop_schedule == "parallel" else {})},
         "dataset": cfg.dataset.get("name"),
         "metrics": {**val, **test},
         "final_split": split,

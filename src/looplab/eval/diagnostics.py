@@ -107,6 +107,11 @@ def _loop_states(model, input_ids, attention_mask, n_loops) -> LoopStates:
     if router is not None:
         router.check_call(n_loops, None)  # a routed model runs its R loops only
     R = model.loops(n_loops)
+    if getattr(model.config, "loop_schedule", "sequential") == "parallel":
+        from looplab.models.parallel import parallel_states  # the CLP forward's loops, every token at every loop
+
+        readouts, e, positions, valid = parallel_states(model, input_ids, attention_mask, R)
+        return LoopStates(readouts=readouts, e=e, positions=positions, valid=valid)
     positions, valid = model.positions(input_ids, attention_mask)
     stream = model.start(input_ids, positions, valid)
     route = router.begin(model, stream.x) if router is not None else None  # the forward's routing (depths=None)

@@ -16,6 +16,12 @@ EXIT_GATES = ("none", "ouro")
 INJECTIONS = ("none", "add", "concat", "diag")  # models/injection.py
 DEPTH_ROUTERS = ("none", "expert_choice", "token_choice")  # models/router.py (Mixture-of-Recursions)
 ROUTER_KV = ("recursion_wise", "share_first")
+LOOP_SCHEDULES = ("sequential", "parallel")  # models/parallel.py (Parallel Loop Transformer)
+LOOP_KV = ("own", "share_first", "gswa")
+LOOP_GATES = ("query", "residual")
+# the parallel-schedule fields and their defaults: a sequential model's dict (and its checkpoints' hash) omits them
+PARALLEL_DEFAULTS = {"loop_kv": "own", "loop_window": 64, "loop_gate": "query", "loop_mix": (1.0, 1.0),
+                     "loop_mix_learned": False, "loop_norm": False}
 KERNELS = ("auto", "torch", "mamba_ssm")
 # causal-conv1d's CUDA conv (csrc/causal_conv1d.cpp) has kernels for these widths only. kernel=auto
 # keeps the torch conv for other widths (fused scan still used); kernel=mamba_ssm asks for the fused
@@ -168,6 +174,20 @@ class LoopedLMConfig:
     # --- depth router (docs/formulations.md#routed-depth) --------------------
     depth_router: RouterConfig = field(default_factory=RouterConfig)  # name none = today's model exactly
 
+    # --- loop schedule (docs/formulations.md#parallel-loops) -----------------
+    # sequential: loop r+1 reads loop r's output at the same token (every model above). parallel: cross-loop
+    # parallelism, loop r+1 reads a·E + b·shift(H^(r)), the previous loop's output one token back, so the R
+    # loops of one decoded token are independent rows of one block call (models/parallel.py)
+    loop_schedule: str = "sequential"
+    loop_kv: str = "own"  # parallel: own (each loop its own keys/values) | share_first (loops >= 2 attend to loop 1's)
+    #                       | gswa (loop 1's, gated with a sliding window of loop_window over the loop's own)
+    loop_window: int = 64  # gswa: the sliding window w over a loop's own keys/values (itself included)
+    loop_gate: str = "query"  # gswa: g = σ(q_h·w_h + b_h) (query) | σ(Linear(RMSNorm(x))) of the residual (residual);
+    #                           out = g·(attention to loop 1's keys) + (1 − g)·(windowed attention to the loop's own)
+    loop_mix: tuple[float, float] = (1.0, 1.0)  # (a, b): loops >= 2 read a·E + b·shift(H); E + shift(H) by default
+    loop_mix_learned: bool = False  # a and b are parameters, initialised at loop_mix
+    loop_norm: bool = False  # the final norm on shift(H) before it is mixed in (vLLM's plt_normalize_per_loop)
+
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, never read by the model
 
     def __post_init__(self) -> None:
@@ -177,7 +197,7 @@ class LoopedLMConfig:
             self.ffn_hidden = 64 * -(-int(8 * self.d_model / 3) // 64)
         if self.state_dim is None:
             self.state_dim = self.d_model
-        for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
+        for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init", "loop_mix"):
             setattr(self, name, tuple(getattr(self, name)))
         self.depth_router = RouterConfig.from_any(self.depth_router)
         self.validate()
@@ -244,6 +264,44 @@ class LoopedLMConfig:
             lo, hi = getattr(self, name)
             need(0 < lo <= hi, f"{name}={getattr(self, name)} must satisfy 0 < a <= b")
         self._validate_router(need)
+        self._validate_schedule(need)
+
+    def _validate_schedule(self, need) -> None:
+        need(self.loop_schedule in LOOP_SCHEDULES,
+             f"loop_schedule (loop_depth.schedule)={self.loop_schedule!r} is unknown; choose one of {LOOP_SCHEDULES}")
+        if self.loop_schedule == "sequential":
+            changed = [f"{k}={getattr(self, k)!r}" for k, v in PARALLEL_DEFAULTS.items()
+                       if (tuple(getattr(self, k)) if k == "loop_mix" else getattr(self, k)) != v]
+            need(not changed, f"{', '.join(changed)} with loop_schedule=sequential: these are options of the parallel "
+                 "loop schedule; set loop_depth.schedule=parallel or leave them at their defaults")
+            return
+        p = "loop_schedule=parallel"
+        need(self.loop_kv in LOOP_KV, f"loop_kv (loop_depth.kv)={self.loop_kv!r} is unknown; choose one of {LOOP_KV}")
+        need(self.loop_gate in LOOP_GATES,
+             f"loop_gate (loop_depth.gate)={self.loop_gate!r} is unknown; choose one of {LOOP_GATES}")
+        need(isinstance(self.loop_window, int) and not isinstance(self.loop_window, bool) and self.loop_window >= 1,
+             f"loop_window (loop_depth.window)={self.loop_window!r} must be an integer >= 1 (tokens, the current one "
+             "included)")
+        need(len(self.loop_mix) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                             for v in self.loop_mix),
+             f"loop_mix (loop_depth.mix)={list(self.loop_mix)!r} must be two numbers [a, b]: loops >= 2 read "
+             "a·E + b·shift(H)")
+        need(self.backbone == "llama",
+             f"{p} with backbone={self.backbone}: the parallel schedule is built for attention blocks (llama); a "
+             "Mamba-2 layer's state would have to run loop by loop over time with a shifted input, which is not "
+             "defined here yet; use backbone=llama or loop_schedule=sequential")
+        need(self.state_mode == "vanilla",
+             f"{p} with state_mode={self.state_mode}: the StateLoop state is updated along the loops of one token, "
+             "and the parallel schedule puts each loop of a token at a different step; use state_mode=vanilla")
+        need(self.exit_gate == "none",
+             f"{p} with exit_gate={self.exit_gate}: an exit picks a loop of the same token, and under the parallel "
+             "schedule loop r of a token finishes at a later step than loop r−1; use exit_gate=none")
+        need(self.injection == "none",
+             f"{p} with injection={self.injection}: the parallel schedule has its own embedding term (loop_mix a·E); "
+             "use injection=none")
+        need(self.depth_router.name == "none",
+             f"{p} with depth_router={self.depth_router.name}: routing's kv=share_first and per-token depths are a "
+             "different scheme; use depth_router=none")
 
     def _validate_router(self, need) -> None:
         rc = self.depth_router
@@ -338,6 +396,11 @@ class LoopedLMConfig:
             d[name] = list(getattr(self, name))
         if self.depth_router.name == "none":
             d.pop("depth_router")  # a model without router: the dict (and its checkpoints' hash) as before routing existed
+        if self.loop_schedule == "sequential":
+            for k in ("loop_schedule", *PARALLEL_DEFAULTS):
+                d.pop(k)  # likewise: a sequential model's dict as before the parallel schedule existed
+        else:
+            d["loop_mix"] = list(self.loop_mix)
         return d
 
     @classmethod

@@ -365,6 +365,13 @@ def check_options(model, n_loops: int, *, sampling=None, exits=None, speculation
     sampling = Sampling() if sampling is None else sampling
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling={sampling!r}: give looplab.models.Sampling(temperature, top_k, top_p, generator)")
+    if getattr(cfg, "loop_schedule", "sequential") == "parallel":
+        bad = [f"{name}={v!r}" for name, v in (("exits", exits), ("speculation", speculation), ("compile", compile))
+               if v not in (None, False)]
+        if bad:
+            raise ValueError(f"loop_schedule=parallel decodes all loops of a token in one folded block call; it does not "
+                             f"take {', '.join(bad)} (exits and drafts read a shallower loop of the same token, which "
+                             "the parallel schedule computes at a later step; the folded step is not compiled)")
     if exits is not None:
         if not isinstance(exits, ExitPolicy):
             raise TypeError(f"exits={exits!r}: give looplab.models.ExitPolicy(threshold=..., rule=..., skip=...)")

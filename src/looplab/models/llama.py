@@ -151,6 +151,7 @@ class CausalSelfAttention(nn.Module):
         positions: torch.Tensor,
         valid: torch.Tensor | None = None,  # (B, T): which of these tokens are real (without a cache)
         cache: KVCache | None = None,
+        residual: torch.Tensor | None = None,  # the layer's input before its norm (a parallel-loop gate's input)
     ) -> torch.Tensor:
         B, T, _ = x.shape
         hd, H, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
@@ -160,6 +161,9 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         cos, sin = self.rope(positions, checked=cache is not None)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if hasattr(cache, "attend"):  # loop_schedule=parallel: which loop's keys each query reads (models/parallel.py)
+            y = cache.attend(q, k, v, self, x if residual is None else residual)
+            return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
         if cache is not None:
             # (b, Hkv, L, hd) and the (b, 1, T, L) mask of what each query reads (None: causal), from the
             # entry: the cache's columns (models/cache.py), or a routed loop's own (models/router.py)
@@ -223,7 +227,7 @@ class AttentionLayer(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
     def forward(self, x, positions, valid=None, cache=None):
-        x = x + self.attn(self.attn_norm(x), positions, valid, cache)
+        x = x + self.attn(self.attn_norm(x), positions, valid, cache, residual=x)
         return x + self.mlp(self.mlp_norm(x))
 
     def allocate_cache(self, batch_size, max_len, device, dtype):

@@ -61,6 +61,7 @@ from looplab.models.hub import LoopedHubMixin
 from looplab.models.injection import build_injection
 from looplab.models.llama import AttentionLayer, RMSNorm
 from looplab.models.outputs import LoopedLMOutput
+from looplab.models.parallel import LoopGate, LoopInput, ParallelKVCache, parallel_forward
 from looplab.models.rng import draw_init_seed, named_generator
 from looplab.models.router import build_router
 from looplab.models.state import StateBranch
@@ -102,6 +103,12 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                 self.head.weight = self.embed.weight
             self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
             self.router = build_router(cfg)  # depth_router (models/router.py); None: no parameters, no state-dict keys
+            # loop_schedule=parallel (models/parallel.py): what loops 2..R read, and G-SWA's gate in each block
+            # attention layer (one per layer, shared by loops 2..R); None / absent under the sequential schedule
+            self.loop_input = LoopInput(cfg) if cfg.loop_schedule == "parallel" else None
+            if cfg.loop_schedule == "parallel" and cfg.loop_kv == "gswa":
+                for layer in self.block:
+                    layer.attn.loop_gate = LoopGate(cfg)
         self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
         self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
@@ -187,6 +194,10 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         readout = sum(layer.flops_per_token(seq_len) for layer in self.coda) + 2 * cfg.d_model * cfg.vocab_size
         readout *= loops if all_readouts else 1
         inj = self.inject.flops_per_token() if self.inject is not None else 0  # before loops 2..R
+        if cfg.loop_schedule == "parallel" and cfg.loop_kv == "gswa":
+            # loops 2..R also score a window of w keys and run the gate (the global branch is the block's count)
+            inj += sum(4 * min(cfg.loop_window, seq_len) * cfg.n_heads * cfg.head_dim + layer.attn.loop_gate.flops_per_token()
+                       for layer in self.block)
         fwd = prelude + loops * per_loop + max(loops - 1, 0) * inj + readout
         if not training:
             return round(fwd)
@@ -250,6 +261,15 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                    for l, layer in enumerate(self.prelude)}
         rt = self.router
         R = self.loops(n_loops)
+        if self.loop_input is not None:  # parallel: one entry per block layer for every loop, the coda of loop R only
+            if static:
+                raise ValueError("loop_schedule=parallel decodes with an eager cache (static=False): its folded step is "
+                                 "not compiled")
+            for l in range(len(self.block)):
+                entries[(0, l)] = ParallelKVCache(self.config, R, batch_size, max_len, device, dtype)
+            for l, layer in enumerate(self.coda):
+                entries[(R - 1, ("coda", l))] = layer.allocate_cache(batch_size, max_len, device, dtype)
+            return LoopCache(entries, batch_size, max_len, device, n_loops=R)
         for r in range(R):
             for l, layer in enumerate(self.block):
                 if rt is None:
@@ -287,6 +307,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         depths: torch.Tensor | str | None = None,  # depth_router only: 'inference' or (B, T) given depths (models/router.py)
     ) -> LoopedLMOutput:
         """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
+        if self.loop_input is not None:  # loop_schedule=parallel
+            return parallel_forward(self, input_ids, attention_mask, cache, n_loops, backprop_loops=backprop_loops,
+                                    return_all_loops=return_all_loops, exits=exits, depths=depths)
         if self.router is not None:
             self.router.check_call(n_loops, cache, exits, depths)
         elif depths is not None:
@@ -426,6 +449,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         Parameters stay shared with the eager layers (same state dict). The prelude and coda layers
         stay eager (not compiled).
         """
+        if self.loop_input is not None:
+            raise ValueError("loop_schedule=parallel trains eagerly (hardware.compile=false): its attention reads "
+                             "another loop's keys through a per-call object that a compiled layer would retrace")
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.block]
 
     @property

@@ -19,6 +19,9 @@ _BACKBONE_RENAMES = {"name": "backbone"}
 _STATE_KEYS = {"name": "state_mode", "d_s": "state_dim", "s0": "state_init", "in_output": "state_in_output",
                "A_init": "state_A_init", "dt_init": "state_dt_init"}
 _GATE_MODEL_KEYS = {"name": "exit_gate"}
+# loop_depth.<key> → LoopedLMConfig field: the loop schedule (models/parallel.py)
+_SCHEDULE_KEYS = {"schedule": "loop_schedule", "kv": "loop_kv", "window": "loop_window", "gate": "loop_gate",
+                  "mix": "loop_mix", "mix_learned": "loop_mix_learned", "norm": "loop_norm"}
 EXIT_STAGES = ("stage1", "stage2")
 
 
@@ -44,6 +47,16 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"loop_depth.{key}={v!r} must be an integer >= 0 (non-shared layers "
                               f"{'before' if key == 'prelude' else 'after'} the looped block; 0 = none)")
+
+    for key, name in _SCHEDULE_KEYS.items():
+        if loop.get(key) is not None:
+            fields[name] = loop[key]
+    if fields.get("loop_schedule") == "parallel":
+        bad = [f"loop_depth.{k}={loop.get(k)!r}" for k, ok in (("sampler", "fixed"), ("backprop_loops", None))
+               if loop.get(k, ok) != ok]
+        if bad:
+            raise ConfigError(f"loop_depth.schedule=parallel with {', '.join(bad)}: the parallel schedule trains at its "
+                              "configured R with every loop's gradient; use loop_depth.sampler=fixed, backprop_loops=null")
 
     known = set(LoopedLMConfig.__dataclass_fields__)
     for key, value in backbone.items():
