@@ -265,3 +265,29 @@ def test_router_part_measures_routed_and_fixed_depth(tmp_path, capsys):
     R = r["config"]["n_loops"]
     assert arms["expert_choice"]["gathered_fractions"] == pytest.approx([(R - i) / R for i in range(R)], abs=1 / r["config"]["seq_len"])
     assert "ec_flops_ratio" in capsys.readouterr().out  # the headline table prints the part
+
+
+def test_parallel_part_measures_parallel_sequential_and_unlooped(tmp_path, capsys):
+    """`make bench`'s parallel-loops part: decoding tokens/s of parallel 1⊗4 (each kv) against sequential 1⊗4 and
+    1⊗1 at batch 1 and 8, KV bytes, and the decoded logits checked against the CLP forward first."""
+    out = tmp_path / "results.json"
+    runner.main(["--quick", "--threads", "1", "--only", "parallel", "--out", str(out)])
+    r = json.loads(out.read_text())["parallel"]
+    assert r["status"] == "ok", r
+    arms = {"1x1", "seq_1x4", "par_1x4_own", "par_1x4_share_first", "par_1x4_gswa"}
+    for b in (1, 8):
+        cells = r[f"batch{b}"]
+        assert set(cells) == arms
+        for name, c in cells.items():
+            assert _positive_finite(c["tokens_per_s"]) and _positive_finite(c["vs_1x1"]), (b, name, c)
+        assert cells["1x1"]["vs_1x1"] == 1.0 and cells["seq_1x4"]["vs_seq_1x4"] == 1.0
+        # KV: own keeps the sequential model's R caches, share_first one, gswa one plus R−1 windows of w
+        full = cells["1x1"]["kv_bytes"]
+        tokens = r["prompt"] + r["new_tokens"]
+        assert cells["seq_1x4"]["kv_bytes"] == cells["par_1x4_own"]["kv_bytes"] == 4 * full
+        assert cells["par_1x4_share_first"]["kv_bytes"] == full
+        assert cells["par_1x4_gswa"]["kv_bytes"] == full + 3 * full * r["window"] // tokens
+    assert all(v <= 1e-4 for v in r["decode_vs_clp_forward"].values())
+    assert r["gswa_vs_1x1_batch1"] == r["batch1"]["par_1x4_gswa"]["vs_1x1"]
+    assert set(r["targets_met"]) == set(r["targets"])
+    assert "gswa_vs_seq_batch1" in capsys.readouterr().out

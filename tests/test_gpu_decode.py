@@ -6,7 +6,9 @@ call compiles and captures, the second replays; docs/decoding.md#static-shape-de
 (k 2, γ 4; docs/decoding.md#self-speculative-decoding). A random d 512 llama 2⊗4 at batch 1 and 8, 128 new
 tokens, fp32: in bf16, near-ties flip greedy tokens between kernels, which says nothing about the decoders.
 Each test records tokens/s of the decoder and of plain decoding beside it, and the first call's seconds
-(`record_property`), which `make gpu-check` keeps in gpu-check.json (docs/gpu.md#gpu-check).
+(`record_property`), which `make gpu-check` keeps in gpu-check.json (docs/gpu.md#gpu-check). Parallel loops
+(models/parallel.py) decode against their teacher-forced CLP forward (max|Δ| / RMS ≤ 1e-4), each kv mode, with
+tokens/s of the sequential and the unlooped model of the same block beside them.
 
 A decoder with a GPU path is added to DECODERS; the comparison itself runs on the CPU too (a tiny model),
 so it is known to work before a GPU is lent.
@@ -91,3 +93,61 @@ def test_the_comparison_runs_on_the_cpu(decoder):
     res = decode_against_plain(model, ids, 8, **DECODERS[decoder])
     assert res["same_tokens"] == [True, True]
     assert res["tokens_per_s"] > 0 and res["plain_tokens_per_s"] > 0 and res["first_call_s"] >= 0
+
+
+# ------------------------------------------------------------------ parallel loops (models/parallel.py)
+def parallel_against_forward(model, ids: torch.Tensor, mask: torch.Tensor | None, new_tokens: int) -> dict[str, Any]:
+    """Parallel decoding (prefill, then one folded block call per token) against the teacher-forced CLP forward
+    over prompt + generated tokens: max|Δ| / RMS(logits) at every generated position, and tokens/s (second call)."""
+    generate(model, ids, new_tokens, attention_mask=mask)  # warm-up
+    out, s = _timed(lambda: generate(model, ids, new_tokens, attention_mask=mask, return_logits=True), ids.device)
+    full = None if mask is None else torch.cat([mask, torch.ones_like(mask[:, :1]).expand(-1, new_tokens)], 1)
+    with torch.no_grad():
+        ref = model(out.sequences, attention_mask=full).logits[:, ids.shape[1] - 1:-1]
+    err = float((out.logits - ref).abs().max() / ref.pow(2).mean().sqrt())
+    return {"rel_err": err, "tokens_per_s": round(ids.shape[0] * new_tokens / s, 1)}
+
+
+def _left_padded(batch: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ids = torch.randint(0, VOCAB, (batch, PROMPT), device=device,
+                        generator=torch.Generator(device=device).manual_seed(batch))
+    if batch == 1:
+        return ids, None
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, : (3 * b) % (PROMPT // 2)] = 0
+    return ids, mask
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("kv", ["own", "share_first", "gswa"])
+def test_parallel_decoding_on_the_gpu_equals_the_clp_forward(kv, batch, record_property):
+    """d 512 llama 2⊗4 (fp32) under loop_schedule=parallel: decoding equals the CLP forward (convert's bound), and
+    its tokens/s beside the sequential 2⊗4 and the unlooped 2⊗1 model with the same block (PLT's claim on a GPU)."""
+    dims = dict(vocab_size=VOCAB, d_model=512, n_heads=8, n_layers=2, max_seq_len=512)
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(**dims, n_loops=4, loop_schedule="parallel", loop_kv=kv,
+                                    loop_window=64)).to("cuda").eval()
+    ids, mask = _left_padded(batch, "cuda")
+    res = parallel_against_forward(model, ids, mask, NEW_TOKENS)
+    for name, R in (("sequential_tokens_per_s", 4), ("unlooped_tokens_per_s", 1)):
+        torch.manual_seed(0)
+        other = LoopedLM(LoopedLMConfig(**dims, n_loops=R)).to("cuda").eval()
+        generate(other, ids, NEW_TOKENS, attention_mask=mask)
+        _, s = _timed(lambda: generate(other, ids, NEW_TOKENS, attention_mask=mask), ids.device)
+        res[name] = round(batch * NEW_TOKENS / s, 1)
+    for key, value in res.items():
+        record_property(key, value)
+    assert res["rel_err"] <= 1e-4, f"parallel decoding ({kv}, batch {batch}) differs from the CLP forward: {res}"
+
+
+@pytest.mark.usefixtures("one_thread_module")
+def test_the_parallel_comparison_runs_on_the_cpu():
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, n_loops=3, max_seq_len=128,
+                                    loop_schedule="parallel", loop_kv="gswa", loop_window=4)).eval()
+    ids, mask = _left_padded(3, "cpu")
+    res = parallel_against_forward(model, ids, mask, 8)
+    assert res["rel_err"] <= 1e-4 and res["tokens_per_s"] > 0

@@ -7,7 +7,9 @@ GPU, with the figures written to `gpu-check.json` and a table printed (docs/gpu.
   mamba_ssm's fused kernels against the torch path (tests/test_mamba2_kernels.py: fp32 and bf16 forward,
   backward, prefill + step decoding, three conv layouts, torch.compile; which conv ran counted from
   mamba2.CONV_CALLS) and decoding (tests/test_gpu_decode.py: the static-shape step compiled and captured by
-  CUDA graphs, self-speculation, against plain decoding's tokens). Each test's outcome and the figures it
+  CUDA graphs, self-speculation, against plain decoding's tokens; parallel-loop decoding, each kv mode at
+  batch 1 and left-padded batch 8, against the CLP forward, with tokens/s beside the sequential and the
+  unlooped model). Each test's outcome and the figures it
   recorded (`record_property`) come back through looplab.testing.pytest_report, written as each test ends.
 * `train-{llama,mamba2,hybrid}-{eager,compile}`: `python -m looplab.train hardware=gpu` for 20 steps,
   with and without `compile=true`; graph breaks and recompiles counted from Dynamo's counters (a callback

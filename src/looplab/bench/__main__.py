@@ -1,4 +1,4 @@
-"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,batched,data,router] [--device cpu|cuda] [--out PATH]`
+"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,batched,data,router,parallel] [--device cpu|cuda] [--out PATH]`
 
 Runs the benchmarks (fp32, CPU unless a part says otherwise), writes `bench/results.json`
 and prints a short table. Parts written by other modules (`mamba2`, `decode`) are imported
@@ -20,7 +20,7 @@ import traceback
 
 from looplab.bench import common
 
-PARTS = ("train", "mamba2", "decode", "overhead", "batched", "data", "router")
+PARTS = ("train", "mamba2", "decode", "overhead", "batched", "data", "router", "parallel")
 MODULES = {"overhead": "decode_overhead", "batched": "batched_decode"}  # part → module, where they differ
 HEADLINE = {  # per part, its headline figures (docs/performance.md#results-json) in print order
     "train": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_cpu_time", "ratio_vs_unlooped", "mfu",
@@ -36,6 +36,9 @@ HEADLINE = {  # per part, its headline figures (docs/performance.md#results-json
                "tc_flops_ratio_measured", "ec_tokens_per_s_ratio_wall", "tc_tokens_per_s_ratio_wall",
                "fixed_decode_tokens_per_s", "ec_decode_tokens_per_s_ratio", "ec_decode_mean_depth",
                "tc_decode_tokens_per_s_ratio", "tc_decode_mean_depth"),
+    # parallel loops (bench/parallel.py): parallel 1⊗4 G-SWA decoding against 1⊗1 and sequential 1⊗4, KV bytes
+    "parallel": ("gswa_vs_1x1_batch1", "gswa_vs_seq_batch1", "gswa_vs_1x1_batch8", "gswa_vs_seq_batch8",
+                 "seq_vs_1x1_batch1", "gswa_kv_ratio_vs_1x1", "targets_met"),
 }
 
 

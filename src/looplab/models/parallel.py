@@ -88,13 +88,22 @@ class LoopGate(nn.Module):
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.proj = nn.Linear(cfg.d_model, H, bias=True)
 
-    def forward(self, q: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """q (b, H, T, hd) after RoPE; residual (b, T, d), the layer's input before its norm."""
+    def logit(self, q: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The gate's logit (b, H, T, 1); q (b, H, T, hd) after RoPE, residual (b, T, d) the layer's input."""
         if self.mode == "query":
-            logit = torch.einsum("bhtd,hd->bht", q, self.weight.to(q.dtype)) + self.bias.to(q.dtype)[:, None]
-        else:
-            logit = self.proj(self.norm(residual)).transpose(1, 2)
-        return torch.sigmoid(logit)[..., None]
+            w, b = self.weight, self.bias
+            if w.dtype != q.dtype:
+                w, b = w.to(q.dtype), b.to(q.dtype)
+            return torch.matmul(q, w[:, :, None]).add_(b[:, None, None])
+        return self.proj(self.norm(residual)).transpose(1, 2)[..., None]
+
+    def forward(self, q: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """g (b, H, T, 1), the global branch's weight."""
+        return torch.sigmoid(self.logit(q, residual))
+
+    def local_weight(self, q: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """1 − g = σ(−logit), the window branch's weight (one op fewer than 1 − σ)."""
+        return torch.sigmoid(self.logit(q, residual).neg_())
 
     def flops_per_token(self) -> int:
         return 2 * sum(p.numel() for p in self.parameters() if p.dim() == 2)
@@ -206,8 +215,9 @@ class ParallelKVCache:
 
     @staticmethod
     def _gated(glob, local, attn, q, residual):
-        g = attn.loop_gate(q, residual)
-        return g * glob + (1 - g) * local
+        """g·glob + (1 − g)·local = glob + (1 − g)·(local − glob); written into glob when no graph is kept."""
+        w = attn.loop_gate.local_weight(q, residual)
+        return torch.lerp(glob, local, w) if torch.is_grad_enabled() else glob.lerp_(local, w)
 
     def _local_prefill(self, q, k, v, r: int):
         """Loop r's windowed attention over the ring (tokens of earlier calls) and this call's own keys, then the
@@ -247,19 +257,28 @@ class ParallelKVCache:
         if self.kv == "share_first" or R == 1:
             return glob
         st, rows = self._rows()
-        col = st.cols[:, 0]  # (b,)
-        slot = col % self.w
-        self.ring_k[rows, :, slot] = k[:, :, 1:].transpose(1, 2).reshape(b, (R - 1) * Hkv, hd)
-        self.ring_v[rows, :, slot] = v[:, :, 1:].transpose(1, 2).reshape(b, (R - 1) * Hkv, hd)
-        self.ring_cols[rows, slot] = col
-        cols = self.ring_cols if st.rows is None else self.ring_cols[rows]
-        ring_k = self.ring_k if st.rows is None else self.ring_k[rows]
-        ring_v = self.ring_v if st.rows is None else self.ring_v[rows]
-        mask = ((cols <= col[:, None]) & (cols > (col - self.w)[:, None]))[:, None, None]  # (b, 1, 1, w)
+        later_k = k[:, :, 1:].transpose(1, 2).reshape(b, (R - 1) * Hkv, hd)
+        later_v = v[:, :, 1:].transpose(1, 2).reshape(b, (R - 1) * Hkv, hd)
+        if st.rows is None and st.start is not None:  # every row at one column: a slice, no scatter
+            slot = st.start % self.w
+            self.ring_k[:, :, slot] = later_k
+            self.ring_v[:, :, slot] = later_v
+            self.ring_cols[:, slot] = st.start
+            cols, ring_k, ring_v = self.ring_cols, self.ring_k, self.ring_v
+        else:
+            col = st.cols[:, 0]  # (b,)
+            slot = col % self.w
+            self.ring_k[rows, :, slot] = later_k
+            self.ring_v[rows, :, slot] = later_v
+            self.ring_cols[rows, slot] = col
+            cols, ring_k, ring_v = self.ring_cols[rows], self.ring_k[rows], self.ring_v[rows]
+        # slot s holds the latest token whose column is s mod w, so every slot that holds a real token is inside
+        # the window of the token just written: the window mask is "holds a token"
+        mask = (cols >= 0)[:, None, None]  # (b, 1, 1, w)
         local = _sdpa(q[:, :, 1:].transpose(1, 2).reshape(b, (R - 1) * H, 1, hd), ring_k, ring_v, mask)
         local = local.view(b, R - 1, H, hd).transpose(1, 2)
         later = self._gated(glob[:, :, 1:], local, attn, q[:, :, 1:], residual[:, 1:])
-        return torch.cat([glob[:, :, :1], later], 2)
+        return glob if not torch.is_grad_enabled() else torch.cat([glob[:, :, :1], later], 2)  # else written in place
 
     # ------------------------------------------------------------- the entry contract
     def checkpoint(self) -> None:
@@ -373,10 +392,9 @@ def decode_folded(model, tokens: torch.Tensor, cache, R: int) -> torch.Tensor:
     rows = cache.step.rows
     b = e.shape[0]
     carry = cache.carry.get("loop_hidden")
+    # a fresh or reset row's carry is zero: a row whose first token this is starts its chains, as the shift does
     carry = e.new_zeros(b, R - 1, e.shape[2]) if carry is None else (carry if rows is None else carry[rows])
-    # a row whose first token this is (position 0) starts its chains: zeros, as the forward's shift
-    carry = carry.masked_fill((positions == 0)[..., None], 0.0)
-    x = torch.cat([e, model.loop_input(e, carry.to(e.dtype))], 1)  # (b, R, d)
+    x = torch.cat([e, model.loop_input(e, carry)], 1)  # (b, R, d)
     kv = [cache[0, l] for l in range(len(model.block))]
     h = _block(model, x, positions.expand(b, R), None, kv, None)
     _keep_carry(model, cache, _loop_norm(model, h[:, :R - 1]), rows)
