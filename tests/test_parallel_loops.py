@@ -240,3 +240,13 @@ def test_diagnostics_read_the_clp_forwards_loops():
         out = model(ids, return_all_loops=True)
         lens = torch.stack([model.logits_at(z, r, st.positions, None) for r, z in enumerate(st.readouts[:3])])
     torch.testing.assert_close(lens, out.loop_logits)
+
+
+def test_pretrained_round_trip(tmp_path):
+    model = build("gswa", loop_mix_learned=True, loop_mix=(1.0, 0.5), loop_gate="residual")
+    model.save_pretrained(tmp_path)
+    back = LoopedLM.from_pretrained(tmp_path).eval()
+    assert back.config == model.config and back.config.loop_mix == (1.0, 0.5)
+    ids = torch.randint(0, V, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
