@@ -131,6 +131,24 @@ def test_exit_lambda_is_the_gates_mean():
     assert d["exit_lambda"] == pytest.approx(lam.tolist(), rel=1e-5)
 
 
+def test_loop_gate_is_the_gswa_gates_mean():
+    """With the query weights at zero, G-SWA's gate is σ(b_h) at every token: the measure is the heads' mean of
+    σ(b) at loops ≥ 2 (left padding excluded), absent for kv=own and for sequential models."""
+    model = tiny(n_heads=4, n_layers=2, loop_schedule="parallel", loop_kv="gswa", loop_window=3)
+    bias = torch.tensor([-2.0, -0.5, 0.5, 3.0])
+    with torch.no_grad():
+        for i, layer in enumerate(model.block):
+            layer.attn.loop_gate.weight.zero_()
+            layer.attn.loop_gate.bias.copy_(bias + i)  # each layer its own gate: the measure averages the layers
+    ids, mask = torch.randint(0, V, (2, 9)), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    want = float(torch.stack([torch.sigmoid(bias), torch.sigmoid(bias + 1)]).mean())
+    d = loop_diagnostics(model, ids, mask)
+    assert d["loop_gate"][0] is None and d["loop_gate"][1:] == pytest.approx([want, want], rel=1e-6)
+    assert "loop_gate" not in loop_diagnostics(tiny(loop_schedule="parallel", loop_kv="own"), ids)
+    assert "loop_gate" not in loop_diagnostics(tiny(), ids)
+
+
 def test_an_identity_block_moves_nothing():
     """Zero residual writers: every loop returns its input, so step, gap and logit-lens KL are 0 (KL(p‖p) = 0) and the
     effective rank is the same at every loop. R = 1: only the loop-1 measures, the gap from a loop 2."""

@@ -228,6 +228,17 @@ def test_trains_through_looplab_train(kv, tiny_overrides, tmp_path):
     assert diag["n_loops"] == 3 and diag == report["diagnostics"]
     assert all(v is not None and math.isfinite(v) for v in diag["offset_cost"][1:] + diag["fixed_point_gap"])
     assert (out / "loop_diagnostics.png").stat().st_size > 0
+    # table 13's measurement of the run folder: tokens/s at two batch sizes, the cache, the diagnostics with G-SWA's gate
+    from looplab.bench.routed_decode import main as measure
+
+    measure([str(run_dir), "--prompt", "4", "--new", "3", "--repeats", "1", "--batch", "1", "2", "--diagnostics",
+             "--diagnostics-batches", "1", "--out", str(tmp_path / "plt.json")])
+    (r,) = json.loads((tmp_path / "plt.json").read_text())["runs"]
+    assert r["loop_schedule"] == "parallel" and r["loop_kv"] == "gswa" and r["loop_window"] == 8
+    assert set(r["batches"]) == {"1", "2"} and r["tokens_per_s"] == r["batches"]["1"]["tokens_per_s"] > 0
+    assert r["kv_bytes"] > 0 and r["mean_depth"] == 3 and r["new_tokens"] == 3
+    assert r["diagnostics"]["n_loops"] == 3 and r["diagnostics"]["loop_gate"][0] is None
+    assert all(0 < g < 1 for g in r["diagnostics"]["loop_gate"][1:])
 
 
 def test_diagnostics_read_the_clp_forwards_loops():

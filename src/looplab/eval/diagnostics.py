@@ -10,6 +10,8 @@ For a model run at R loops on a batch, per loop r = 1..R, over the batch's real 
     fixed_point_gap_rel_r = mean ‖f(h^(r)) − h^(r)‖ / mean ‖h^(r)‖
     logit_lens_kl_r   = mean KL(p^(r) ‖ p^(r−1)), p^(r) = softmax(Head(FinalNorm(Coda(h^(r)))))   (r ≥ 2)
     exit_lambda_r     = mean λ_r, the exit gate after loop r            (gated models only)
+    loop_gate_r       = mean g over heads and block layers, G-SWA's weight of loop 1's (global) branch at loop r
+                        (r ≥ 2; parallel models with loop_kv=gswa only; 1 − g weighs the loop's own window)
     offset_cost_r     = Ω^(r) = mean_i ‖h_i^(r−1) − h_{i−1}^(r−1)‖ over positions i whose i−1 is real  (r ≥ 2)
     offset_cost_rel_r = Ω^(r) / mean_i ‖h_i^(r−1)‖ over the same positions
 
@@ -35,10 +37,10 @@ __all__ = ["MEASURES", "POSITION", "LoopStates", "diagnose", "effective_rank", "
 
 # every measure's name, in the order of the plot's panels (exit_lambda only where the model has an exit gate)
 MEASURES = ("step", "step_rel", "update_cos", "effective_rank", "fixed_point_gap", "fixed_point_gap_rel",
-            "logit_lens_kl", "exit_lambda", "offset_cost", "offset_cost_rel")
+            "logit_lens_kl", "exit_lambda", "loop_gate", "offset_cost", "offset_cost_rel")
 POSITION = ("entry r−1 of each list is loop r = 1..R (h^(r) = loop r's readout, h^(0) = the first loop's input e); "
-            "None where a measure is undefined: step, step_rel, logit_lens_kl, offset_cost, offset_cost_rel at r = 1, "
-            "update_cos at r ≤ 2, fixed_point_gap(_rel) at r = R of a depth-routed model (its router has no loop "
+            "None where a measure is undefined: step, step_rel, logit_lens_kl, loop_gate, offset_cost, offset_cost_rel at "
+            "r = 1, update_cos at r ≤ 2, fixed_point_gap(_rel) at r = R of a depth-routed model (its router has no loop "
             "R+1). Under a parallel loop schedule every measure is taken at the same position i.")
 
 
@@ -51,6 +53,7 @@ class LoopStates:
     e: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor | None
+    gates: list[torch.Tensor | None] | None = None  # G-SWA: gates[r−1] = loop r's mean g (B, T), None at r = 1
 
     @property
     def n_loops(self) -> int:
@@ -102,6 +105,28 @@ def _evaluating(model):
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def _gate_values(model, n_loops: int):
+    """G-SWA's gates during a cache-free parallel forward → a list, filled on exit: entry r−1 = loop r's g (B, T)
+    averaged over heads and block layers (None at loop 1, which attends without a gate); [] without gates. The
+    forward runs loop by loop, each block layer once per loop ≥ 2, so the k-th gate call is loop 2 + k // N."""
+    from looplab.models.parallel import LoopGate
+
+    gates = [m for layer in model.block for m in layer.modules() if isinstance(m, LoopGate)]
+    calls: list[torch.Tensor] = []
+    hooks = [g.register_forward_hook(lambda mod, args, out: calls.append(out.detach().float().mean(dim=(1, 3))))
+             for g in gates]
+    out: list[torch.Tensor | None] = []
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
+    if gates:
+        per = len(gates)
+        out += [None] + [torch.stack(calls[k * per:(k + 1) * per]).mean(0) for k in range(n_loops - 1)]
+
+
 def _loop_states(model, input_ids, attention_mask, n_loops) -> LoopStates:
     router = getattr(model, "router", None)
     if router is not None:
@@ -110,8 +135,9 @@ def _loop_states(model, input_ids, attention_mask, n_loops) -> LoopStates:
     if getattr(model.config, "loop_schedule", "sequential") == "parallel":
         from looplab.models.parallel import parallel_states  # the CLP forward's loops, every token at every loop
 
-        readouts, e, positions, valid = parallel_states(model, input_ids, attention_mask, R)
-        return LoopStates(readouts=readouts, e=e, positions=positions, valid=valid)
+        with _gate_values(model, R) as gates:
+            readouts, e, positions, valid = parallel_states(model, input_ids, attention_mask, R)
+        return LoopStates(readouts=readouts, e=e, positions=positions, valid=valid, gates=gates or None)
     positions, valid = model.positions(input_ids, attention_mask)
     stream = model.start(input_ids, positions, valid)
     route = router.begin(model, stream.x) if router is not None else None  # the forward's routing (depths=None)
@@ -209,6 +235,11 @@ def _sums(model, st: LoopStates, R: int) -> dict[str, list[tuple[float, float] |
             out["exit_lambda"][r - 1] = (float(lam.double().sum()), n)
     if not gated:
         del out["exit_lambda"]
+    if st.gates:
+        for r in range(2, R + 1):
+            out["loop_gate"][r - 1] = (tot(st.gates[r - 1]), n)
+    else:
+        del out["loop_gate"]
     return out
 
 
