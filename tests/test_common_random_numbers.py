@@ -35,7 +35,10 @@ def _arm_units(table: int) -> list[report.Unit]:
         for combo in sw.grid(seeds=[SEED]):
             cfg = compose([f"+experiment={sw.experiment}", *sw.combo_overrides(combo), *sw.fixed, "logger=none"])
             cell = report.Cell(sw, combo, [], [])
-            run = report.Run(path=None, data={"model": {"layers": int(cfg.loop_depth.layers), "loops": int(cfg.loop_depth.loops)}})
+            ld = cfg.loop_depth
+            model = {"layers": int(ld.layers), "loops": int(ld.loops), "loop_schedule": str(ld.schedule),
+                     **({"loop_kv": str(ld.kv)} if ld.schedule == "parallel" else {})}  # as results.json records them
+            run = report.Run(path=None, data={"model": model})
             units.append(report.Unit(report.run_facets(cell, run), str(SEED), {"cfg": cfg}))
     return units
 
@@ -71,7 +74,7 @@ def _first_batches(dm, n: int = 2) -> list[dict[str, torch.Tensor]]:
 
 
 def test_every_paired_finding_is_covered():
-    assert len(ALL_PAIRS) >= 15  # tables 1, 2, 3, 5, 6, 7 and 9: every compared pair of configurations
+    assert len(ALL_PAIRS) >= 15  # tables 1, 2, 3, 5, 6, 7, 9, 12 and 13: every compared pair of configurations
     assert {int(label.split()[1]) for label, *_ in ALL_PAIRS} == set(PAIRED_TABLES)
 
 

@@ -71,7 +71,7 @@ def test_every_table_spec_composes(number, scale):
     t = spec.get(number)
     for scale in [scale]:
         sweeps = t.sweeps_for(scale)
-        assert sweeps or t.kind == "decode" or (t.kind in ("exitgrid", "speculation", "routing") and scale == "paper")
+        assert sweeps or t.kind == "decode" or (t.kind in ("exitgrid", "speculation", "routing", "plt") and scale == "paper")
         for sw in sweeps:
             assert sw.experiment_file().exists(), sw.experiment
             grid = sw.grid()
@@ -594,12 +594,13 @@ def test_every_table_has_findings_and_the_summary_gathers_them(tmp_path):
         for f in t.findings:
             assert f.sign in (-1, 1) and f.claim and f.metric in (
                 "perplexity", "accuracy", "accuracy at 2R", "zero-shot", "exit fraction", "latency", "causal perplexity",
-                "causal accuracy", "training tokens/s", "decode tokens/s", "KV bytes")
+                "causal accuracy", "training tokens/s", "decode tokens/s", "decode tokens/s @8", "KV bytes")
     _table3_runs(tmp_path / "out", [0.4, 0.5, 0.6])
     for n in spec.TABLES:
         kwargs = {"decode_json": tmp_path / "none.json"} if n == 4 else {}
         kwargs = {"speculation_json": tmp_path / "none.json"} if n == 11 else kwargs
         kwargs = {"routing_json": tmp_path / "none.json"} if n == 12 else kwargs
+        kwargs = {"plt_json": tmp_path / "none.json"} if n == 13 else kwargs
         report.write(report.build(n, "tiny", tmp_path / "out", **kwargs), tmp_path / "tables", plot=False)
     readme = (tmp_path / "tables" / "README.md").read_text()
     assert "not built yet" not in readme and "do not edit by hand" in readme
@@ -937,6 +938,100 @@ def test_table12_plans_every_arm_per_seed_then_decoding_and_judges_mor_claims(tm
     assert any("make table12" in m for m in t2.missing) and "decode tokens/s" in t2.columns
     report.write(t, tmp_path / "tables", plot=False)
     assert "MoR expert choice / unrolled" in (tmp_path / "tables" / "table12.md").read_text()
+
+
+def test_table13_plans_parallel_arms_then_decoding_and_judges_plt_claims(tmp_path):
+    """Table 13: per-seed commands train the parallel arms (each kv, G-SWA's window scaled to the task), the
+    sequential ones and parallel G-SWA at R = 4; decoding (batch 1 and 8) and diagnostics are measured after
+    training on the language models; rows and findings pair the arms by seed."""
+    cmds = runner.plan(13, "tiny", tmp_path, dry_run=True, jobs=2)
+    train, measure = cmds[:-1], cmds[-1].argv
+    assert len(train) == 5 * 3 and all(c.parallel == 2 for c in train)  # 5 sweeps × 3 seeds, two at a time
+    assert "hydra.sweep.subdir=seed1_${hydra.job.num}" in train[3].argv  # p-hop's sequential 1⊗4 and 1⊗1: a folder each
+    assert {"loop_depth.schedule=parallel", "loop_depth.window=8", "loop_depth.kv=own,share_first,gswa"} <= set(train[0].argv)
+    assert "loop_depth.window=16" in train[6].argv and "loop_depth=1x4" in train[-1].argv
+    assert measure[1:3] == ["-m", "looplab.bench.routed_decode"] and measure[-2:] == ["--out", "bench/plt.json"]
+    assert {"--diagnostics", "8"} <= set(measure) and not any("phop" in a for a in measure)
+    with pytest.raises(ValueError, match="tiny scale only"):
+        runner.plan(13, "paper", tmp_path)
+
+    sweeps = {sw.folder: sw for sw in spec.get(13).sweeps_for("tiny")}
+    T, w = spec.PLT_DECODE_TOKENS, spec.PLT_WINDOW_TINY["plt_lm_tiny"]
+    # (folder, combo, N, R, kv, perplexity per seed, decode tokens/s b1, b8, KV entries per layer-token)
+    lm = [("plt_lm_tiny", {"loop_depth": "1x1"}, 1, 1, None, [50.0, 51.0, 52.0], 300, 2000, T),
+          ("plt_lm_tiny", {"loop_depth": "1x2"}, 1, 2, None, [45.0, 46.0, 47.0], 160, 1100, 2 * T),
+          ("plt_lm_tiny", {"loop_depth": "2x1"}, 2, 1, None, [44.0, 45.0, 46.0], 160, 1100, 2 * T),
+          ("plt_lm_tiny", {"loop_depth": "1x4"}, 1, 4, None, [44.0, 45.0, 46.0], 80, 600, 4 * T),
+          ("plt_lm_tiny_parallel", {"loop_depth": "1x2", "loop_depth.kv": "own"}, 1, 2, "own", [45.1, 46.2, 47.1], 240, 1500, 2 * T),
+          ("plt_lm_tiny_parallel", {"loop_depth": "1x2", "loop_depth.kv": "share_first"}, 1, 2, "share_first",
+           [48.0, 49.5, 50.0], 260, 1800, T),
+          ("plt_lm_tiny_parallel", {"loop_depth": "1x2", "loop_depth.kv": "gswa"}, 1, 2, "gswa", [45.0, 46.1, 47.2], 250, 1700, T + w),
+          ("plt_lm_tiny_parallel_depth", {"loop_depth": "1x4", "loop_depth.kv": "gswa"}, 1, 4, "gswa", [46.0, 47.0, 48.0], 150,
+           900, T + 3 * w)]
+    decode_runs = []
+    for folder, combo, N, R, kv, ppls, b1, b8, entries in lm:
+        for i, seed in enumerate((1, 2, 3)):
+            d = fake_result(sweeps[folder], {**combo, "seed": str(seed)}, ppl=ppls[i], seed=seed)
+            d["throughput"] = {"tokens_per_s": 5000 + seed, "tokens": 1_000_000}
+            if kv:
+                d["model"].update(loop_schedule="parallel", loop_kv=kv, loop_window=w)
+            run_dir = write_run(table_root(tmp_path, 13, sweeps[folder]) / f"seed{seed}_{N}x{R}{kv}", d)
+            diag = {"offset_cost_rel": [None] + [0.5] * (R - 1), "loop_gate": [None] + [0.25 + 0.1 * i] * (R - 1) if kv == "gswa" else None}
+            decode_runs.append({"run_dir": str(run_dir), "seed": seed, "tokens_per_s": b1 + seed, "kv_bytes": 256 * entries,
+                                "batches": {"1": {"tokens_per_s": b1 + seed}, "8": {"tokens_per_s": b8 + seed}},
+                                "diagnostics": {k: v for k, v in diag.items() if v}})
+    # p-hop: the parallel arms do not learn the task that sequential 1⊗4 solves
+    for folder, combo, kv, acc in (("plt_phop_tiny", {"loop_depth": "1x4"}, None, 1.0), ("plt_phop_tiny", {"loop_depth": "1x1"}, None, 0.35),
+                                   *(("plt_phop_tiny_parallel", {"loop_depth": "1x4", "loop_depth.kv": k}, k, 0.5)
+                                     for k in spec.PLT_KV)):
+        for seed in (1, 2, 3):
+            d = fake_result(sweeps[folder], {**combo, "seed": str(seed)}, acc=acc + 0.001 * seed, seed=seed)
+            d["throughput"] = {"tokens_per_s": 9000, "tokens": 1_000_000}
+            if kv:
+                d["model"].update(loop_schedule="parallel", loop_kv=kv, loop_window=8)
+            write_run(table_root(tmp_path, 13, sweeps[folder]) / f"seed{seed}_{combo['loop_depth']}{kv}", d)
+    (tmp_path / "plt.json").write_text(json.dumps({"runs": decode_runs}))
+    t = report.build(13, "tiny", tmp_path, plt_json=tmp_path / "plt.json")
+    assert not t.missing and not t.failed
+    lm_rows = [(r["arm"], r["N⊗R"]) for r in t.rows if r["experiment"] == "plt_lm"]
+    assert lm_rows == [("sequential", "1⊗1"), ("sequential", "1⊗2"), ("sequential", "1⊗4"), ("unrolled", "2⊗1"), ("parallel own", "1⊗2"),
+                       ("parallel share_first", "1⊗2"), ("parallel gswa", "1⊗2"), ("parallel gswa", "1⊗4")]
+    gswa = next(r for r in t.rows if r["arm"] == "parallel gswa" and r["N⊗R"] == "1⊗2")
+    assert gswa["window"] == w and gswa["decode tok/s b8"].mean == pytest.approx(1702) and gswa["gate g"].mean == pytest.approx(0.35)
+    assert gswa["KV KiB"].mean == pytest.approx(256 * (T + w) / 1024) and gswa["Ω_rel @R"].mean == 0.5
+    got = {(v.finding.label, v.stratum, v.arms): v for v in t.verdicts}
+    by_label: dict[str, list] = {}
+    for v in t.verdicts:
+        by_label.setdefault(v.finding.label, []).append(v)
+    (clp,) = by_label["parallel own / sequential 1⊗R − 1 (perplexity)"]
+    assert clp.diffs == pytest.approx([45.1 / 45 - 1, 46.2 / 46 - 1, 47.1 / 47 - 1]) and clp.verdict == "reproduced"
+    (loses,) = by_label["parallel share_first / parallel own − 1 (perplexity)"]
+    assert loses.verdict == "reproduced"
+    (restores,) = by_label["parallel gswa / parallel share_first − 1 (perplexity)"]
+    assert restores.verdict == "reproduced"
+    (phop_clp,) = by_label["sequential 1⊗R − parallel own (accuracy)"]
+    assert phop_clp.verdict == "contradicted" and phop_clp.diffs == pytest.approx([0.5] * 3)
+    cost = {R: v for R in (2, 4) for v in by_label[f"1⊗1 / parallel gswa 1⊗{R} − 1, decoding tokens/s at batch 1 (= G-SWA's "
+                                                      "latency per token ÷ 1⊗1's − 1)"]}
+    assert cost[2].diffs == pytest.approx([301 / 251 - 1, 302 / 252 - 1, 303 / 253 - 1]) and cost[2].verdict == "reproduced"
+    assert cost[4].verdict == "contradicted"  # 2× the block's latency: beyond the 0.8× bound
+    (kv2,) = by_label["parallel gswa 1⊗2 KV bytes / 1⊗1 − 1"]
+    assert kv2.diffs == pytest.approx([w / T] * 3) and kv2.verdict == "reproduced"  # exactly (R − 1)·w / T: at the bound
+    (more,) = by_label["parallel gswa 1⊗4 / parallel gswa 1⊗2 − 1 (perplexity)"]
+    assert more.verdict == "reproduced"  # 4 loops worse than 2, as LoopCoder-v2 reports
+    (seq_more,) = by_label["sequential 1⊗4 / sequential 1⊗2 − 1 (perplexity)"]
+    assert seq_more.verdict == "contradicted" and seq_more.diffs == pytest.approx([44 / 45 - 1, 45 / 46 - 1, 46 / 47 - 1])
+    keeps = {v.arms: v.verdict for v in by_label["parallel gswa / sequential 1⊗R − 1 (perplexity)"]}
+    assert keeps == {"parallel gswa 1⊗2 − 1⊗2": "reproduced", "parallel gswa 1⊗4 − 1⊗4": "contradicted"}
+    # on p-hop neither parallel arm of these learned the task (PHOP_TAUGHT): nothing to lose or restore
+    assert sorted(v.finding.label for v in t.verdicts if v.verdict == "not tested") == [
+        "parallel gswa − parallel share_first (accuracy)", "parallel share_first − parallel own (accuracy)"]
+    # one line per finding, G-SWA against sequential looping on the LM one per R (2 and 4)
+    assert len(got) == len(t.verdicts) == len(spec.get(13).findings) + 1
+    t2 = report.build(13, "tiny", tmp_path, plt_json=tmp_path / "none.json")
+    assert any("make table13" in m for m in t2.missing)
+    report.write(t, tmp_path / "tables")
+    assert (tmp_path / "tables" / "table13.png").exists() and "G-SWA" in (tmp_path / "tables" / "table13.md").read_text()
 
 
 @pytest.mark.parametrize("experiment", sorted(spec.MOR_STEPS_TINY))

@@ -213,6 +213,8 @@ class Unit:
     def label(self) -> str:
         f = self.facets
         parts = [str(f[k]) for k in ("model", "mode", "arm") if f.get(k) is not None]
+        if f.get("schedule") == "parallel":
+            parts.append(f"parallel {f.get('kv')}")
         if f.get("N") is not None and f.get("model") is None:
             parts.append(f"{f['N']}⊗{f['R']}")
         if f.get("size"):
@@ -264,6 +266,8 @@ METRICS: dict[str, Callable[[Unit, str | None], float | None]] = {
     # table 12: the routed-decoding benchmark's figures, merged into the run's data by build_routing
     "decode tokens/s": _results(lambda d: d["decode"]["tokens_per_s"]),
     "KV bytes": _results(lambda d: d["decode"]["kv_bytes"]),
+    # table 13: the same benchmark at batch 8 (routed_decode --batch 1 8)
+    "decode tokens/s @8": _results(lambda d: d["decode"]["batches"]["8"]["tokens_per_s"]),
     # recorded by LM runs (train.py): the bar of the LM_LEARNED precondition
     "unigram perplexity": _results(lambda d: d["unigram_perplexity"]),
 }
@@ -284,6 +288,9 @@ def run_facets(cell: "Cell", run: Run) -> dict[str, Any]:
         "backbone": m.get("backbone"),
         "state": m.get("state_mode"),
         "N": N, "R": R, "NR": N * R if N and R else None,
+        # table 13: the loop schedule and, under the parallel one, which keys/values loops >= 2 read
+        "schedule": m.get("loop_schedule", "sequential"),
+        "kv": m.get("loop_kv"),
     }
 
 

@@ -98,6 +98,20 @@ def plot_perplexity(table: "Table", ax) -> None:
     plot_bars(table, ax, "perplexity")
 
 
+def plot_plt(table: "Table", ax) -> None:
+    """Table 13: the language models' perplexity against their decoding tokens/s at batch 1, one point per arm
+    (seed means ± their 95% half-widths), labelled with its arm and N⊗R."""
+    for row in table.rows:
+        x, xs = _mean_std(table, row, "decode tok/s b1")
+        y, ys = _mean_std(table, row, "perplexity")
+        if x is None or y is None:
+            continue
+        ax.errorbar([x], [y], xerr=[xs], yerr=[ys], marker="o", capsize=3)
+        ax.annotate(f"{row['arm']} {row['N⊗R']}", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("decoding tokens/s, batch 1 (one thread)")
+    ax.set_ylabel("perplexity (held-out)")
+
+
 def plot_task(table: "Table", ax) -> None:
     """Accuracy vs R for experiments whose N is fixed; bars otherwise."""
     by_exp: dict[str, list[tuple[int, int, float, float]]] = {}
@@ -196,6 +210,7 @@ PLOTS = {
     "exitgrid": plot_exitgrid,  # table 10
     "speculation": plot_speculation,  # table 11
     "routing": plot_perplexity,  # table 12
+    "plt": plot_plt,  # table 13
 }
 
 

@@ -286,6 +286,27 @@ def _mor_sweeps(experiment: str, unrolled_layers: int) -> tuple[Sweep, ...]:
                   name=f"{experiment}_unrolled", per_seed=True))
 
 
+# Table 13 (docs/tables.md#table-13): the Parallel Loop Transformer's arms. G-SWA's window is scaled to the task so that it
+# binds (a window longer than the sequence is plain shared-KV attention plus full own attention): 16 of lm_tiny's
+# 128-token windows, 8 of p-hop's 32 tokens. The sequential arms are each experiment's own sweep.
+PLT_WINDOW_TINY = {"plt_lm_tiny": 16, "plt_phop_tiny": 8}
+PLT_KV = ("own", "share_first", "gswa")
+DEFAULT_PLT_JSON = Path("bench/plt.json")  # table 13's decoding measurements and diagnostics (bench/routed_decode.py)
+
+
+def _plt_sweeps(experiment: str, loops: int, extra_gswa_loops: tuple[int, ...] = ()) -> tuple[Sweep, ...]:
+    """Table 13's arms of one experiment, one command per seed (the runner runs two at a time, longest first):
+    parallel 1⊗R with each kv option, the experiment's own sequential sweep, and parallel G-SWA at other depths
+    (LoopCoder-v2's loop count)."""
+    par = ["loop_depth.schedule=parallel", f"loop_depth.window={PLT_WINDOW_TINY[experiment]}"]
+    out = [sweep(experiment, params={"loop_depth": [f"1x{loops}"], "loop_depth.kv": list(PLT_KV)}, fixed=par,
+                 name=f"{experiment}_parallel", per_seed=True),
+           sweep(experiment, per_seed=True)]
+    out += [sweep(experiment, params={"loop_depth": [f"1x{r}" for r in extra_gswa_loops], "loop_depth.kv": ["gswa"]},
+                  fixed=par, name=f"{experiment}_parallel_depth", per_seed=True)] if extra_gswa_loops else []
+    return tuple(out)
+
+
 TABLES: dict[int, TableSpec] = {
     1: TableSpec(1, "StateLoop main: Vanilla, Vanilla Looped, StateLoop, +attn, +Mamba-2", "lm",
                  {"tiny": (sweep("stateloop_main_tiny"),), "paper": (sweep("stateloop_main"),)}, "perplexity",
@@ -396,6 +417,22 @@ TABLES: dict[int, TableSpec] = {
                                  "timed round-robin (bench/routed_decode.py)",
                          "paper": "not defined: train the arms with `python -m looplab.train +arm=mor_expert ...` at scale "
                                   "and run `python -m looplab.bench.routed_decode` on the checkpoints"}),
+
+    13: TableSpec(13, "Parallel loops (PLT: cross-loop parallelism, shared KV, G-SWA) against the other ways to spend depth",
+                  "plt", {"tiny": (*_plt_sweeps("plt_phop_tiny", 4), *_plt_sweeps("plt_lm_tiny", 2, (4,))), "paper": ()},
+                  "perplexity",
+                  notes={"tiny": "language modelling on lm_tiny (table 2's setting: d 128, 600 steps) with a 1-layer llama block: "
+                                 "1⊗1, sequential 1⊗2 and 1⊗4, the unrolled 2⊗1, parallel 1⊗2 with kv own / share_first / gswa "
+                                 f"(window {PLT_WINDOW_TINY['plt_lm_tiny']} of 128) and parallel G-SWA 1⊗4; p-hop (n 32, "
+                                 "p 3, d 64, 800 steps; table 8's setting, where R = 2 does not learn the task) at R = 4: "
+                                 "1⊗1, sequential 1⊗4 and parallel 1⊗4 with each kv option (window "
+                                 f"{PLT_WINDOW_TINY['plt_phop_tiny']} of 32); the same initial values for shared parameters "
+                                 "and the same batches in every arm of a seed. Decoding (LM): 64 greedy tokens after a "
+                                 "32-token held-out prompt at batch 1 and 8, one thread, every arm of a seed timed "
+                                 "round-robin; per-loop diagnostics on held-out windows (bench/routed_decode.py --diagnostics)",
+                         "paper": "not defined: train the arms with `python -m looplab.train loop_depth.schedule=parallel "
+                                  "loop_depth.kv=gswa ...` at scale and run `python -m looplab.bench.routed_decode` on the "
+                                  "checkpoints"}),
 }
 
 
@@ -417,6 +454,9 @@ GATE_BODY_LEARNED = Precondition(
     "accuracy", ">=", 0.9, "b",
     "a gate on a fixed-loop body that did not learn the task (< 0.9 at R) has no good depth to choose")
 
+PLT_PARITY = 0.02  # table 13: "keeps the quality" = within 2% perplexity (a ratio) or 2 pp accuracy of sequential looping
+PLT_DECODE_BOUND = 0.25  # table 13: "costs close to the unlooped model" = at least 0.8× its tokens/s (1⊗1 / parallel − 1 <= 0.25)
+PLT_DECODE_TOKENS = 32 + 64  # table 13: the tokens in the cache after decoding (routed_decode's --prompt + --new)
 MOR_PARITY = 0.02  # table 12: "matches" = within 2% perplexity (a ratio) or 2 pp accuracy of the unrolled model
 
 # The papers' claims each table checks (/work/shared/seeds: StateLoop, Song et al.; looped SSMs, Yu et al.,
@@ -509,6 +549,64 @@ FINDINGS: dict[int, tuple[Finding, ...]] = {
         finding("MoR expert choice / fixed 1⊗R − 1, KV-cache bytes", "recursion-wise KV caching keeps only the active "
                 "tokens' keys and values at each depth: a smaller cache", "KV bytes",
                 {"experiment": "mor_lm", "arm": "mor_expert"}, {"experiment": "mor_lm", "arm": "looped"}, -1, contrast="ratio"),
+    ),
+    13: (
+        # PLT's claims (docs/tables.md#table-13; the LM's shared-KV lines at R = 2, PLT-2's depth, p-hop's at R = 4; Wu, Chen et al., arXiv 2510.24824, table of the 680M/13B Seed-MoE: no loop
+        # 34.7, sequential 2 loops 39.7, + CLP 39.6, + shared KV only 36.2, + G-SWA 39.7 accuracy; latency 4.8 / 9.4 /
+        # 5.9 / 4.8 / 4.9 ms; KV 280M / 560M / 560M / 280M / 284M) and LoopCoder-v2's loop count. "Keeps the quality"
+        # is parity, fixed in advance: perplexity at most PLT_PARITY above (a ratio), p-hop accuracy at most 2 pp below.
+        *(f for kv, claim in (("own", "CLP keeps sequential looping's quality: 39.6 vs 39.7 with 2 loops"),
+                              ("gswa", "PLT-2 (CLP + G-SWA) keeps it: 39.7 vs 39.7"))
+          for f in (
+              finding(f"parallel {kv} / sequential 1⊗R − 1 (perplexity)", claim, "perplexity",
+                      {"experiment": "plt_lm", "kv": kv}, {"experiment": "plt_lm", "schedule": "sequential", "N": "1"}, -1,
+                      match=("R",), contrast="ratio", kind="at_most", size=PLT_PARITY, requires=(LM_LEARNED,)),
+              finding(f"sequential 1⊗R − parallel {kv} (accuracy)", claim, "accuracy",
+                      {"experiment": "plt_phop", "schedule": "sequential", "R": "4"}, {"experiment": "plt_phop", "kv": kv}, +1,
+                      match=("R",), kind="at_most", size=PLT_PARITY, requires=(PHOP_TAUGHT,)))),
+        finding("parallel share_first / parallel own − 1 (perplexity)", "shared KV alone loses quality: 36.2 vs 39.6",
+                "perplexity", {"experiment": "plt_lm", "kv": "share_first"}, {"experiment": "plt_lm", "kv": "own"}, +1,
+                match=("R",), contrast="ratio", requires=(LM_LEARNED,)),
+        finding("parallel share_first − parallel own (accuracy)", "shared KV alone loses quality: 36.2 vs 39.6", "accuracy",
+                {"experiment": "plt_phop", "kv": "share_first"}, {"experiment": "plt_phop", "kv": "own"}, -1, match=("R",),
+                requires=(PHOP_TAUGHT,)),
+        finding("parallel gswa / parallel share_first − 1 (perplexity)", "G-SWA restores it: 39.7 vs 36.2", "perplexity",
+                {"experiment": "plt_lm", "kv": "gswa", "R": "2"}, {"experiment": "plt_lm", "kv": "share_first"}, -1, match=("R",),
+                contrast="ratio", requires=(LM_LEARNED,)),
+        finding("parallel gswa − parallel share_first (accuracy)", "G-SWA restores it: 39.7 vs 36.2", "accuracy",
+                {"experiment": "plt_phop", "kv": "gswa"}, {"experiment": "plt_phop", "kv": "share_first"}, +1, match=("R",),
+                requires=(PHOP_TAUGHT,)),
+        # decoding: A / B − 1 of tokens/s with A the 1⊗1 block is B's latency per token over the block's, − 1; PLT-2 decodes
+        # at 4.9 vs 4.8 ms (+2%). Bound fixed in advance: the bench target, G-SWA at >= 0.8× the 1⊗1 block's tokens/s.
+        *(finding(f"1⊗1 / parallel gswa 1⊗{R} − 1, decoding tokens/s at batch {b} (= G-SWA's latency per token ÷ 1⊗1's − 1)",
+                  "parallel decoding costs about what the unlooped model's does: 4.9 vs 4.8 ms (PLT-2), within 4–6% at "
+                  "batch 32–64", metric, {"experiment": "plt_lm", "N": "1", "R": "1"},
+                  {"experiment": "plt_lm", "kv": "gswa", "R": str(R)}, +1, contrast="ratio", kind="at_most", size=PLT_DECODE_BOUND)
+          for R in (2, 4) for b, metric in ((1, "decode tokens/s"), (8, "decode tokens/s @8"))),
+        *(finding(f"parallel gswa 1⊗2 / sequential 1⊗2 − 1, decoding tokens/s at batch {b}", "PLT-2 decodes faster than "
+                  "the sequential 2-loop model: 4.9 vs 9.4 ms (47% less at batch 32–64)", metric,
+                  {"experiment": "plt_lm", "kv": "gswa", "R": "2"}, {"experiment": "plt_lm", "schedule": "sequential",
+                                                                     "N": "1", "R": "2"}, +1, contrast="ratio")
+          for b, metric in ((1, "decode tokens/s"), (8, "decode tokens/s @8"))),
+        # KV: loop 1's full cache plus R − 1 windows of w tokens, over the decoded sequence's PLT_DECODE_TOKENS
+        *(finding(f"parallel gswa 1⊗{R} KV bytes / 1⊗1 − 1", f"KV grows by only R − 1 windows: 284M vs 280M (PLT-2); "
+                  f"here at most (R − 1)·w / T = {R - 1}·{PLT_WINDOW_TINY['plt_lm_tiny']} / {PLT_DECODE_TOKENS}", "KV bytes",
+                  {"experiment": "plt_lm", "kv": "gswa", "R": str(R)}, {"experiment": "plt_lm", "N": "1", "R": "1"}, +1,
+                  contrast="ratio", kind="at_most",
+                  size=(R - 1) * PLT_WINDOW_TINY["plt_lm_tiny"] / PLT_DECODE_TOKENS + 1e-9)
+          for R in (2, 4)),
+        finding("parallel own 1⊗2 KV bytes / 1⊗1 − 1", "without shared KV the cache grows with R: 560M vs 280M "
+                "(sequential and CLP alike)", "KV bytes", {"experiment": "plt_lm", "kv": "own"},
+                {"experiment": "plt_lm", "N": "1", "R": "1"}, +1, contrast="ratio"),
+        # LoopCoder-v2 (arXiv 2606.18023): SWE-bench Verified 43.0 (1 loop) → 64.4 (2 loops), 27.6 (3), 22.4 (4)
+        *(f for arm, a in (("parallel gswa", {"kv": "gswa"}), ("sequential", {"schedule": "sequential", "N": "1"}))
+          for f in (
+              finding(f"{arm} 1⊗2 / 1⊗1 − 1 (perplexity)", "LoopCoder-v2: 2 loops beat 1 (SWE-bench Verified 43.0 → 64.4)",
+                      "perplexity", {"experiment": "plt_lm", **a, "R": "2"}, {"experiment": "plt_lm", "N": "1", "R": "1"}, -1,
+                      contrast="ratio", requires=(LM_LEARNED,)),
+              finding(f"{arm} 1⊗4 / {arm} 1⊗2 − 1 (perplexity)", "LoopCoder-v2: 4 loops do not beat 2; they regress "
+                      "(64.4 → 22.4)", "perplexity", {"experiment": "plt_lm", **a, "R": "4"}, {"experiment": "plt_lm", **a, "R": "2"},
+                      +1, contrast="ratio", requires=(LM_LEARNED,)))),
     ),
     8: (
         finding("stage 2 at q = 0.5 − fixed loops at R", "140M Mamba-2: the stage-2 gate averages 38.87 vs 37.79 for the "

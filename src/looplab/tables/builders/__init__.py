@@ -1,7 +1,7 @@
 """Every table kind (spec.TableSpec.kind) → the builder that makes its `Table`.
 
 A builder is `build(spec, scale, out_root, seeds=..., **inputs) -> Table`; the inputs past seeds are the
-benchmark JSON a kind reads (table 4: decode_json, 10: exits_json, 11: speculation_json, 12: routing_json).
+benchmark JSON a kind reads (table 4: decode_json, 10: exits_json, 11: speculation_json, 12: routing_json, 13: plt_json).
 Each kind's figure is plots.PLOTS[kind].
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from looplab.tables.builders.measured import build_decode, build_exitgrid, build_speculation
 from looplab.tables.builders.trained import (build_depth, build_exit, build_extrapolation, build_lm, build_reset,
-                                             build_routing, build_task)
+                                             build_plt, build_routing, build_task)
 
 BUILDERS = {
     "lm": build_lm,  # tables 1, 7
@@ -22,4 +22,5 @@ BUILDERS = {
     "exitgrid": build_exitgrid,  # table 10
     "speculation": build_speculation,  # table 11
     "routing": build_routing,  # table 12
+    "plt": build_plt,  # table 13
 }

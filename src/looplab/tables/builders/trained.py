@@ -1,5 +1,5 @@
 """Tables built from training runs' results.json: language models (1, 2, 3, 7), tasks (5, 6), test-time
-depth (9), the exit gate (8) and depth routing (12). One row per expected configuration, its seeds pooled."""
+depth (9), the exit gate (8), depth routing (12) and parallel loops (13). One row per expected configuration, its seeds pooled."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from looplab.tables.findings import evaluate_findings
 from looplab.tables.load import (Cell, base_experiment, causal, examples_of, first_value, nxr, paired_stat, stat, units_for,
                                  zeroshot_items)
 from looplab.tables.render import Table
-from looplab.tables.spec import DEFAULT_ROUTING_JSON, TableSpec
+from looplab.tables.spec import DEFAULT_PLT_JSON, DEFAULT_ROUTING_JSON, TableSpec
 
 
 def build_lm(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None) -> Table:
@@ -248,3 +248,84 @@ def build_routing(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] 
 
 
 ARM_ORDER = ["looped", "mor_expert", "mor_token", "ouro_gate", "vanilla"]  # table 12's rows
+
+
+# Table 13's diagnostic columns: (column, measure, which loop's value: "R" the last, "mean" over the loops where defined)
+PLT_DIAGNOSTICS = (("step_rel @R", "step_rel", "R"), ("Ω_rel @R", "offset_cost_rel", "R"), ("KL lens @R", "logit_lens_kl", "R"),
+                   ("eff. rank @R", "effective_rank", "R"), ("gate g", "loop_gate", "mean"))
+
+
+def _diag(d: dict[str, Any], measure: str, at: str) -> float | None:
+    vals = (((d.get("decode") or {}).get("diagnostics") or {}).get(measure)) or []
+    if at == "R":
+        return vals[-1] if vals else None
+    vals = [v for v in vals if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def plt_arm(d: dict[str, Any]) -> str:
+    """A run's arm as table 13 names it: 'parallel <kv>', 'unrolled' (N⊗1, N > 1), else 'sequential'."""
+    m = d.get("model") or {}
+    if m.get("loop_schedule") == "parallel":
+        return f"parallel {m.get('loop_kv')}"
+    return "unrolled" if m.get("loops") == 1 and (m.get("layers") or 1) > 1 else "sequential"
+
+
+PLT_ARM_ORDER = ["sequential", "unrolled", "parallel own", "parallel share_first", "parallel gswa"]
+
+
+def build_plt(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None,
+              plt_json: Path | None = None) -> Table:
+    """Table 13: one row per experiment × schedule × kv × N⊗R (seed means with intervals): quality, parameters,
+    training tokens/s, and for the language models decoding tokens/s at batch 1 and 8, KV-cache bytes and the
+    per-loop diagnostics, from bench/routed_decode.py's JSON."""
+    table, cells = runs_table(spec, scale, out_root, seeds)
+    path = Path(plt_json or DEFAULT_PLT_JSON)
+    decode = {}
+    if path.exists():
+        for r in json.loads(path.read_text()).get("runs", []):
+            decode[str(Path(r["run_dir"]).resolve())] = r
+    elif any(c.ok for c in cells if "_lm_" in c.sweep.experiment):
+        table.missing.append(f"{path}: not found — `make table13` measures decoding after training")
+    for c in cells:
+        for r in c.ok:
+            if str(r.path.resolve()) in decode:
+                r.data["decode"] = decode[str(r.path.resolve())]
+    for c in cells:
+        if not c.ok:
+            continue
+        row = base_row(c)
+        d0 = c.ok[0].data
+        row["experiment"] = base_experiment(c.sweep.experiment)
+        row["arm"] = plt_arm(d0)
+        row["window"] = (d0.get("model") or {}).get("loop_window") if row["arm"] == "parallel gswa" else None
+        if "_lm_" in c.sweep.experiment:
+            row["perplexity"] = stat(c.ok, lambda d: d["perplexity"])
+        else:
+            row["accuracy"] = stat(c.ok, lambda d: d["accuracy"], examples_of)
+        row["train tokens/s"] = stat(c.ok, lambda d: d["throughput"]["tokens_per_s"])
+        row["decode tok/s b1"] = stat(c.ok, lambda d: d["decode"]["batches"]["1"]["tokens_per_s"])
+        row["decode tok/s b8"] = stat(c.ok, lambda d: d["decode"]["batches"]["8"]["tokens_per_s"])
+        row["KV KiB"] = stat(c.ok, lambda d: d["decode"]["kv_bytes"] / 1024)
+        for col, measure, at in PLT_DIAGNOSTICS:
+            row[col] = stat(c.ok, lambda d, m=measure, a=at: _diag(d, m, a))
+        table.rows.append(row)
+    table.rows.sort(key=lambda r: (r["experiment"], PLT_ARM_ORDER.index(r["arm"]) if r["arm"] in PLT_ARM_ORDER else 99,
+                                   r["N⊗R"]))
+    table.columns = ["experiment", "arm", "N⊗R", "window", "seeds", "perplexity", "accuracy", "params", "steps",
+                     "train tokens/s", "decode tok/s b1", "decode tok/s b8", "KV KiB", *(c for c, _, _ in PLT_DIAGNOSTICS)]
+    table.notes += [
+        "arm: sequential (every loop after the previous one, one cache per loop; 1⊗1 is the block run once), unrolled "
+        "(N⊗1: the block's N layers not shared), parallel <kv> (loop_depth.schedule=parallel: loop r + 1 reads loop r's "
+        "output one token back; own: every loop its own keys/values, share_first: loops ≥ 2 attend to loop 1's, gswa: "
+        "loop 1's gated with a window of the loop's own); window: G-SWA's, in tokens",
+        f"decoding (LM only, {path}): 64 greedy tokens after 32-token held-out prompts at batch 1 and 8 (tok/s = the "
+        "batch's tokens over wall time, prefill included), one thread, the arms of a seed timed round-robin; KV KiB: "
+        "the cache after batch-1 decoding of the 96 tokens (LoopCache.nbytes)",
+        "diagnostics (LM only; eval/diagnostics.py, docs/evaluation.md#per-loop-diagnostics) over 4 test batches at the "
+        "last loop R: step_rel = ‖h^(R) − h^(R−1)‖ / ‖h^(R−1)‖, Ω_rel = the CLP offset cost ‖h_i^(R−1) − h_(i−1)^(R−1)‖ / "
+        "‖h_i^(R−1)‖, KL lens = KL(p^(R) ‖ p^(R−1)), eff. rank of h^(R); gate g: G-SWA's mean weight of loop 1's branch "
+        "over loops ≥ 2; every measure at the same position i",
+    ]
+    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    return table
