@@ -92,7 +92,7 @@ def test_file_names_shown_exist(page):
     missing = [p for p in set(PATH.findall(page.read_text()))
                if not any((b / p).exists() for b in bases) and not p.startswith(("outputs/", "bench/", "RUN/"))
                and p not in {"results.json", "eval.json", "gpu-check.json", "findings.json", "config.json",
-                             "tokenizer_config.json", "runner.json", "attempts.json", "zeroshot.json", "meta.pt"}]
+                             "tokenizer_config.json", "generation_config.json", "runner.json", "attempts.json", "zeroshot.json", "meta.pt"}]
     assert not missing, f"{page.name} names files that do not exist: {sorted(missing)}"
 
 

@@ -47,7 +47,14 @@ def test_checkpoint_to_folder_to_model_gives_identical_logits(backbone, state_mo
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
                 "looplab": looplab_meta(model.config, {"tokenizer": None})}, ckpt)
-    assert convert.main(["to-hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    exportable = backbone == "llama" and state_mode != "stateloop_mamba2"  # what the remote-code export runs
+    if not exportable:  # refused by name; --looplab writes the folder only looplab reads
+        with pytest.raises(convert.ConversionError, match="backbone=|state_mode='stateloop_mamba2'"):
+            convert.to_hf(str(ckpt), tmp_path / "refused", log=lambda *a: None)
+        assert not (tmp_path / "refused" / "config.json").exists()
+    args = [] if exportable else ["--looplab"]
+    assert convert.main(["to-hf", str(ckpt), "--out", str(tmp_path / "hf"), *args]) == 0
+    assert (tmp_path / "hf" / "modeling_looplab.py").is_file() == exportable
     back = LoopedLM.from_pretrained(str(tmp_path / "hf"))
     assert back.config.architecture_dict() == model.config.architecture_dict()
     assert back.config.extra["dataset"] == {"tokenizer": None}  # kept for eval of the folder

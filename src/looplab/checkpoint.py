@@ -136,7 +136,7 @@ def _require_looplab(ckpt: dict[str, Any], path: Path) -> None:
 def _pretrained_meta(path: Path) -> dict[str, Any]:
     """The `looplab` entry of a Hub-style folder: its config, and its tokenizer as the dataset's."""
     cfg = json.loads((path / "config.json").read_text())
-    if "model_type" in cfg:
+    if "model_type" in cfg and cfg["model_type"] != "looplab":  # looplab: convert to-hf's remote-code folder
         raise ValueError(f"{str(path)!r} is a transformers folder (model_type={cfg['model_type']!r}), not a looplab one; "
                          f"convert it first: python -m looplab.convert from-hf {path} --out DIR")
     model_cfg = LoopedLMConfig.from_dict(cfg)

@@ -36,8 +36,14 @@ looped order (R copies of the block), so the check also holds for a retrofit.
 A retrofit changes the function (it is a new model to train), so only N⊗1 is required to
 match the source; the retrofit check compares with the re-stacked source instead.
 
-`to-hf` writes a training checkpoint as a looplab Hub-style folder (LoopedLM.save_pretrained):
-config.json, model.safetensors, the model card, and the dataset's tokenizer when it is a file.
+`to-hf` writes a training checkpoint as a transformers folder with remote code (looplab.remote_code):
+config.json with model_type/architectures/auto_map, configuration_looplab.py and modeling_looplab.py
+(torch and transformers only), model.safetensors with the shared block stored once, the model card,
+and the tokenizer with its tokenizer_config.json; it is loaded back with transformers and its logits
+checked like from-hf before it is written. Models the exported code cannot run (Mamba-2 and hybrid
+blocks, the Mamba-2 state mixer, parallel loops, depth routers) are refused by name; `to-hf --looplab`
+writes them as a folder only looplab reads (LoopedLM.save_pretrained). `from-hf` reads an exported
+folder back (checked against transformers' load of it).
 `to-hf --transformers` unrolls a vanilla model into P + N·R + C layers: its prelude layers, the
 block R times, its coda layers (a plain forward reads the coda once, after the last loop, so the
 unrolled stack is exact; checked like from-hf).
@@ -318,6 +324,12 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
             sharing: str | None = None, prelude: int | None = None, coda: int | None = None, check: bool = True,
             tolerance: float = TOLERANCE, log=print) -> tuple[LoopedLM, float | None]:
     """Convert SRC into a looplab folder at OUT; returns (model, max relative logit difference)."""
+    cfg_file = Path(src) / "config.json"
+    if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("model_type") == "looplab":
+        if loops != 1 or block_layers or sharing or prelude or coda:
+            raise ConversionError(f"{src!r} is an exported looplab model: from-hf reads it back as it is (no --loops, "
+                                  "--block-layers, --sharing, --prelude or --coda)")
+        return from_exported(src, out, check=check, tolerance=tolerance, log=log)
     hf_model, hf_cfg = load_source(src)
     fam = family_of(hf_cfg)
     base = fam.to_config(hf_cfg)
@@ -362,6 +374,22 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
     return model, diff
 
 
+def from_exported(src: str | os.PathLike, out: str | os.PathLike, *, check: bool = True, tolerance: float = TOLERANCE,
+                  log=print) -> tuple[LoopedLM, float | None]:
+    """A remote-code folder written by to-hf → a looplab folder; checked against transformers' load of SRC."""
+    model = LoopedLM.from_pretrained(str(src))
+    diff = None
+    if check:
+        diff = max_relative_logit_diff(model, load_remote_code(src), "looplab")
+        log(f"equivalence check vs the remote-code model: max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
+        if not diff <= tolerance:
+            raise ConversionError(f"{src!r} read back differs from its transformers load: {diff:.3e} > {tolerance:g}; "
+                                  f"nothing was written to {str(out)!r}")
+    model.save_pretrained(out, tokenizer=src if (Path(src) / "tokenizer.json").is_file() else None)
+    log(f"wrote {model.config.n_layers}⊗{model.config.n_loops} looplab model to {out}")
+    return model, diff
+
+
 def _source_dtype(hf_cfg) -> torch.dtype | None:
     d = _get(hf_cfg, "dtype") or _get(hf_cfg, "torch_dtype")
     if isinstance(d, str):
@@ -402,12 +430,23 @@ def train_overrides(cfg: LoopedLMConfig, folder: str | os.PathLike, dataset: str
 
 
 # --------------------------------------------------------------------------- to-hf
-def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = False) -> LoopedLM:
-    """Export a training checkpoint (file, sharded or Hub-style folder) as a looplab Hub-style
-    folder, or (transformers=True) as a transformers Llama / Mamba-2 folder, unrolled and checked."""
+def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = False, looplab_only: bool = False,
+          check: bool = True, tolerance: float = TOLERANCE) -> LoopedLM:
+    """Export a training checkpoint (file, sharded or Hub-style folder) as a transformers folder with remote code
+    (checked: the folder is loaded with transformers and its logits compared), or (looplab_only=True) as a folder
+    only looplab reads, or (transformers=True) as a stock transformers Llama / Mamba-2 folder, unrolled and checked."""
     from looplab.checkpoint import load_model
 
+    if transformers and looplab_only:
+        raise ConversionError("give --transformers or --looplab, not both")
     model, meta = load_model(ckpt)
+    if not (transformers or looplab_only):
+        from looplab.remote_code import unsupported
+
+        reason = unsupported(model.config)
+        if reason:
+            raise ConversionError(f"cannot export to transformers remote code: {reason}; `to-hf --looplab` writes a "
+                                  "folder that looplab (not transformers) reads")
     dataset = meta.get("dataset") or {}
     if dataset:  # kept so that eval of the folder rebuilds the run's data (extra is never read by the model)
         model.config.extra = {**model.config.extra, "dataset": dataset}
@@ -419,15 +458,73 @@ def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = Fal
 
             Path(out).mkdir(parents=True, exist_ok=True)
             load_tokenizer(tok).tok.save(str(Path(out) / "tokenizer.json"))
+            tokenizer = Path(out) / "tokenizer.json"
         except Exception as e:  # the weights are still worth exporting
             log(f"note: tokenizer {tok!r} not written ({type(e).__name__}: {e})")
     if transformers:
         to_transformers(model, out, tokenizer, log=log)
-    else:
+    elif looplab_only:
         model.save_pretrained(out, tokenizer=tokenizer)
+    else:
+        to_remote_code(model, out, tokenizer, eos_token=dataset.get("eos_token"), check=check, tolerance=tolerance,
+                       log=log)
+        log("lm-eval on it (the numbers of `python -m looplab.eval CKPT --zeroshot`): " + lm_eval_command(out, dataset))
     c = model.config
     log(f"wrote {c.n_layers}⊗{c.n_loops} {c.backbone} ({c.state_mode}, exit gate {c.exit_gate}) to {out}")
     return model
+
+
+def lm_eval_command(folder: str | os.PathLike, dataset: dict | None = None, tasks: str = "looplab_tiny") -> str:
+    """lm-eval's own command line for an exported folder. max_length is the trained sequence length, the context
+    looplab.eval scores with (lm-eval's hf model would otherwise read max_position_embeddings, the RoPE table)."""
+    from looplab.eval import LOCAL_TASKS_DIR
+
+    args = f"pretrained={folder},trust_remote_code=True,dtype=float32"
+    seq_len = (dataset or {}).get("seq_len")
+    if isinstance(seq_len, int):
+        args += f",max_length={seq_len}"
+    return f"lm_eval --model hf --model_args {args} --tasks {tasks} --include_path {LOCAL_TASKS_DIR}"
+
+
+def load_remote_code(folder: str | os.PathLike, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` in fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32, **kwargs).eval()
+
+
+def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_token: str | None = None,
+                   check: bool = True, tolerance: float = TOLERANCE, log=print) -> float | None:
+    """Write the remote-code transformers folder (looplab.remote_code.write_folder); with `check`, the folder is
+    first written to a staging folder, loaded by transformers and compared with `model` on random batches (one
+    left-padded); it reaches `out` only if max |Δlogit| / RMS(logits) <= tolerance. Returns the difference."""
+    import shutil
+    import tempfile
+
+    from looplab.models.hub import model_card_text
+    from looplab.remote_code import write_folder
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
+        write_folder(model, staging, tokenizer=tokenizer, eos_token=eos_token)
+        card = model_card_text(model.config, sum(p.numel() for p in model.parameters()))
+        (Path(staging) / "README.md").write_text(card.replace(
+            "from looplab.models import LoopedLM\nmodel = LoopedLM.from_pretrained(PATH_OR_HUB_ID)",
+            "from transformers import AutoModelForCausalLM\n"
+            "model = AutoModelForCausalLM.from_pretrained(PATH_OR_HUB_ID, trust_remote_code=True)\n"
+            "# or, with looplab: from looplab.models import LoopedLM; LoopedLM.from_pretrained(PATH_OR_HUB_ID)"))
+        diff = None
+        if check:
+            diff = max_relative_logit_diff(model.float(), load_remote_code(staging), "looplab")
+            log(f"equivalence check vs the exported remote-code model (transformers, trust_remote_code=True): "
+                f"max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
+            if not diff <= tolerance:
+                raise ConversionError(f"exported model differs: max relative logit difference {diff:.3e} > {tolerance:g}; "
+                                      f"nothing was written to {str(out)!r}")
+        for f in Path(staging).iterdir():
+            shutil.copyfile(f, out / f.name)
+    return diff
 
 
 # --------------------------------------------------------------------------- to transformers
@@ -437,6 +534,12 @@ def transformers_config(cfg: LoopedLMConfig):
         _refuse("state_mode", cfg.state_mode, "transformers models have no StateLoop branch (export vanilla models)")
     if cfg.exit_gate != "none":
         _refuse("exit_gate", cfg.exit_gate, "transformers models have no exit gate")
+    if cfg.injection != "none":
+        _refuse("injection", cfg.injection, "an unrolled stack has no input injection (export with remote code: to-hf)")
+    if cfg.depth_router.name != "none":
+        _refuse("depth_router", cfg.depth_router.name, "an unrolled stack runs every loop on every token")
+    if cfg.loop_schedule != "sequential":
+        _refuse("loop_schedule", cfg.loop_schedule, "an unrolled stack runs its loops one after another")
     depth = unrolled_depth(cfg)
     if cfg.backbone == "llama":
         from transformers import LlamaConfig
@@ -547,18 +650,21 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--coda", type=int, default=None,
                    help="the last C source layers become the unshared coda (default 0; middle_cycle: 1)")
     f.add_argument("--no-check", action="store_true", help="skip the built-in logit comparison")
-    t = sub.add_parser("to-hf", help="looplab training checkpoint → looplab Hub-style folder")
+    t = sub.add_parser("to-hf", help="looplab training checkpoint → transformers folder with remote code (checked)")
     t.add_argument("ckpt", help="a training checkpoint (last.ckpt file or sharded folder) or a looplab folder")
     t.add_argument("--out", required=True, help="the folder to write")
     t.add_argument("--transformers", action="store_true",
                    help="write a transformers LlamaForCausalLM / Mamba2ForCausalLM folder (vanilla models; N·R layers unrolled)")
+    t.add_argument("--looplab", action="store_true",
+                   help="write a folder only looplab reads (every model, Mamba-2, parallel loops and routers included)")
+    t.add_argument("--no-check", action="store_true", help="skip loading the exported folder and comparing its logits")
     a = p.parse_args(argv)
     try:
         if a.cmd == "from-hf":
             from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, prelude=a.prelude,
                     coda=a.coda, check=not a.no_check)
         else:
-            to_hf(a.ckpt, a.out, transformers=a.transformers)
+            to_hf(a.ckpt, a.out, transformers=a.transformers, looplab_only=a.looplab, check=not a.no_check)
     except (ConversionError, ConfigError, OSError, ValueError) as e:  # OSError: no such folder, hub unreachable
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -406,6 +406,10 @@ class LoopedLMConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LoopedLMConfig":
         known = {f.name for f in fields(cls)}
+        if d.get("model_type") == "looplab":
+            # a remote-code transformers folder (convert to-hf): looplab's fields plus transformers' own keys, which
+            # transformers writes as it likes from release to release; the looplab fields are the model
+            d = {k: v for k, v in d.items() if k in known}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")

@@ -35,6 +35,27 @@ TOKENIZER_FILES = (
 )
 
 
+EXPORTED_MODEL_TYPE = "looplab"  # config.json's model_type in a remote-code transformers folder (looplab.remote_code)
+
+
+def to_exported_key(name: str) -> str:
+    """looplab state-dict name → the remote-code export's: the head is `lm_head`, the rest lives under `model.`."""
+    return "lm_head.weight" if name == "head.weight" else f"model.{name}"
+
+
+def looplab_state_dict(exported: dict) -> dict:
+    """The inverse of `to_exported_key` over a whole state dict (a tied head is absent from both)."""
+    out = {}
+    for k, v in exported.items():
+        if k == "lm_head.weight":
+            out["head.weight"] = v
+        elif k.startswith("model."):
+            out[k[len("model."):]] = v
+        else:
+            raise KeyError(f"unexpected weight {k!r} in an exported looplab folder")
+    return out
+
+
 def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     """Copy a tokenizer into `out`: `src` is a tokenizer.json file or a folder holding one.
     Returns the copied file names (empty when the folder has none)."""
@@ -149,6 +170,14 @@ class LoopedHubMixin(ModelHubMixin, library_name="looplab", tags=["looplab"]):
                                       force_download=force_download, local_files_only=local_files_only, token=token)
         cfg = LoopedLMConfig.from_dict({**config, **config_overrides})  # overrides: kernel, chunk_size, ...
         model = cls(cfg)
-        load_model(model, weights, strict=True, device=str(map_location))
+        if config.get("model_type") == EXPORTED_MODEL_TYPE:  # convert to-hf's remote-code folder: transformers' names
+            from safetensors.torch import load_file
+
+            sd = looplab_state_dict(load_file(weights, device=str(map_location)))
+            if cfg.tie_embeddings:
+                sd["head.weight"] = sd["embed.weight"]
+            model.load_state_dict(sd, strict=True)
+        else:
+            load_model(model, weights, strict=True, device=str(map_location))
         model.eval()
         return model
