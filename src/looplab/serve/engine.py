@@ -1,0 +1,220 @@
+"""A running batch of requests over one LoopCache: continuous batching (docs/decoding.md#serving-many-requests).
+
+The engine keeps `max_batch` rows of one cache. Each `step()`:
+
+  1. admission: waiting requests (first come, first served) take free rows; the row is emptied
+     (`LoopCache.reset_rows`) and the request's prompt is prefilled into that row alone
+     (`LoopCache.select_rows`), every loop run, exactly as `generate` prefills it at batch 1; its first
+     token comes from the prefill's logits;
+  2. one decoding step for every running row that has a token to feed, in one batched call
+     (`decode_one_token` under `select_rows(running)`): each row at its own length and position;
+  3. a row whose request emitted eos or reached its token limit leaves; its row is free for the
+     next admission.
+
+Each request gets the tokens (and, with exits, the exit depths) it would get from
+`generate(prompt, max_new_tokens, exits=policy, eos_token_id=eos)` alone: greedy decoding, per-row
+lengths, positions and masks in the cache, and nothing shared between rows but the weights. Float
+rounding can differ with the batch's composition; `solo_agreement` counts a difference as a tie
+only where the solo run's top-2 logit margin at the first differing token is below 1e-4.
+
+What a step runs is lockstep over the running rows: every row runs every loop (or, under a skip
+handling, stops at its own exit while the others go on). Batching items of different loops into one
+block call (depth-wise batching) is not implemented.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from looplab.models.exit_compute import SkipDecoding
+from looplab.models.exits import ExitPolicy
+from looplab.models.generation import decode_one_token, prefill
+
+TIE_MARGIN = 1e-4  # a top-2 logit margin below this at the first differing token counts as a tie
+
+
+@dataclass(eq=False)  # identity: a request is one object, and its prompt tensor has no truth value
+class Request:
+    """One prompt and its generation options; the engine fills in the result and the timings."""
+
+    prompt: torch.Tensor  # (T,) token ids
+    max_new_tokens: int
+    id: int = -1
+    arrival: float | None = None  # when it may be admitted (engine clock, seconds); None = at once
+    tokens: list[int] = field(default_factory=list)  # generated, eos included when it came
+    exit_steps: list[int] = field(default_factory=list)  # with exits: the 1-based depth each token was read at
+    margins: list[float] = field(default_factory=list)  # top-2 logit margin of each chosen token
+    admitted_at: float | None = None
+    token_times: list[float] = field(default_factory=list)  # engine clock when each token was chosen
+    row: int | None = None
+
+    hit_eos: bool = False
+
+    @property
+    def done(self) -> bool:
+        return bool(self.tokens) and (len(self.tokens) >= self.max_new_tokens or self.hit_eos)
+
+
+class Engine:
+    """Continuous batching of greedy requests over one model (docs/decoding.md#serving-many-requests).
+
+        engine = Engine(model, max_batch=8, max_len=256, exits=ExitPolicy(threshold=0.5, skip="kv_copy"))
+        for prompt in prompts:
+            engine.add(prompt, max_new_tokens=64)
+        finished = engine.run()                  # or step() from your own loop, add() between steps
+
+    max_len bounds prompt + new tokens of any one request (the cache's columns per row)."""
+
+    def __init__(self, model, max_batch: int = 8, max_len: int | None = None, *, exits: ExitPolicy | None = None,
+                 n_loops: int | None = None, eos_token_id: int | None = None, clock=time.perf_counter):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self.model = model.eval()
+        self.R = model.loops(n_loops)
+        self.max_len = int(max_len or model.config.max_seq_len)
+        self.exits, self.eos = exits, eos_token_id
+        from looplab.models.generation import check_options
+
+        check_options(model, self.R, exits=exits)
+        self.read = None if exits is None else ExitPolicy(exits.threshold, exits.rule, exits.min_loops)
+        self.skip = SkipDecoding(model, exits, self.R) if exits is not None and exits.skip is not None else None
+        self.cache = model.allocate_cache(max_batch, self.max_len, n_loops=self.R)
+        self.max_batch = max_batch
+        self.rows: list[Request | None] = [None] * max_batch
+        self.waiting: list[Request] = []
+        self.finished: list[Request] = []
+        self._next_id = 0
+        self._clock, self._t0 = clock, clock()
+        self.stats = {"steps": 0, "decode_calls": 0, "decode_rows": 0, "prefills": 0, "peak_cache_bytes": 0}
+
+    # ------------------------------------------------------------------ requests
+    def now(self) -> float:
+        return self._clock() - self._t0
+
+    def add(self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int, arrival: float | None = None) -> Request:
+        prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        if prompt.numel() == 0:
+            raise ValueError("an empty prompt: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if prompt.numel() + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({prompt.numel()} tokens) + max_new_tokens={max_new_tokens} exceeds the engine's "
+                             f"max_len={self.max_len}")
+        req = Request(prompt.to(self.cache.lengths.device), int(max_new_tokens), id=self._next_id, arrival=arrival)
+        self._next_id += 1
+        self.waiting.append(req)
+        return req
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.rows if r is not None]
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ------------------------------------------------------------------ one scheduling step
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """Admit into free rows, decode one token for every running row; → the requests that finished."""
+        done: list[Request] = []
+        now = self.now()
+        for row in range(self.max_batch):
+            if self.rows[row] is not None:
+                continue
+            req = next((r for r in self.waiting if r.arrival is None or r.arrival <= now), None)
+            if req is None:
+                break
+            self.waiting.remove(req)
+            self._admit(req, row)
+            if req.done:
+                done.append(self._leave(req))
+        live = [row for row, r in enumerate(self.rows) if r is not None]
+        if live:
+            rows = torch.tensor(live, device=self.cache.lengths.device)
+            last = torch.tensor([self.rows[b].tokens[-1] for b in live], device=rows.device)
+            with self.cache.select_rows(rows):
+                logits, steps = decode_one_token(self.model, last, self.cache, exits=self.read, n_loops=self.R,
+                                                 skip=self.skip)
+            self.stats["decode_calls"] += 1
+            self.stats["decode_rows"] += len(live)
+            t = self.now()
+            for i, b in enumerate(live):
+                req = self.rows[b]
+                self._record(req, logits[i], None if steps is None else steps[i], t)
+                if req.done:
+                    done.append(self._leave(req))
+        self.stats["steps"] += 1
+        self.stats["peak_cache_bytes"] = max(self.stats["peak_cache_bytes"], self.cache.nbytes())
+        return done
+
+    def run(self, max_steps: int | None = None) -> list[Request]:
+        """Step until every request has finished (sleeping until the next arrival when nothing runs); → the
+        finished requests, by id."""
+        n = 0
+        while not self.idle():
+            if not self.running and all(r.arrival is not None and r.arrival > self.now() for r in self.waiting):
+                time.sleep(max(0.0, min(r.arrival for r in self.waiting) - self.now()))
+            self.step()
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                break
+        return sorted(self.finished, key=lambda r: r.id)
+
+    # ------------------------------------------------------------------ rows
+    def _admit(self, req: Request, row: int) -> None:
+        rows = torch.tensor([row], device=self.cache.lengths.device)
+        self.cache.reset_rows(rows)
+        with self.cache.select_rows(rows):
+            logits, steps = prefill(self.model, req.prompt[None], None, self.cache, self.R, self.exits)
+        self.stats["prefills"] += 1
+        req.row, req.admitted_at = row, self.now()
+        self.rows[row] = req
+        self._record(req, logits[0], None if steps is None else steps[0], self.now())
+
+    def _record(self, req: Request, logits: torch.Tensor, step, t: float) -> None:
+        top = logits.float().topk(2).values if logits.numel() > 1 else logits.float().expand(2)
+        token = int(logits.argmax())
+        req.tokens.append(token)
+        req.margins.append(float(top[0] - top[1]))
+        req.token_times.append(t)
+        if step is not None:
+            req.exit_steps.append(int(step))
+        if self.eos is not None and token == self.eos:
+            req.hit_eos = True
+
+    def _leave(self, req: Request) -> Request:
+        self.rows[req.row] = None
+        self.finished.append(req)
+        return req
+
+
+def solo_agreement(model, requests: Sequence[Request], *, exits: ExitPolicy | None = None, n_loops: int | None = None,
+                   eos_token_id: int | None = None) -> dict:
+    """Each request against `generate(prompt, max_new_tokens, exits=exits)` alone (batch 1): equal, a tie (the first
+    differing token's solo top-2 margin < TIE_MARGIN), or different. Exit depths must agree up to that token."""
+    from looplab.models.generation import generate
+
+    equal, ties, differ = 0, 0, []
+    for req in requests:
+        out = generate(model, req.prompt[None], req.max_new_tokens, exits=exits, n_loops=n_loops,
+                       eos_token_id=eos_token_id, return_logits=True)
+        solo = out.sequences[0, req.prompt.numel():].tolist()[:len(req.tokens)]
+        solo_steps = out.exit_steps[0].tolist()[:len(req.tokens)] if out.exit_steps is not None else []
+        first = next((i for i, (a, b) in enumerate(zip(req.tokens, solo)) if a != b), None)
+        n = len(req.tokens) if first is None else first
+        steps_agree = req.exit_steps[:n] == solo_steps[:n]
+        if first is None and len(solo) == len(req.tokens) and steps_agree:
+            equal += 1
+            continue
+        if first is not None and steps_agree:
+            top = out.logits[0, first].float().topk(2).values
+            if float(top[0] - top[1]) < TIE_MARGIN:
+                ties += 1
+                continue
+        differ.append({"id": req.id, "first_difference": first, "engine": req.tokens, "solo": solo,
+                       "exit_steps_agree": steps_agree})
+    return {"equal": equal, "ties": ties, "different": len(differ), "differences": differ}
