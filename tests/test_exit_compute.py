@@ -33,12 +33,12 @@ V, R, Q, ATOL = 61, 4, 0.5, 3e-5
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
-def make_model(backbone, state_mode, seed=0, gate_bias=-0.3, mamba_mlp=False) -> LoopedLM:
+def make_model(backbone, state_mode, seed=0, gate_bias=-0.3, mamba_mlp=False, **kw) -> LoopedLM:
     torch.manual_seed(seed)
     cfg = LoopedLMConfig(
         vocab_size=V, d_model=32, n_heads=4, n_layers=2, n_loops=R, backbone=backbone, hybrid_pattern="MA",
         state_mode=state_mode, exit_gate="ouro", max_seq_len=64, d_state=8, headdim=16, chunk_size=4,
-        kernel="torch", mamba_mlp=mamba_mlp,
+        kernel="torch", mamba_mlp=mamba_mlp, **kw,
     )
     model = LoopedLM(cfg).eval()
     with torch.no_grad():
@@ -92,6 +92,25 @@ def test_skip_compute_equals_its_reference(backbone, state_mode, handling, batch
     probs = exit_distribution(torch.sigmoid(model.exit_gate.logit(ref.loop_hidden).permute(1, 2, 0)))
     steps = first_exit("gate", Q, R, exit_probs=probs)
     assert torch.equal(steps[:, prompt.shape[1]:], out.exit_steps[:, 1:])
+
+
+@pytest.mark.parametrize("backbone,state_mode,handling", [("llama", "stateloop", "kv_copy"), ("hybrid", "vanilla", "ssm_skip")])
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_skip_compute_with_prelude_and_coda_equals_its_reference(backbone, state_mode, handling, batch):
+    """The coda's per-depth entries of an exited token are filled by the handling too, so the next token's coda
+    reads them (at batch 1 every row exits together, which once tripped the coda cache's misuse guard)."""
+    model = make_model(backbone, state_mode, seed=batch, gate_bias=-2.0, prelude_layers=1, coda_layers=1)
+    g = torch.Generator().manual_seed(5 + batch)
+    prompt = torch.randint(0, V, (batch, 5), generator=g)
+    mask = None
+    if batch > 1:
+        mask = torch.ones(batch, 5, dtype=torch.long)
+        mask[0, :2] = 0
+    out = generate(model, prompt, 10, attention_mask=mask, return_logits=True, exits=ExitPolicy(threshold=Q, skip=handling))
+    assert bool((out.exit_steps < R).any()) and len(out.exit_steps.unique()) > 1, "exits were meant to be mixed"
+    _, want = reference_logits(model, out, prompt, mask, handling)
+    torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backbone", ["mamba2", "hybrid"])

@@ -205,6 +205,9 @@ def fill_exited(model, cache: LoopCache, r: int, idx: torch.Tensor, exit_loop: t
                 else:
                     mixer = (model.coda[key[1]] if isinstance(key, tuple) else model.block[key]).mixer
                 mixer.step_from(dst, src, rows, write=handling == "ssm_propagate")
+            if hasattr(dst, "upto") and hasattr(src, "upto"):
+                # a coda entry's misuse guard (LoopCache.check_filled): the fill covers this token as a run would
+                dst.upto = max(dst.upto, src.upto)
 
 
 class SkipDecoding:
