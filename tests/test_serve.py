@@ -95,3 +95,58 @@ def test_arrivals_wait_and_errors_name_the_value():
         engine.add(list(range(1, 30)), 8)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add([], 3)
+
+
+# ------------------------------------------------------------------ depth-wise batching
+DEPTHWISE = {
+    "llama": (dict(), None),
+    "llama_gate_kv_copy": (dict(exit_gate="ouro"), ExitPolicy(threshold=0.5, skip="kv_copy")),
+    "stateloop_prelude_coda_concat_gate": (dict(exit_gate="ouro", coda_layers=1, prelude_layers=1, injection="concat",
+                                                state_mode="stateloop", n_layers=2), ExitPolicy(threshold=0.5, skip="kv_copy")),
+    "gqa_kl_rule_min_loops": (dict(n_kv_heads=2), ExitPolicy(threshold=0.05, rule="kl", min_loops=2, skip="kv_copy")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEPTHWISE))
+def test_depthwise_batching_equals_solo_decoding(case):
+    """schedule='depthwise': each step is one call of every block layer over the in-flight tokens, each at its own
+    loop; requests join and leave mid-run; every request's tokens and exit depths equal generate() alone."""
+    kw, exits = DEPTHWISE[case]
+    m = looped(**kw)
+    reqs = trace()
+    eos = int(generate(m, reqs[0][0][None], 3, exits=exits)[0, -1])
+    engine = Engine(m, max_batch=3, max_len=40, exits=exits, eos_token_id=eos, schedule="depthwise")
+    calls = []
+    hook = m.block[0].register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    handles = [engine.add(p, n) for p, n in reqs]
+    per_step = []
+    while not engine.idle():
+        before = len(calls)
+        prefills = engine.stats["prefills"]
+        engine.step()
+        if engine.stats["prefills"] == prefills:  # a prefill runs the block R times over one prompt
+            per_step.append(len(calls) - before)
+    hook.remove()
+    assert set(per_step) <= {0, 1} and 1 in per_step  # one block call per step (0: nothing in flight)
+    loops = engine.depthwise.block_calls
+    assert sum(len(set(c)) > 1 for c in loops) >= 3  # calls holding items of two or more different loops
+    assert all(h.done for h in handles) and engine.stats["prefills"] == 9
+    if exits is not None:
+        assert len({s for h in handles for s in h.exit_steps}) > 1
+    agree = solo_agreement(m, handles, exits=exits, eos_token_id=eos)
+    assert agree["equal"] == 9, agree["differences"]
+
+
+@pytest.mark.parametrize("kw,exits,named", [
+    (dict(backbone="mamba2"), None, "backbone='mamba2'"),
+    (dict(backbone="hybrid", hybrid_pattern="MA", n_layers=2), None, "backbone='hybrid'"),
+    (dict(state_mode="stateloop_attn"), None, "state_mode='stateloop_attn'"),
+    (dict(depth_router={"name": "expert_choice"}), None, "depth_router='expert_choice'"),
+    (dict(loop_schedule="parallel"), None, "loop_schedule='parallel'"),
+    (dict(exit_gate="ouro"), ExitPolicy(threshold=0.5), "skip='kv_copy'"),
+])
+def test_depthwise_refuses_by_name(kw, exits, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        Engine(looped(**kw), max_batch=2, max_len=32, exits=exits, schedule="depthwise")
+    with pytest.raises(ValueError, match="schedule='diagonal'"):
+        Engine(looped(), schedule="diagonal")

@@ -33,7 +33,9 @@ import torch
 from looplab.models.exit_compute import SkipDecoding
 from looplab.models.exits import ExitPolicy
 from looplab.models.generation import decode_one_token, prefill
+from looplab.serve.depthwise import DepthwiseDecoder
 
+SCHEDULES = ("lockstep", "depthwise")
 TIE_MARGIN = 1e-4  # a top-2 logit margin below this at the first differing token counts as a tie
 
 
@@ -70,9 +72,12 @@ class Engine:
     max_len bounds prompt + new tokens of any one request (the cache's columns per row)."""
 
     def __init__(self, model, max_batch: int = 8, max_len: int | None = None, *, exits: ExitPolicy | None = None,
-                 n_loops: int | None = None, eos_token_id: int | None = None, clock=time.perf_counter):
+                 n_loops: int | None = None, eos_token_id: int | None = None, schedule: str = "lockstep",
+                 clock=time.perf_counter):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is unknown; choose one of {SCHEDULES}")
         self.model = model.eval()
         self.R = model.loops(n_loops)
         self.max_len = int(max_len or model.config.max_seq_len)
@@ -83,7 +88,9 @@ class Engine:
         self.read = None if exits is None else ExitPolicy(exits.threshold, exits.rule, exits.min_loops)
         self.skip = SkipDecoding(model, exits, self.R) if exits is not None and exits.skip is not None else None
         self.cache = model.allocate_cache(max_batch, self.max_len, n_loops=self.R)
-        self.max_batch = max_batch
+        self.max_batch, self.schedule = max_batch, schedule
+        self.depthwise = DepthwiseDecoder(model, self.cache, self.R, exits) if schedule == "depthwise" else None
+        self._to_start: dict[int, int] = {}  # depthwise: row → the token it feeds next (started in the next step)
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: list[Request] = []
         self.finished: list[Request] = []
@@ -132,6 +139,11 @@ class Engine:
             self._admit(req, row)
             if req.done:
                 done.append(self._leave(req))
+        if self.depthwise is not None:
+            done += self._depthwise_step()
+            self.stats["steps"] += 1
+            self.stats["peak_cache_bytes"] = max(self.stats["peak_cache_bytes"], self.cache.nbytes())
+            return done
         live = [row for row, r in enumerate(self.rows) if r is not None]
         if live:
             rows = torch.tensor(live, device=self.cache.lengths.device)
@@ -163,6 +175,32 @@ class Engine:
             if max_steps is not None and n >= max_steps:
                 break
         return sorted(self.finished, key=lambda r: r.id)
+
+    def _depthwise_step(self) -> list[Request]:
+        """Start the rows whose next token is known, then one loop of every in-flight token in one block call."""
+        dec, done = self.depthwise, []
+        device = self.cache.lengths.device
+        for row, req in enumerate(self.rows):  # admitted in this step: their first token comes from the prefill
+            if req is not None and row not in self._to_start and int(dec.loop[row]) < 0:
+                self._to_start[row] = req.tokens[-1]
+        if self._to_start:
+            rows = torch.tensor(sorted(self._to_start), device=device)
+            dec.start(rows, torch.tensor([self._to_start[int(b)] for b in rows], device=device))
+            self._to_start.clear()
+        if not bool((dec.loop >= 0).any()):
+            return done
+        rows, logits, steps = dec.step()
+        self.stats["decode_calls"] += 1
+        self.stats["decode_rows"] += len(dec.block_calls[-1])
+        t = self.now()
+        for i, b in enumerate(rows.tolist()):
+            req = self.rows[b]
+            self._record(req, logits[i], steps[i] if self.exits is not None else None, t)
+            if req.done:
+                done.append(self._leave(req))
+            else:
+                self._to_start[b] = req.tokens[-1]
+        return done
 
     # ------------------------------------------------------------------ rows
     def _admit(self, req: Request, row: int) -> None:

@@ -1,0 +1,213 @@
+"""Depth-wise batching: one call of the shared block over (row, loop) items (docs/decoding.md#depth-wise-batching).
+
+Every running row has one token in flight, at its own loop. A scheduling step runs **one loop of every
+in-flight token in one call of each block layer**: the norms, projections and MLP see all items as one
+batch; each item's attention reads and writes the key/value entry of its own (loop, layer) at its row's
+column (`_ItemEntries`, grouped by loop over the `LoopCache` contract). After the block, the items that
+reached their exit (the exit policy's rule, from loops 1..t, as `SkipDecoding` decides it) or the last loop
+leave with their logits; their deeper loops' entries at that column are filled as kv_copy fills them (the
+exit loop's keys and values). A row whose token left starts its next token (embedding, prelude) and joins
+the next block call at loop 1, while the other rows go on at their own loops.
+
+Guarantees: a token's loops run in order, one per step; a row's next token starts only after its previous
+one has left; every in-flight token is in every block call (no row waits). So each row computes exactly
+what `generate(prompt, exits=ExitPolicy(q, skip="kv_copy"))` computes for it alone (per-row columns,
+positions and masks; only float rounding can depend on the batch's composition).
+
+Supported: llama blocks (attention layers), vanilla and StateLoop without a mixer, prelude, coda,
+injection, the exit gate or a zero-shot exit rule with skip=kv_copy, or no exits. Refused by name:
+Mamba-2 and hybrid blocks, StateLoop mixers, depth routers, parallel loops, exits without skip or with
+another skip handling (`unsupported`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looplab.models.cache import KVCache, Step
+from looplab.models.exit_rules import stops_at
+
+
+def unsupported(model, exits) -> str | None:
+    """Why depth-wise batching cannot run this model and exit policy (the option and its value), or None."""
+    c = model.config
+    if c.backbone != "llama":
+        return (f"backbone={c.backbone!r}: depth-wise batching runs attention blocks only (Mamba-2 entries are not "
+                "batched across loops yet); use schedule='lockstep'")
+    if c.state_mode in ("stateloop_attn", "stateloop_mamba2"):
+        return f"state_mode={c.state_mode!r}: the StateLoop mixer is not batched across loops; use schedule='lockstep'"
+    if c.depth_router.name != "none":
+        return f"depth_router={c.depth_router.name!r}: routed depth is not batched across loops; use schedule='lockstep'"
+    if c.loop_schedule != "sequential":
+        return (f"loop_schedule={c.loop_schedule!r}: parallel loops already run every loop of a token in one block "
+                "call; use schedule='lockstep'")
+    if exits is not None:
+        if exits.threshold is None or getattr(exits, "steps", None) is not None:
+            return "depth-wise batching needs exits=ExitPolicy(threshold=q, skip='kv_copy') (or no exits)"
+        if exits.skip != "kv_copy":
+            return (f"skip={exits.skip!r}: depth-wise batching frees an exited token's place at once, which is "
+                    "skip='kv_copy' (without skip every loop runs: use schedule='lockstep')")
+    return None
+
+
+class _ItemEntries:
+    """What one layer sees as its cache in a depth-wise call: items grouped by loop, each group written into
+    and read from its own (loop, key) entry under that group's Step."""
+
+    def __init__(self, cache, key, groups, step: Step):
+        self.cache, self.key, self.groups, self.step = cache, key, groups, step
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        n, Hkv, _, hd = k.shape
+        keys = k.new_empty(n, Hkv, self.step.L, hd)
+        values = torch.empty_like(keys)
+        saved = self.cache.step
+        try:
+            for r, idx in self.groups:
+                self.cache.step = self.step.subset(idx)
+                kk, vv, _ = self.cache[r, self.key].update(k[idx], v[idx])
+                keys[idx], values[idx] = kk, vv
+        finally:
+            self.cache.step = saved
+        return keys, values, self.step.mask
+
+
+class DepthwiseDecoder:
+    """The in-flight tokens of a LoopCache's rows and the depth-wise step over them."""
+
+    def __init__(self, model, cache, n_loops: int, exits=None):
+        reason = unsupported(model, exits)
+        if reason:
+            raise ValueError(reason)
+        self.model, self.cache, self.R, self.exits = model, cache, n_loops, exits
+        B, device = cache.batch_size, cache.lengths.device
+        self.loop = torch.full((B,), -1, dtype=torch.long, device=device)  # the next loop to run; -1: none in flight
+        self.col = torch.zeros(B, dtype=torch.long, device=device)
+        self.pos = torch.zeros(B, dtype=torch.long, device=device)
+        self.survival = torch.ones(B, device=device)
+        self.x = self.e = self.s = None  # (B, 1, ·), allocated at the first start
+        self.probs = torch.zeros(B, n_loops, device=device)  # the gate's p(t) of the in-flight token
+        self.hist: dict[str, torch.Tensor] = {}  # zero-shot rules: loops 1..t of logits / hidden, (R, B, ·)
+        self.block_calls: list[list[int]] = []  # per block call: its items' loops (1-based), what a test counts
+
+    @property
+    def in_flight(self) -> torch.Tensor:
+        return (self.loop >= 0).nonzero().squeeze(1)
+
+    @torch.no_grad()
+    def start(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Tokens (n,) enter rows (n,): their column is registered, embedding and prelude run; loop 1 comes next."""
+        m, cache = self.model, self.cache
+        with cache.select_rows(rows):
+            positions, valid = m.positions(tokens[:, None], None, cache)
+            st = m.start(tokens[:, None], positions, valid, cache)
+            cols = cache.step.cols[:, -1]
+        if self.x is None:
+            B = cache.batch_size
+            self.x = st.x.new_zeros(B, 1, st.x.shape[-1])
+            self.e = torch.zeros_like(self.x)
+            self.s = st.s.new_zeros(B, 1, st.s.shape[-1]) if st.s is not None else None
+        self.x[rows], self.e[rows] = st.x, st.e
+        if self.s is not None:
+            self.s[rows] = st.s
+        self.col[rows], self.pos[rows] = cols, positions[:, -1]
+        self.loop[rows] = 0
+        self.survival[rows] = 1.0
+        self.probs[rows] = 0.0
+
+    def _step_of(self, items: torch.Tensor) -> Step:
+        cols = self.col[items]
+        L = int(cols.max()) + 1
+        ar = torch.arange(L, device=cols.device)
+        mask = (self.cache.valid[items, :L] & (ar[None] <= cols[:, None]))[:, None, None, :]  # (n, 1, 1, L)
+        return Step(self.pos[items][:, None], cols[:, None], items, None, L, mask, 1)
+
+    @torch.no_grad()
+    def step(self):
+        """One loop of every in-flight token, in one call of each block layer → (rows that left (k,), their
+        logits (k, V), their exit steps (k,), 1-based)."""
+        m, cache, R = self.model, self.cache, self.R
+        items = self.in_flight
+        r = self.loop[items]
+        step = self._step_of(items)
+        groups = [(int(g), (r == g).nonzero().squeeze(1)) for g in r.unique().tolist()]
+        self.block_calls.append((r + 1).tolist())
+        positions = step.positions
+        x = self.x[items]
+        if m.inject is not None and bool((r > 0).any()):
+            later = (r > 0).nonzero().squeeze(1)
+            x = x.index_copy(0, later, m.inject(x[later], self.e[items][later]))
+        h = x
+        for l, layer in enumerate(m.block):
+            h = layer(h, positions, None, _ItemEntries(cache, l, groups, step))
+        if m.state is not None:
+            s, x, _ = m.state(h, self.s[items], positions, None, None)
+            self.s[items] = s
+        else:
+            x = h
+        self.x[items] = x
+        z = x if m.state is not None and m.config.state_in_output else h
+        t = r + 1  # loops run, 1-based
+
+        # which items read a prediction now: every one under exits, the last loop's otherwise
+        read = torch.ones_like(t, dtype=torch.bool) if self.exits is not None else t == R
+        sel = read.nonzero().squeeze(1)
+        stop = t == R
+        logits = None
+        if sel.numel():
+            zs, ts = z[sel], t[sel]
+            sub = step.subset(sel)
+            sub_groups = [(g - 1, (ts == g).nonzero().squeeze(1)) for g in ts.unique().tolist()]
+            for c, layer in enumerate(m.coda):
+                zs = layer(zs, sub.positions, None, _ItemEntries(cache, ("coda", c), sub_groups, sub))
+            normed = m.final_norm(zs[:, -1])  # (k, d)
+            if self.exits is not None:
+                stop = stop.clone()
+                stop[sel] |= self._decide(items[sel], ts, normed)
+            logits = normed  # the head runs on the leaving items only
+        leave = stop.nonzero().squeeze(1)
+        rows = items[leave]
+        out_logits = None
+        if leave.numel():
+            out_logits = m.head(logits[torch.searchsorted(sel, leave)])  # leave ⊆ sel: each one's place in sel
+            self._fill_deeper(rows, t[leave] - 1)
+        self.loop[items] = torch.where(stop, torch.full_like(t, -1), t)
+        return rows, out_logits, t[leave]
+
+    def _decide(self, rows, t, normed) -> torch.Tensor:
+        """The exit rule after loop t (1-based) for each item, from loops 1..t, as SkipDecoding decides it."""
+        pol, R = self.exits, self.R
+        rule, q = pol.rule_name, pol.threshold
+        not_last = t < R
+        if rule == "gate":  # p(t) = λ_t S_{t−1}, S_t = S_{t−1}(1 − λ_t); the last loop takes what is left
+            live = not_last.nonzero().squeeze(1)
+            if live.numel():
+                b, lam = rows[live], self.model.exit_gate(normed[live])
+                self.probs[b, t[live] - 1] = lam * self.survival[b]
+                self.survival[b] = self.survival[b] * (1 - lam)
+        else:
+            key, value = ("hidden", normed) if rule == "hidden_delta" else ("logits", self.model.head(normed))
+            if key not in self.hist:
+                self.hist[key] = value.new_zeros(R, self.cache.batch_size, value.shape[-1])
+            self.hist[key][t - 1, rows] = value
+        stop = torch.zeros_like(t, dtype=torch.bool)
+        for g in t.unique().tolist():
+            if g >= R or g < pol.min_loops:
+                continue
+            idx = (t == g).nonzero().squeeze(1)
+            b = rows[idx]
+            stop[idx] = stops_at(rule, g, q, exit_probs=self.probs[b, :g] if rule == "gate" else None,
+                                 logits=self.hist["logits"][:g, b] if "logits" in self.hist else None,
+                                 hidden=self.hist["hidden"][:g, b] if "hidden" in self.hist else None)
+        return stop
+
+    def _fill_deeper(self, rows: torch.Tensor, exit_loop: torch.Tensor) -> None:
+        """kv_copy: each leaving token's entries of the loops after its exit loop take the exit loop's key/values at
+        its column (what the frozen-input reference leaves there)."""
+        cols = self.col[rows]
+        for e in exit_loop.unique().tolist():
+            sel = exit_loop == e
+            b, c = rows[sel], cols[sel]
+            for (rr, key), dst in self.cache.entries.items():
+                if isinstance(rr, int) and rr > e and isinstance(dst, KVCache):
+                    dst.copy_columns_from(self.cache[e, key], b, c)
