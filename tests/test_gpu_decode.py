@@ -151,3 +151,24 @@ def test_the_parallel_comparison_runs_on_the_cpu():
     ids, mask = _left_padded(3, "cpu")
     res = parallel_against_forward(model, ids, mask, 8)
     assert res["rel_err"] <= 1e-4 and res["tokens_per_s"] > 0
+
+
+# ------------------------------------------------------------------ serving engine (looplab.serve)
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arm", ["plain", "exits_lockstep", "exits_depthwise"])
+def test_engine_on_the_gpu_equals_solo_decoding(arm, record_property):
+    """looplab.serve.Engine on the GPU (make bench's exit-gated d 512 llama 2⊗4, fp32), 32 requests at concurrency 8:
+    every request's tokens and exit depths equal it decoded alone (docs/decoding.md#serving-many-requests), with the
+    output tokens/s, decoding tokens/s and mean depth recorded."""
+    from looplab.bench.serve import bench_model, make_trace, run_arm
+    from looplab.models.exits import ExitPolicy
+
+    model = bench_model().to("cuda")
+    trace = make_trace(32, model.config.vocab_size, (8, 24), (8, 32), seed=0)
+    res = run_arm(model, trace, arm, 8, ExitPolicy(threshold=0.5, skip="kv_copy"), open_loop=False, progress=False)
+    for key in ("output_tokens_per_s", "decode_tokens_per_s", "mean_depth", "peak_cache_bytes"):
+        record_property(key, res[key])
+    record_property("solo_ties", res["solo_check"]["ties"])
+    assert res["requests"] == 32
+    assert res["solo_check"]["different"] == 0, f"{arm} on the GPU decoded other tokens than solo decoding: {res}"

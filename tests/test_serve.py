@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -150,3 +152,69 @@ def test_depthwise_refuses_by_name(kw, exits, named):
         Engine(looped(**kw), max_batch=2, max_len=32, exits=exits, schedule="depthwise")
     with pytest.raises(ValueError, match="schedule='diagonal'"):
         Engine(looped(), schedule="diagonal")
+
+
+# ------------------------------------------------------------------ the load benchmark
+def test_serve_bench_cli_on_a_checkpoint_checks_every_request(tmp_path, capsys):
+    """`python -m looplab.bench serve CKPT`: closed-loop runs of the three arms at each concurrency and an open-loop
+    Poisson run, JSON with the reported figures, and every request checked against decoding it alone."""
+    from looplab.bench.__main__ import main as bench_main
+    from looplab.bench.serve import make_trace
+
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, n_loops=3, max_seq_len=64,
+                                    exit_gate="ouro")).eval()
+    with torch.no_grad():
+        model.exit_gate.proj.weight.normal_(0, 0.5)
+        model.exit_gate.proj.bias.fill_(-0.5)
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "serve.json"
+    bench_main(["serve", str(tmp_path / "ckpt"), "--concurrency", "1,3", "--requests", "6", "--rate", "500",
+                "--prompt-len", "2,6", "--new-tokens", "2,6", "--repeats", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert sorted(r["repeat"] for r in res["runs"] if r["concurrency"] == 1) == [0, 0, 0, 1, 1, 1]
+    assert all("solo_check" in r for r in res["runs"] if r["repeat"] == 0)  # outputs checked on the first repeat
+    runs = {(r["arm"], r["concurrency"], r["open_loop"]): r for r in res["runs"] if r["repeat"] == 0}
+    assert set(runs) == {(a, c, o) for a in ("plain", "exits_lockstep", "exits_depthwise")
+                         for c, o in ((1, False), (3, False), (3, True))}
+    traces = {o: make_trace(6, 64, (2, 6), (2, 6), rate=500 if o else None, seed=0) for o in (False, True)}
+    for key, r in runs.items():
+        assert r["requests"] == 6 and r["output_tokens"] == sum(q["max_new_tokens"] for q in traces[key[2]]), key
+        assert r["solo_check"]["different"] == 0 and r["solo_check"]["equal"] + r["solo_check"]["ties"] == 6, key
+        assert r["output_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and 0 < r["prefill_share"] < 1, key
+        assert 0 <= r["ttft_p50_s"] <= r["ttft_p99_s"] and r["token_latency_p50_s"] <= r["token_latency_p99_s"], key
+        assert r["peak_cache_bytes"] > 0, key
+        assert (r["mean_depth"] == 3.0) if key[0] == "plain" else (1.0 <= r["mean_depth"] < 3.0), key
+    # the depth-wise engine makes one block call per step; lockstep with exits runs up to R per token
+    assert runs[("exits_depthwise", 3, False)]["mean_depth"] == runs[("exits_lockstep", 3, False)]["mean_depth"]
+    lo, hi = res["summary"]["exits_depthwise_vs_plain_c3_range"]
+    assert lo <= res["summary"]["exits_depthwise_vs_plain_c3"] <= hi
+    assert res["solo_differences"] == 0
+    assert "exits_depthwise_vs_plain_c3" in res["summary"] and "plain_c3_vs_one_at_a_time" in res["summary"]
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_serve_bench_refuses_bad_options_by_name(tmp_path):
+    from looplab.bench.__main__ import main as bench_main
+
+    for args, named in ((["--concurrency", "0,8"], "--concurrency"), (["--rate", "-1"], "--rate"),
+                        (["--new-tokens", "5,2"], "--new-tokens")):
+        with pytest.raises(SystemExit):
+            bench_main(["serve", "random", *args, "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_make_bench_serve_part(tmp_path):
+    """`make bench`'s serve part (quick): every arm's runs, solo-checked, with the headline ratios."""
+    from looplab.bench.__main__ import main as bench_main
+
+    out = tmp_path / "results.json"
+    bench_main(["--quick", "--threads", "1", "--only", "serve", "--out", str(out)])
+    r = json.loads(out.read_text())["serve"]
+    assert r["status"] == "ok", r
+    assert {(x["arm"], x["concurrency"]) for x in r["runs"]} == {(a, c) for a in ("plain", "exits_lockstep",
+                                                                               "exits_depthwise") for c in (1, 8)}
+    assert r["solo_differences"] == 0
+    for k in ("depthwise_vs_plain_c8", "depthwise_decode_vs_plain_c8", "lockstep_exits_vs_plain_c8", "ideal_c8"):
+        assert r[k] > 0, k
+    assert r["ideal_c8"] > 1.2  # the gate spreads the exits: there is depth to save

@@ -1,4 +1,5 @@
-"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,batched,data,router,parallel] [--device cpu|cuda] [--out PATH]`
+"""`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,batched,data,router,parallel,serve] [--device cpu|cuda] [--out PATH]`
+`python -m looplab.bench serve CKPT|random [--concurrency 1,8,32] [--rate R] [--requests N] [--out FILE.json]`
 
 Runs the benchmarks (fp32, CPU unless a part says otherwise), writes `bench/results.json`
 and prints a short table. Parts written by other modules (`mamba2`, `decode`) are imported
@@ -20,7 +21,7 @@ import traceback
 
 from looplab.bench import common
 
-PARTS = ("train", "mamba2", "decode", "overhead", "batched", "data", "router", "parallel")
+PARTS = ("train", "mamba2", "decode", "overhead", "batched", "data", "router", "parallel", "serve")
 MODULES = {"overhead": "decode_overhead", "batched": "batched_decode"}  # part → module, where they differ
 HEADLINE = {  # per part, its headline figures (docs/performance.md#results-json) in print order
     "train": ("tokens_per_s", "ratio_vs_transformers", "ratio_vs_transformers_cpu_time", "ratio_vs_unlooped", "mfu",
@@ -39,6 +40,11 @@ HEADLINE = {  # per part, its headline figures (docs/performance.md#results-json
     # parallel loops (bench/parallel.py): parallel 1⊗4 G-SWA decoding against 1⊗1 and sequential 1⊗4, KV bytes
     "parallel": ("gswa_vs_1x1_batch1", "gswa_vs_seq_batch1", "gswa_vs_1x1_batch8", "gswa_vs_seq_batch8",
                  "seq_vs_1x1_batch1", "gswa_kv_ratio_vs_1x1", "targets_met"),
+    # serving under load (bench/serve.py): exit-gated 2⊗4 in looplab.serve.Engine against plain continuous batching
+    "serve": ("depthwise_vs_plain_c8", "depthwise_vs_plain_c8_range", "depthwise_vs_plain_c32",
+              "depthwise_vs_plain_c32_range", "depthwise_decode_vs_plain_c8", "depthwise_decode_vs_plain_c8_range",
+              "depthwise_decode_vs_plain_c32", "depthwise_decode_vs_plain_c32_range", "lockstep_exits_vs_plain_c8", "lockstep_exits_vs_plain_c32",
+              "ideal_c8", "ideal_c32", "plain_c8_vs_one_at_a_time", "solo_differences"),
 }
 
 
@@ -131,6 +137,11 @@ def table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # the load benchmark on a checkpoint: its own command line
+        from looplab.bench import serve
+
+        return serve.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m looplab.bench", description=__doc__.split("\n\n")[1])
     ap.add_argument("--quick", action="store_true", help="tiny dims and few repeats (smoke test, figures meaningless)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")

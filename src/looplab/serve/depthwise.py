@@ -51,25 +51,36 @@ def unsupported(model, exits) -> str | None:
 
 
 class _ItemEntries:
-    """What one layer sees as its cache in a depth-wise call: items grouped by loop, each group written into
-    and read from its own (loop, key) entry under that group's Step."""
+    """What one layer sees as its cache in a depth-wise call: the items, sorted by loop, in contiguous groups
+    (loop, start, end); each group writes its keys/values into its own (loop, key) entry at its rows' columns
+    and reads that entry's rows straight into its slice of the call's key/value batch (one copy)."""
 
     def __init__(self, cache, key, groups, step: Step):
         self.cache, self.key, self.groups, self.step = cache, key, groups, step
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         n, Hkv, _, hd = k.shape
-        keys = k.new_empty(n, Hkv, self.step.L, hd)
+        st = self.step
+        keys = k.new_empty(n, Hkv, st.L, hd)
         values = torch.empty_like(keys)
-        saved = self.cache.step
-        try:
-            for r, idx in self.groups:
-                self.cache.step = self.step.subset(idx)
-                kk, vv, _ = self.cache[r, self.key].update(k[idx], v[idx])
-                keys[idx], values[idx] = kk, vv
-        finally:
-            self.cache.step = saved
-        return keys, values, self.step.mask
+        for r, a, b in self.groups:
+            entry = self.cache[r, self.key]
+            rows = st.rows[a:b]
+            entry.k[rows[:, None], :, st.cols[a:b]] = k[a:b].transpose(1, 2)  # (b, T=1, Hkv, hd) at (row, col)
+            entry.v[rows[:, None], :, st.cols[a:b]] = v[a:b].transpose(1, 2)
+            torch.index_select(entry.k[:, :, : st.L], 0, rows, out=keys[a:b])
+            torch.index_select(entry.v[:, :, : st.L], 0, rows, out=values[a:b])
+        return keys, values, st.mask
+
+
+def _groups(loops: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:
+    """Sorted loops (n,) → contiguous (loop + offset, start, end) runs."""
+    values, counts = torch.unique_consecutive(loops, return_counts=True)
+    out, a = [], 0
+    for g, c in zip(values.tolist(), counts.tolist()):
+        out.append((g + offset, a, a + c))
+        a += c
+    return out
 
 
 class DepthwiseDecoder:
@@ -128,9 +139,10 @@ class DepthwiseDecoder:
         logits (k, V), their exit steps (k,), 1-based)."""
         m, cache, R = self.model, self.cache, self.R
         items = self.in_flight
-        r = self.loop[items]
+        r, order = self.loop[items].sort(stable=True)  # items by loop: each loop's items one contiguous slice
+        items = items[order]
         step = self._step_of(items)
-        groups = [(int(g), (r == g).nonzero().squeeze(1)) for g in r.unique().tolist()]
+        groups = _groups(r)
         self.block_calls.append((r + 1).tolist())
         positions = step.positions
         x = self.x[items]
@@ -157,7 +169,7 @@ class DepthwiseDecoder:
         if sel.numel():
             zs, ts = z[sel], t[sel]
             sub = step.subset(sel)
-            sub_groups = [(g - 1, (ts == g).nonzero().squeeze(1)) for g in ts.unique().tolist()]
+            sub_groups = _groups(ts, offset=-1)  # ts is sorted too (sel keeps the items' order)
             for c, layer in enumerate(m.coda):
                 zs = layer(zs, sub.positions, None, _ItemEntries(cache, ("coda", c), sub_groups, sub))
             normed = m.final_norm(zs[:, -1])  # (k, d)

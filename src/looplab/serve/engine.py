@@ -17,9 +17,10 @@ lengths, positions and masks in the cache, and nothing shared between rows but t
 rounding can differ with the batch's composition; `solo_agreement` counts a difference as a tie
 only where the solo run's top-2 logit margin at the first differing token is below 1e-4.
 
-What a step runs is lockstep over the running rows: every row runs every loop (or, under a skip
-handling, stops at its own exit while the others go on). Batching items of different loops into one
-block call (depth-wise batching) is not implemented.
+schedule="lockstep" runs every loop of every running row in a step (under a skip handling, a row
+stops computing at its own exit while the others go on, but the step lasts until the deepest row is
+done). schedule="depthwise" runs one loop of every in-flight token per step, in one block call, each
+token at its own loop (looplab.serve.depthwise, docs/decoding.md#depth-wise-batching).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class Engine:
         self.finished: list[Request] = []
         self._next_id = 0
         self._clock, self._t0 = clock, clock()
-        self.stats = {"steps": 0, "decode_calls": 0, "decode_rows": 0, "prefills": 0, "peak_cache_bytes": 0}
+        self.stats = {"steps": 0, "decode_calls": 0, "decode_rows": 0, "prefills": 0, "peak_cache_bytes": 0,
+                      "prefill_s": 0.0, "decode_s": 0.0}  # clock seconds in prefills / in decoding calls
 
     # ------------------------------------------------------------------ requests
     def now(self) -> float:
@@ -140,7 +142,9 @@ class Engine:
             if req.done:
                 done.append(self._leave(req))
         if self.depthwise is not None:
+            t0 = self._clock()
             done += self._depthwise_step()
+            self.stats["decode_s"] += self._clock() - t0
             self.stats["steps"] += 1
             self.stats["peak_cache_bytes"] = max(self.stats["peak_cache_bytes"], self.cache.nbytes())
             return done
@@ -148,9 +152,11 @@ class Engine:
         if live:
             rows = torch.tensor(live, device=self.cache.lengths.device)
             last = torch.tensor([self.rows[b].tokens[-1] for b in live], device=rows.device)
+            t0 = self._clock()
             with self.cache.select_rows(rows):
                 logits, steps = decode_one_token(self.model, last, self.cache, exits=self.read, n_loops=self.R,
                                                  skip=self.skip)
+            self.stats["decode_s"] += self._clock() - t0
             self.stats["decode_calls"] += 1
             self.stats["decode_rows"] += len(live)
             t = self.now()
@@ -205,10 +211,12 @@ class Engine:
     # ------------------------------------------------------------------ rows
     def _admit(self, req: Request, row: int) -> None:
         rows = torch.tensor([row], device=self.cache.lengths.device)
+        t0 = self._clock()
         self.cache.reset_rows(rows)
         with self.cache.select_rows(rows):
             logits, steps = prefill(self.model, req.prompt[None], None, self.cache, self.R, self.exits)
         self.stats["prefills"] += 1
+        self.stats["prefill_s"] += self._clock() - t0
         req.row, req.admitted_at = row, self.now()
         self.rows[row] = req
         self._record(req, logits[0], None if steps is None else steps[0], self.now())
