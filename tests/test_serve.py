@@ -185,7 +185,7 @@ def test_serve_bench_cli_on_a_checkpoint_checks_every_request(tmp_path, capsys):
         assert 0 <= r["ttft_p50_s"] <= r["ttft_p99_s"] and r["token_latency_p50_s"] <= r["token_latency_p99_s"], key
         assert r["peak_cache_bytes"] > 0, key
         assert (r["mean_depth"] == 3.0) if key[0] == "plain" else (1.0 <= r["mean_depth"] < 3.0), key
-    # the depth-wise engine makes one block call per step; lockstep with exits runs up to R per token
+    # both schedules take the same exit decisions (each equals solo decoding with the same rule)
     assert runs[("exits_depthwise", 3, False)]["mean_depth"] == runs[("exits_lockstep", 3, False)]["mean_depth"]
     lo, hi = res["summary"]["exits_depthwise_vs_plain_c3_range"]
     assert lo <= res["summary"]["exits_depthwise_vs_plain_c3"] <= hi
@@ -194,13 +194,14 @@ def test_serve_bench_cli_on_a_checkpoint_checks_every_request(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_serve_bench_refuses_bad_options_by_name(tmp_path):
+def test_serve_bench_refuses_bad_options_by_name(tmp_path, capsys):
     from looplab.bench.__main__ import main as bench_main
 
-    for args, named in ((["--concurrency", "0,8"], "--concurrency"), (["--rate", "-1"], "--rate"),
-                        (["--new-tokens", "5,2"], "--new-tokens")):
+    for args, named in ((["--concurrency", "0,8"], "--concurrency '0,8'"), (["--rate", "-1"], "--rate -1.0"),
+                        (["--new-tokens", "5,2"], "--new-tokens '5,2'"), (["--repeats", "0"], "--repeats 0")):
         with pytest.raises(SystemExit):
             bench_main(["serve", "random", *args, "--out", str(tmp_path / "x.json")])
+        assert named in capsys.readouterr().err, args
     assert not (tmp_path / "x.json").exists()
 
 

@@ -1,5 +1,5 @@
 """`python -m looplab.bench [--quick] [--threads N] [--only train,mamba2,decode,overhead,batched,data,router,parallel,serve] [--device cpu|cuda] [--out PATH]`
-`python -m looplab.bench serve CKPT|random [--concurrency 1,8,32] [--rate R] [--requests N] [--out FILE.json]`
+`python -m looplab.bench serve CKPT|random [--concurrency 1,8,32] [--rate R] [--requests N] [--repeats K] [--out FILE.json]`
 
 Runs the benchmarks (fp32, CPU unless a part says otherwise), writes `bench/results.json`
 and prints a short table. Parts written by other modules (`mamba2`, `decode`) are imported
@@ -43,8 +43,8 @@ HEADLINE = {  # per part, its headline figures (docs/performance.md#results-json
     # serving under load (bench/serve.py): exit-gated 2⊗4 in looplab.serve.Engine against plain continuous batching
     "serve": ("depthwise_vs_plain_c8", "depthwise_vs_plain_c8_range", "depthwise_vs_plain_c32",
               "depthwise_vs_plain_c32_range", "depthwise_decode_vs_plain_c8", "depthwise_decode_vs_plain_c8_range",
-              "depthwise_decode_vs_plain_c32", "depthwise_decode_vs_plain_c32_range", "lockstep_exits_vs_plain_c8", "lockstep_exits_vs_plain_c32",
-              "ideal_c8", "ideal_c32", "plain_c8_vs_one_at_a_time", "solo_differences"),
+              "depthwise_decode_vs_plain_c32", "depthwise_decode_vs_plain_c32_range", "lockstep_exits_vs_plain_c8",
+              "lockstep_exits_vs_plain_c32", "ideal_c8", "ideal_c32", "plain_c8_vs_one_at_a_time", "solo_differences"),
 }
 
 

@@ -1,7 +1,8 @@
 """Serving under load: looplab.serve.Engine on a generated request trace (docs/performance.md#serving-under-load).
 
-    python -m looplab.bench serve CKPT [--concurrency 1,8,32] [--rate R] [--requests N] [--out FILE.json]
-    python -m looplab.bench --only serve        # make bench's part: a random-init exit-gated 1⊗4 model, small trace
+    python -m looplab.bench serve CKPT|random [--concurrency 1,8,32] [--rate R] [--requests N] [--repeats K]
+                                   [--out FILE.json]
+    python -m looplab.bench --only serve        # make bench's part: `bench_model()`, 64 requests, 3 repeats
 
 The trace (seeded): prompt lengths uniform in --prompt-len a,b tokens, output lengths uniform in --new-tokens a,b,
 token ids uniform over the vocabulary (no eos: each request runs to its length). Arms, each at every concurrency c:
@@ -24,6 +25,7 @@ decoding it alone (equal / ties / different, `looplab.serve.solo_agreement`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -66,14 +68,17 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def depthwise_policy(exits: ExitPolicy) -> ExitPolicy:
+    """The exit policy under depth-wise batching: the same rule, with kv_copy (an exited token leaves at once)."""
+    return dataclasses.replace(exits, skip="kv_copy")
+
+
 def run_arm(model, trace: list[dict], arm: str, concurrency: int, exits: ExitPolicy | None, open_loop: bool,
             check: bool = True, progress: bool = True) -> dict[str, Any]:
     R = model.config.n_loops
     max_len = max(len(r["prompt"]) + r["max_new_tokens"] for r in trace)
     schedule = "depthwise" if arm == "exits_depthwise" else "lockstep"
-    policy = None if arm == "plain" else exits
-    if arm == "exits_depthwise":
-        policy = ExitPolicy(exits.threshold, exits.rule, exits.min_loops, skip="kv_copy")
+    policy = None if arm == "plain" else depthwise_policy(exits) if arm == "exits_depthwise" else exits
     engine = Engine(model, max_batch=concurrency, max_len=max_len, exits=policy, schedule=schedule)
     bar = None
     if progress:
@@ -138,7 +143,7 @@ def serve_bench(model, *, concurrency=(1, 8, 32), requests: int = 64, rate: floa
         if arm != "plain" and exits is None:
             skipped[arm] = f"exit_gate={cfg.exit_gate!r}: the model has no exit gate"
         elif arm == "exits_depthwise":
-            why = depthwise_unsupported(model, ExitPolicy(exit_threshold, skip="kv_copy"))
+            why = depthwise_unsupported(model, depthwise_policy(exits))
             if why:
                 skipped[arm] = why
     trace = make_trace(requests, cfg.vocab_size, prompt_len, new_tokens, seed=seed)
@@ -205,7 +210,7 @@ def run(threads: int, quick: bool) -> dict[str, Any]:
     res = serve_bench(model, concurrency=(1, 8) if quick else (1, 8, 32), requests=12 if quick else 64,
                       new_tokens=(4, 8) if quick else (8, 32), progress=False, repeats=1 if quick else 3)
     s = res["summary"]
-    out = {**res, **{k: v for k, v in s.items()}}
+    out = {**res, **s}
     for c in (8, 32):
         if f"exits_depthwise_vs_plain_c{c}" in s:
             out[f"depthwise_vs_plain_c{c}"] = s[f"exits_depthwise_vs_plain_c{c}"]

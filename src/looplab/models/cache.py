@@ -106,12 +106,21 @@ class KVCache:
             self.k[:, :, st.start : st.start + T] = k
             self.v[:, :, st.start : st.start + T] = v
             return self.k[:, :, : st.L], self.v[:, :, : st.L], st.mask
-        rows = self.owner.all_rows if st.rows is None else st.rows
-        self.k[rows[:, None], :, st.cols] = k.transpose(1, 2)  # (b, T, Hkv, hd) at (row, col)
-        self.v[rows[:, None], :, st.cols] = v.transpose(1, 2)
+        self.write(self.owner.all_rows if st.rows is None else st.rows, st.cols, k, v)
         if st.rows is None:
             return self.k[:, :, : st.L], self.v[:, :, : st.L], st.mask
         return self.k[st.rows, :, : st.L], self.v[st.rows, :, : st.L], st.mask
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """(b, Hkv, T, hd) keys/values at rows (b,) and their columns cols (b, T)."""
+        self.k[rows[:, None], :, cols] = k.transpose(1, 2)  # (b, T, Hkv, hd) at (row, col)
+        self.v[rows[:, None], :, cols] = v.transpose(1, 2)
+
+    def read_rows_into(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The first keys.shape[2] columns of rows (b,) into keys/values (b, Hkv, L, hd), one copy each."""
+        L = keys.shape[2]
+        torch.index_select(self.k[:, :, :L], 0, rows, out=keys)
+        torch.index_select(self.v[:, :, :L], 0, rows, out=values)
 
     def copy_columns_from(self, other: "KVCache", rows: torch.Tensor, cols: torch.Tensor) -> None:
         """Another entry's key/values at (rows, cols) (b,) each: an exited token's deeper loops (kv_copy)."""

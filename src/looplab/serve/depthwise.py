@@ -65,11 +65,8 @@ class _ItemEntries:
         values = torch.empty_like(keys)
         for r, a, b in self.groups:
             entry = self.cache[r, self.key]
-            rows = st.rows[a:b]
-            entry.k[rows[:, None], :, st.cols[a:b]] = k[a:b].transpose(1, 2)  # (b, T=1, Hkv, hd) at (row, col)
-            entry.v[rows[:, None], :, st.cols[a:b]] = v[a:b].transpose(1, 2)
-            torch.index_select(entry.k[:, :, : st.L], 0, rows, out=keys[a:b])
-            torch.index_select(entry.v[:, :, : st.L], 0, rows, out=values[a:b])
+            entry.write(st.rows[a:b], st.cols[a:b], k[a:b], v[a:b])
+            entry.read_rows_into(st.rows[a:b], keys[a:b], values[a:b])
         return keys, values, st.mask
 
 
