@@ -106,6 +106,10 @@ DEPTHWISE = {
     "stateloop_prelude_coda_concat_gate": (dict(exit_gate="ouro", coda_layers=1, prelude_layers=1, injection="concat",
                                                 state_mode="stateloop", n_layers=2), ExitPolicy(threshold=0.5, skip="kv_copy")),
     "gqa_kl_rule_min_loops": (dict(n_kv_heads=2), ExitPolicy(threshold=0.05, rule="kl", min_loops=2, skip="kv_copy")),
+    "hybrid_prelude": (dict(backbone="hybrid", hybrid_pattern="MA", n_layers=2, prelude_layers=1), None),
+    "hybrid_gate_ssm_skip_coda": (dict(backbone="hybrid", hybrid_pattern="MA", n_layers=2, exit_gate="ouro",
+                                       coda_layers=1), ExitPolicy(threshold=0.5, skip="ssm_skip")),
+    "mamba2_gate_ssm_propagate": (dict(backbone="mamba2", exit_gate="ouro"), ExitPolicy(threshold=0.5, skip="ssm_propagate")),
 }
 
 
@@ -140,12 +144,10 @@ def test_depthwise_batching_equals_solo_decoding(case):
 
 
 @pytest.mark.parametrize("kw,exits,named", [
-    (dict(backbone="mamba2"), None, "backbone='mamba2'"),
-    (dict(backbone="hybrid", hybrid_pattern="MA", n_layers=2), None, "backbone='hybrid'"),
     (dict(state_mode="stateloop_attn"), None, "state_mode='stateloop_attn'"),
     (dict(depth_router={"name": "expert_choice"}), None, "depth_router='expert_choice'"),
     (dict(loop_schedule="parallel"), None, "loop_schedule='parallel'"),
-    (dict(exit_gate="ouro"), ExitPolicy(threshold=0.5), "skip='kv_copy'"),
+    (dict(exit_gate="ouro"), ExitPolicy(threshold=0.5), "skip=None"),
 ])
 def test_depthwise_refuses_by_name(kw, exits, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):

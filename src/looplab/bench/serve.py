@@ -10,8 +10,8 @@ token ids uniform over the vocabulary (no eos: each request runs to its length).
     plain             continuous batching, every loop for every token (schedule lockstep, no exits)
     exits_lockstep    the same with the exit policy (threshold q, the backbone's skip handling); a step still runs
                       until its deepest row has exited
-    exits_depthwise   depth-wise batching (schedule depthwise, skip kv_copy; attention blocks only): one block call
-                      per step over every in-flight token at its own loop
+    exits_depthwise   depth-wise batching (schedule depthwise, the same exit policy): one block call per step over
+                      every in-flight token at its own loop
 
 Closed loop: c requests outstanding at all times (a finished request is replaced by the next at once), the engine
 holding c rows; concurrency 1 is one request at a time. --rate R adds an open-loop run per arm: Poisson arrivals
@@ -25,7 +25,6 @@ decoding it alone (equal / ties / different, `looplab.serve.solo_agreement`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -68,17 +67,12 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def depthwise_policy(exits: ExitPolicy) -> ExitPolicy:
-    """The exit policy under depth-wise batching: the same rule, with kv_copy (an exited token leaves at once)."""
-    return dataclasses.replace(exits, skip="kv_copy")
-
-
 def run_arm(model, trace: list[dict], arm: str, concurrency: int, exits: ExitPolicy | None, open_loop: bool,
             check: bool = True, progress: bool = True) -> dict[str, Any]:
     R = model.config.n_loops
     max_len = max(len(r["prompt"]) + r["max_new_tokens"] for r in trace)
     schedule = "depthwise" if arm == "exits_depthwise" else "lockstep"
-    policy = None if arm == "plain" else depthwise_policy(exits) if arm == "exits_depthwise" else exits
+    policy = None if arm == "plain" else exits
     engine = Engine(model, max_batch=concurrency, max_len=max_len, exits=policy, schedule=schedule)
     bar = None
     if progress:
@@ -143,7 +137,7 @@ def serve_bench(model, *, concurrency=(1, 8, 32), requests: int = 64, rate: floa
         if arm != "plain" and exits is None:
             skipped[arm] = f"exit_gate={cfg.exit_gate!r}: the model has no exit gate"
         elif arm == "exits_depthwise":
-            why = depthwise_unsupported(model, depthwise_policy(exits))
+            why = depthwise_unsupported(model, exits)
             if why:
                 skipped[arm] = why
     trace = make_trace(requests, cfg.vocab_size, prompt_len, new_tokens, seed=seed)

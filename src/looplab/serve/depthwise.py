@@ -3,37 +3,40 @@
 Every running row has one token in flight, at its own loop. A scheduling step runs **one loop of every
 in-flight token in one call of each block layer**: the norms, projections and MLP see all items as one
 batch; each item's attention reads and writes the key/value entry of its own (loop, layer) at its row's
-column (`_ItemEntries`, grouped by loop over the `LoopCache` contract). After the block, the items that
-reached their exit (the exit policy's rule, from loops 1..t, as `SkipDecoding` decides it) or the last loop
-leave with their logits; their deeper loops' entries at that column are filled as kv_copy fills them (the
-exit loop's keys and values). A row whose token left starts its next token (embedding, prelude) and joins
-the next block call at loop 1, while the other rows go on at their own loops.
+column (`_ItemEntries`), and each item's Mamba-2 layer advances its own (loop, layer) conv history and SSM
+state at its row (`_ItemSSM`), both grouped by loop over the `LoopCache` contract. After the block, the
+items that reached their exit (the exit policy's rule, from loops 1..t, as `SkipDecoding` decides it) or the
+last loop leave with their logits; their deeper loops' entries are filled as the skip handling fills them
+(`exit_compute.fill_exited`: attention takes the exit loop's keys and values at that column; Mamba-2 under
+ssm_skip takes the exit-loop conv input and leaves the state, under ssm_propagate also writes the state).
+A row whose token left starts its next token (embedding, prelude) and joins the next block call at loop 1,
+while the other rows go on at their own loops.
 
 Guarantees: a token's loops run in order, one per step; a row's next token starts only after its previous
 one has left; every in-flight token is in every block call (no row waits). So each row computes exactly
-what `generate(prompt, exits=ExitPolicy(q, skip="kv_copy"))` computes for it alone (per-row columns,
-positions and masks; only float rounding can depend on the batch's composition).
+what `generate(prompt, exits=ExitPolicy(q, skip=H))` computes for it alone (per-row columns, positions,
+masks and recurrent states; only float rounding can depend on the batch's composition). A Mamba-2 entry
+is a recurrence, so the fill of a leaving token's deeper loops must come before that row's next token runs
+them: it does (the fill happens as the token leaves, the next token starts in a later step).
 
-Supported: llama blocks (attention layers), vanilla and StateLoop without a mixer, prelude, coda,
-injection, the exit gate or a zero-shot exit rule with skip=kv_copy, or no exits. Refused by name:
-Mamba-2 and hybrid blocks, StateLoop mixers, depth routers, parallel loops, exits without skip or with
-another skip handling (`unsupported`).
+Supported: llama, Mamba-2 and hybrid blocks, vanilla and StateLoop without a mixer, prelude, coda,
+injection, the exit gate or a zero-shot exit rule with a skip handling (kv_copy; ssm_skip / ssm_propagate
+with Mamba-2 layers), or no exits. Refused by name: StateLoop mixers, depth routers, parallel loops,
+exits without skip (`unsupported`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from looplab.models.cache import KVCache, Step
+from looplab.models.cache import SSMCache, Step
+from looplab.models.exit_compute import HANDLINGS, fill_exited
 from looplab.models.exit_rules import stops_at
 
 
 def unsupported(model, exits) -> str | None:
     """Why depth-wise batching cannot run this model and exit policy (the option and its value), or None."""
     c = model.config
-    if c.backbone != "llama":
-        return (f"backbone={c.backbone!r}: depth-wise batching runs attention blocks only (Mamba-2 entries are not "
-                "batched across loops yet); use schedule='lockstep'")
     if c.state_mode in ("stateloop_attn", "stateloop_mamba2"):
         return f"state_mode={c.state_mode!r}: the StateLoop mixer is not batched across loops; use schedule='lockstep'"
     if c.depth_router.name != "none":
@@ -43,10 +46,10 @@ def unsupported(model, exits) -> str | None:
                 "call; use schedule='lockstep'")
     if exits is not None:
         if exits.threshold is None or getattr(exits, "steps", None) is not None:
-            return "depth-wise batching needs exits=ExitPolicy(threshold=q, skip='kv_copy') (or no exits)"
-        if exits.skip != "kv_copy":
-            return (f"skip={exits.skip!r}: depth-wise batching frees an exited token's place at once, which is "
-                    "skip='kv_copy' (without skip every loop runs: use schedule='lockstep')")
+            return "depth-wise batching needs exits=ExitPolicy(threshold=q, skip=handling) (or no exits)"
+        if exits.skip not in HANDLINGS:
+            return (f"skip={exits.skip!r}: depth-wise batching frees an exited token's place at once, which needs a "
+                    f"skip handling ({', '.join(HANDLINGS)}); without skip every loop runs: use schedule='lockstep'")
     return None
 
 
@@ -68,6 +71,49 @@ class _ItemEntries:
             entry.write(st.rows[a:b], st.cols[a:b], k[a:b], v[a:b])
             entry.read_rows_into(st.rows[a:b], keys[a:b], values[a:b])
         return keys, values, st.mask
+
+
+class _ItemSSM:
+    """What one Mamba-2 layer sees as its cache in a depth-wise call (the T = 1 step's SSMCache reads and
+    writes): each group's rows read and write the conv history, SSM state and last input of its own
+    (loop, key) entry."""
+
+    trail = None  # no speculative rollback inside the engine
+
+    def __init__(self, cache, key, groups, step: Step):
+        self.entries = [(cache[r, key], step.rows[a:b], a, b) for r, a, b in groups]
+
+    def _read(self, name: str) -> torch.Tensor:
+        parts = [getattr(e, name)[rows] for e, rows, _, _ in self.entries]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def history(self) -> torch.Tensor:
+        return self._read("conv_state")
+
+    def state(self) -> torch.Tensor:
+        return self._read("ssm_state")
+
+    def write_conv(self, window: torch.Tensor) -> None:
+        for e, rows, a, b in self.entries:
+            kept = window[a:b, window.shape[1] - e.conv_state.shape[-1]:].transpose(1, 2)
+            e.conv_state[rows] = kept.to(e.conv_state.dtype)
+
+    def write_state(self, state: torch.Tensor, T: int) -> None:
+        for e, rows, a, b in self.entries:
+            e.ssm_state[rows] = state[a:b]
+
+    def write_last(self, xBC: torch.Tensor, dt_raw: torch.Tensor) -> None:
+        for e, rows, a, b in self.entries:
+            if e.last_xBC is None:
+                B = e.conv_state.shape[0]
+                e.last_xBC, e.last_dt_raw = xBC.new_zeros(B, xBC.shape[-1]), dt_raw.new_zeros(B, dt_raw.shape[-1])
+            e.last_xBC[rows], e.last_dt_raw[rows] = xBC[a:b], dt_raw[a:b]
+
+
+def _entries(cache, key, groups, step: Step):
+    """The depth-wise view of entry `key` for a call's groups: attention (key/values) or Mamba-2 (states)."""
+    first = cache[groups[0][0], key]
+    return _ItemSSM(cache, key, groups, step) if isinstance(first, SSMCache) else _ItemEntries(cache, key, groups, step)
 
 
 def _groups(loops: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:
@@ -148,7 +194,7 @@ class DepthwiseDecoder:
             x = x.index_copy(0, later, m.inject(x[later], self.e[items][later]))
         h = x
         for l, layer in enumerate(m.block):
-            h = layer(h, positions, None, _ItemEntries(cache, l, groups, step))
+            h = layer(h, positions, None, _entries(cache, l, groups, step))
         if m.state is not None:
             s, x, _ = m.state(h, self.s[items], positions, None, None)
             self.s[items] = s
@@ -168,7 +214,7 @@ class DepthwiseDecoder:
             sub = step.subset(sel)
             sub_groups = _groups(ts, offset=-1)  # ts is sorted too (sel keeps the items' order)
             for c, layer in enumerate(m.coda):
-                zs = layer(zs, sub.positions, None, _ItemEntries(cache, ("coda", c), sub_groups, sub))
+                zs = layer(zs, sub.positions, None, _entries(cache, ("coda", c), sub_groups, sub))
             normed = m.final_norm(zs[:, -1])  # (k, d)
             if self.exits is not None:
                 stop = stop.clone()
@@ -211,12 +257,16 @@ class DepthwiseDecoder:
         return stop
 
     def _fill_deeper(self, rows: torch.Tensor, exit_loop: torch.Tensor) -> None:
-        """kv_copy: each leaving token's entries of the loops after its exit loop take the exit loop's key/values at
-        its column (what the frozen-input reference leaves there)."""
-        cols = self.col[rows]
-        for e in exit_loop.unique().tolist():
-            sel = exit_loop == e
-            b, c = rows[sel], cols[sel]
-            for (rr, key), dst in self.cache.entries.items():
-                if isinstance(rr, int) and rr > e and isinstance(dst, KVCache):
-                    dst.copy_columns_from(self.cache[e, key], b, c)
+        """Each leaving token's entries of the loops after its exit loop (0-based), as the skip handling fills them
+        (`exit_compute.fill_exited`, what the frozen-input reference leaves there), before the row's next token."""
+        deeper = exit_loop < self.R - 1
+        if self.exits is None or not bool(deeper.any()):
+            return
+        rows, exit_loop = rows[deeper], exit_loop[deeper]
+        cache, saved = self.cache, self.cache.step
+        cache.step = Step(self.pos[rows][:, None], self.col[rows][:, None], rows, None, 0, None, 1)
+        try:
+            for r in range(int(exit_loop.min()) + 1, self.R):
+                fill_exited(self.model, cache, r, (exit_loop < r).nonzero().squeeze(1), exit_loop, self.exits.skip)
+        finally:
+            cache.step = saved
