@@ -9,13 +9,13 @@ SCALE ?= tiny
 export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 
 .DEFAULT_GOAL := help
-TABLES := 1 2 3 4 5 6 7 8 9 10 11 12 13
+TABLES := 1 2 3 4 5 6 7 8 9 10 11 12 13 14
 .PHONY: help install demo test test-fast bench gpu-install gpu-check sync-wandb clean tables \
         $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
-	@echo "  tableN / tableN-report: run / only aggregate paper table N (1-13); SCALE=tiny (default, CPU) or SCALE=paper; JOBS=N: tiny sweeps run N jobs at once (default: the cores, at most 4)"
+	@echo "  tableN / tableN-report: run / only aggregate paper table N (1-14); SCALE=tiny (default, CPU) or SCALE=paper; JOBS=N: tiny sweeps run N jobs at once (default: the cores, at most 4)"
 
 # torch first, from the pinned CPU wheel; then everything else under a constraint that keeps it
 $(STAMP): pyproject.toml constraints.txt

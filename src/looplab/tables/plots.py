@@ -198,6 +198,24 @@ def plot_speculation(table: "Table", ax) -> None:
     ax.legend(fontsize=5, ncol=2)
 
 
+def plot_serving(table: "Table", ax) -> None:
+    """Table 14: output tokens/s against concurrency, one line per model and arm (mean over rounds, 95% interval)."""
+    lines: dict[str, list[tuple[int, float, float]]] = {}
+    for r in table.rows:
+        st = r["output tokens/s"]
+        ci = st.interval
+        lines.setdefault(f"{r['model']} · {r['arm']}", []).append((r["concurrency"], st.mean, 0.0 if ci is None else (ci[1] - ci[0]) / 2))
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", ms=3, lw=1,
+                    capsize=2, label=label, ls="--" if "plain" in label else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency (closed loop)")
+    ax.set_ylabel("output tokens/s")
+    ax.legend(fontsize=5, ncol=2)
+
+
 # Each table kind's figure (spec.TableSpec.kind; None: no figure), drawn by draw(table, ax).
 PLOTS = {
     "lm": plot_perplexity,  # tables 1, 7
@@ -211,6 +229,7 @@ PLOTS = {
     "speculation": plot_speculation,  # table 11
     "routing": plot_perplexity,  # table 12
     "plt": plot_plt,  # table 13
+    "serving": plot_serving,  # table 14
 }
 
 

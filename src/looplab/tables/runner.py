@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from looplab.tables.spec import (DEFAULT_DECODE_JSON, DEFAULT_EXITS_JSON, DEFAULT_OUT_ROOT, DEFAULT_PLT_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
+from looplab.tables.spec import (DEFAULT_DECODE_JSON, DEFAULT_EXITS_JSON, DEFAULT_OUT_ROOT, DEFAULT_PLT_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SERVING_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
                                  TableSpec, default_seeds, get)
 
 EXIT_GRID_TIMED = 2  # table 10: test sequences decoded token by token per configuration and decoder (p-hop: ≈ 70 tokens; LM windows: 256)
@@ -194,6 +194,13 @@ def plt_decode_command(spec: TableSpec, scale: str, out_root: Path, out: Path = 
                               "language model (bench/routed_decode.py)")
 
 
+def serving_command(spec: TableSpec, scale: str, out_root: Path, out: Path = DEFAULT_SERVING_JSON) -> Command:
+    dirs = [str(sweep_dir(out_root, spec.number, scale, sw)) for sw in spec.sweeps_for(scale)]
+    argv = [sys.executable, "-m", "looplab.bench.depth_under_load", *dirs, "--concurrency", "1,8,32", "--requests", "32",
+            "--repeats", "5", "--threads", "1", "--out", str(out)]
+    return Command(argv, note="every trained model in the serving engine at concurrency 1, 8, 32 (bench/depth_under_load.py)")
+
+
 def zeroshot_command(spec: TableSpec, scale: str, out_root: Path) -> Command:
     tasks = ZEROSHOT_TASKS.get(scale)
     argv = [sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale, "--out-root", str(out_root)]
@@ -220,7 +227,7 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         return [decode_command(scale, decode_json, extra, out_root)]
     if spec.kind == "exitgrid" and scale != "tiny":
         raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
-    if spec.kind in ("speculation", "routing", "plt") and scale != "tiny":
+    if spec.kind in ("speculation", "routing", "plt", "serving") and scale != "tiny":
         raise ValueError(f"table {number} is defined at tiny scale only: {spec.notes.get(scale, '')}")
     cmds: list[Command] = [retrofit_command(out_root)] if spec.kind == "speculation" else []
     for sw in spec.sweeps_for(scale):
@@ -240,6 +247,8 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         cmds.append(routed_decode_command(spec, scale, out_root))
     if spec.kind == "plt":
         cmds.append(plt_decode_command(spec, scale, out_root))
+    if spec.kind == "serving":
+        cmds.append(serving_command(spec, scale, out_root))
     if zeroshot if zeroshot is not None else number == 1:
         cmds.append(zeroshot_command(spec, scale, out_root))
     return cmds

@@ -33,7 +33,9 @@ ZEROSHOT_TASKS: dict[str, str | None] = {"tiny": "looplab_tiny", "paper": None}
 # table 2, 30 LM runs (measured: see experiments/README.md). Tables 1 and 3 stay at three.
 TINY_SEEDS_PER_TABLE: dict[int, tuple[int, ...]] = {2: (1, 2, 3, 4, 5),
                                                     # table 11 measures speed, no paired claim: one model per arm
-                                                    11: (1,)}
+                                                    11: (1,),
+                                                    # table 14 too: its intervals are over repeated engine runs
+                                                    14: (1,)}
 
 
 def default_seeds(scale: str, number: int | None = None) -> list[int] | None:
@@ -292,6 +294,7 @@ def _mor_sweeps(experiment: str, unrolled_layers: int) -> tuple[Sweep, ...]:
 PLT_WINDOW_TINY = {"plt_lm_tiny": 16, "plt_phop_tiny": 8}
 PLT_KV = ("own", "share_first", "gswa")
 DEFAULT_PLT_JSON = Path("bench/plt.json")  # table 13's decoding measurements and diagnostics (bench/routed_decode.py)
+DEFAULT_SERVING_JSON = Path("bench/serving.json")  # table 14's engine measurements (bench/depth_under_load.py)
 
 
 def _plt_sweeps(experiment: str, loops: int, extra_gswa_loops: tuple[int, ...] = ()) -> tuple[Sweep, ...]:
@@ -306,6 +309,24 @@ def _plt_sweeps(experiment: str, loops: int, extra_gswa_loops: tuple[int, ...] =
                   fixed=par, name=f"{experiment}_parallel_depth", per_seed=True)] if extra_gswa_loops else []
     return tuple(out)
 
+
+# Table 14 (docs/tables.md#table-14): depth under load. Table 11's exit-aware language models and table 12's MoR models
+# with their fixed 1⊗R, trained again here (one seed: the table's intervals are over repeated engine runs), longest
+# first so that the runner's two processes end together.
+SERVING_QUALITY_BOUND = 0.02  # the issue's "perplexity within 2% of its all-loops perplexity"
+SERVING_TARGET = 1.5  # output tokens/s of an exit-aware model ÷ plain continuous batching, at concurrency 8 and 32 …
+SERVING_TARGET_IDEAL = (1.9, 0.8)  # … or, where the ideal R / mean depth is below 1.9, 80% of that ideal
+
+
+def _serving_sweeps() -> tuple[Sweep, ...]:
+    exit_aware = [f"exit_gate.skip_train_prob={SKIP_TRAIN_PROB}"]
+    return (sweep("speculation_tiny", params={"+arm": ["looped"]}, name="speculation_tiny_hybrid_exit_aware",
+                  fixed=["backbone=hybrid_tiny", *exit_aware, "exit_gate.skip_compute=ssm_skip"], per_seed=True),
+            sweep("speculation_tiny", params={"+arm": ["looped"]}, name="speculation_tiny_exit_aware",
+                  fixed=[*exit_aware, "exit_gate.skip_compute=kv_copy"], per_seed=True),
+            sweep("mor_lm_tiny", params={"+arm": ["mor_expert", "mor_token"]}, name="mor_lm_tiny_mor", per_seed=True,
+                  fixed=[f"trainer.max_steps={MOR_STEPS_TINY['mor_lm_tiny']}"]),
+            sweep("mor_lm_tiny", params={"+arm": ["looped"]}, name="mor_lm_tiny_fixed", per_seed=True))
 
 TABLES: dict[int, TableSpec] = {
     1: TableSpec(1, "StateLoop main: Vanilla, Vanilla Looped, StateLoop, +attn, +Mamba-2", "lm",
@@ -433,6 +454,21 @@ TABLES: dict[int, TableSpec] = {
                          "paper": "not defined: train the arms with `python -m looplab.train loop_depth.schedule=parallel "
                                   "loop_depth.kv=gswa ...` at scale and run `python -m looplab.bench.routed_decode` on the "
                                   "checkpoints"}),
+    14: TableSpec(14, "Depth under load: exits and routing in the serving engine (continuous and depth-wise batching)",
+                  "serving", {"tiny": _serving_sweeps(), "paper": ()}, "tokens/s",
+                  notes={"tiny": "table 11's exit-aware language models (lm_tiny, d 128, 600 steps, 2⊗4: llama trained with "
+                                 f"kv_copy at sampled exits, hybrid (MA) with ssm_skip, p = {SKIP_TRAIN_PROB:g}) and table "
+                                 "12's (1⊗3 llama: expert- and token-choice MoR at the fixed model's training FLOPs, "
+                                 f"{MOR_STEPS_TINY['mor_lm_tiny']} steps, and the fixed 1⊗3), trained here; each in "
+                                 "`looplab.serve.Engine` at concurrency 1, 8 and 32 (closed loop, 32 requests: prompts = the "
+                                 "first 8–24 tokens of held-out windows, 8–32 greedy tokens each, no eos), 5 rounds with every "
+                                 "(model, arm) once per round, one thread (bench/depth_under_load.py). Exit-aware models: "
+                                 "plain continuous batching (every loop), exits lockstep and exits depth-wise with the "
+                                 "zero-shot kl rule and the handling they were trained with, at the largest grid threshold "
+                                 f"within {SERVING_QUALITY_BOUND:.0%} of all-loops perplexity on 16 held-out windows "
+                                 "(perplexities reported on the 64 after them)",
+                         "paper": "not defined: run `python -m looplab.bench.depth_under_load` (or `python -m looplab.bench "
+                                  "serve CKPT`) on paper checkpoints, on a GPU"}),
 }
 
 

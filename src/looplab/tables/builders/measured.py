@@ -1,5 +1,5 @@
-"""Tables built from a benchmark's JSON: decoding latency (4), the exit grid (10) and self-speculative decoding
-(11). The training runs these tables also have only feed their missing / failed lists."""
+"""Tables built from a benchmark's JSON: decoding latency (4), the exit grid (10), self-speculative decoding
+(11) and depth under load in the serving engine (14). The training runs these tables also have only feed their missing / failed lists."""
 
 from __future__ import annotations
 
@@ -285,3 +285,166 @@ def _exit_aware_acceptance(table: Table, runs: list[dict[str, Any]]) -> None:
         table.summary[f"{_model_label(arms['standard'])}: acceptance, exit-aware − standard training (batch 1, mean "
                       f"over γ; one model each, seed {k_[-1]})"] = ", ".join(
             f"k {k}: {acc(arms['exit-aware'], k) - acc(arms['standard'], k):+.2f}" for k in ks)
+
+
+# ----------------------------------------------------------------------------- table 14
+def _paired_ratio(runs: list[dict], ref: list[dict], key: str = "output_tokens_per_s") -> dict[str, Any] | None:
+    """Runs ÷ reference runs of the same round (repeat): the geometric mean of the paired ratios with a 95% t-interval
+    over rounds (computed on the log ratios)."""
+    import math
+
+    from looplab.stats import t_interval
+
+    by = {r["repeat"]: r[key] for r in ref}
+    logs = [math.log(r[key] / by[r["repeat"]]) for r in runs if r["repeat"] in by and r[key] > 0 and by[r["repeat"]] > 0]
+    if not logs:
+        return None
+    ci = t_interval(logs)
+    return {"ratio": math.exp(statistics.fmean(logs)), "interval": None if ci is None else [math.exp(ci[0]), math.exp(ci[1])],
+            "rounds": len(logs)}
+
+
+def _fmt_ratio(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "—"
+    return f"{r['ratio']:.2f}×" + (" [{:.2f}, {:.2f}]".format(*r["interval"]) if r["interval"] else "")
+
+
+def _serving_label(m: dict[str, Any]) -> str:
+    router = f" {m['depth_router']}" if m.get("depth_router", "none") != "none" else ""
+    return f"{m['backbone']} {m['n_layers']}⊗{m['n_loops']} d {m['d_model']}{router}"
+
+
+def serving_target(ideal: float) -> float:
+    """The issue's target at one concurrency: 1.5× plain, or 80% of the ideal R / mean depth where that is below 1.9."""
+    from looplab.tables.spec import SERVING_TARGET, SERVING_TARGET_IDEAL
+
+    below, share = SERVING_TARGET_IDEAL
+    return SERVING_TARGET if ideal >= below else share * ideal
+
+
+def _judge_at_least(r: dict[str, Any] | None, bound: float) -> str:
+    if r is None or r["interval"] is None:
+        return "not tested"
+    lo, hi = r["interval"]
+    return "met" if lo >= bound else "not met" if hi < bound else "inconclusive"
+
+
+def build_serving(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None = None,
+                  serving_json: Path | None = None) -> Table:
+    """Table 14 from bench/depth_under_load.py's JSON: one row per trained model × arm × concurrency; verdicts on the
+    issue's targets computed from the paired ratios (over rounds) and the perplexities."""
+    from looplab.tables.spec import DEFAULT_SERVING_JSON, SERVING_QUALITY_BOUND
+
+    table, _ = runs_table(spec, scale, out_root, seeds)
+    table.method = ("each cell: output tokens/s = a request trace's generated tokens over its wall time, prefill "
+                    "included, mean over rounds ± a 95% t-interval; × ref = the geometric mean over rounds of the "
+                    "ratio to the reference arm measured in the same round (exit arms: the same model's plain "
+                    "continuous batching; MoR: the fixed 1⊗R model's), with a 95% t-interval on the log ratios; "
+                    "perplexities teacher-forced on held-out windows, served = with the engine's exit rule and skip "
+                    "handling (exit-aware) or causal routing (MoR); solo = requests equal / tied / different from "
+                    "decoding each alone")
+    path = Path(serving_json or DEFAULT_SERVING_JSON)
+    if not path.exists():
+        table.missing.append(f"{path}: not found — `make table14` trains the models and measures them")
+        return table
+    data = json.loads(path.read_text())
+    models = data.get("models", [])
+    fixed = [m for m in models if m["kind"] == "fixed"]
+    table.columns = ["model", "kind", "training", "exit rule", "perplexity (all loops)", "perplexity (served)",
+                     "Δ perplexity", "concurrency", "arm", "output tokens/s", "× ref", "decoding tokens/s", "mean depth",
+                     "TTFT p50 ms", "token p50 / p99 ms", "peak cache KiB", "solo"]
+    for m in models:
+        op = m.get("operating_point")
+        served = (m.get("exits") or m.get("routed") or {}).get("perplexity")
+        full = m["all_loops"]["perplexity"]
+        ref_model = next((f for f in fixed if f["n_loops"] == m["n_loops"] and f["d_model"] == m["d_model"]), None)
+        for c in data.get("concurrency", []):
+            for arm in m["arms"]:
+                runs = [r for r in m["runs"] if r["arm"] == arm and r["concurrency"] == c]
+                if not runs:
+                    continue
+                if arm in ("exits_lockstep", "exits_depthwise"):
+                    ref = [r for r in m["runs"] if r["arm"] == "plain" and r["concurrency"] == c]
+                elif arm == "routed" and ref_model is not None:
+                    ref = [r for r in ref_model["runs"] if r["arm"] == "plain" and r["concurrency"] == c]
+                else:
+                    ref = []
+                first = next((r for r in runs if "solo_check" in r), None)
+                chk = first["solo_check"] if first else None
+                table.rows.append({
+                    "model": _serving_label(m), "kind": m["kind"], "training": m.get("training") or "—",
+                    "exit rule": f"{op['rule']} q={op['threshold']:g} ({op['handling']})" if op and arm != "plain" else "—",
+                    "perplexity (all loops)": full, "perplexity (served)": served if arm != "plain" else full,
+                    "Δ perplexity": f"{served / full - 1:+.2%}" if served and arm != "plain" else "—",
+                    "concurrency": c, "arm": arm,
+                    "output tokens/s": Stat([r["output_tokens_per_s"] for r in runs]),
+                    "× ref": _fmt_ratio(_paired_ratio(runs, ref)) if ref else "—",
+                    "decoding tokens/s": Stat([r["decode_tokens_per_s"] for r in runs]),
+                    "mean depth": runs[0]["mean_depth"],
+                    "TTFT p50 ms": 1e3 * statistics.median(r["ttft_p50_s"] for r in runs),
+                    "token p50 / p99 ms": "{:.1f} / {:.1f}".format(
+                        1e3 * statistics.median(r["token_latency_p50_s"] or 0 for r in runs),
+                        1e3 * statistics.median(r["token_latency_p99_s"] or 0 for r in runs)),
+                    "peak cache KiB": runs[0]["peak_cache_bytes"] / 1024,
+                    "solo": f"{chk['equal']} / {chk['ties']} / {chk['different']}" if chk else "—"})
+    _serving_verdicts(table, data, models, fixed, SERVING_QUALITY_BOUND)
+    table.notes.append(
+        f"from {path}: {data.get('requests')} requests per run (prompts {data['trace']['prompt_len']} tokens of held-out "
+        f"windows, outputs {data['trace']['new_tokens']} tokens, no eos), concurrencies {data.get('concurrency')}, "
+        f"{data.get('repeats')} rounds, {data.get('threads')} thread(s); operating point: rule {data.get('rule')}, the "
+        f"largest threshold of {data.get('grid')} within {data.get('quality_bound', SERVING_QUALITY_BOUND):.0%} of "
+        f"all-loops perplexity on {data.get('select_windows')} held-out windows; perplexities on the "
+        f"{data.get('windows')} windows after them; measured in {data.get('seconds', 0) / 60:.1f} min")
+    table.sizes = f"{data.get('windows')} held-out windows (perplexity), {data.get('requests')} requests per engine run"
+    return table
+
+
+def _serving_verdicts(table: Table, data: dict, models: list[dict], fixed: list[dict], bound: float) -> None:
+    def runs(m, arm, c):
+        return [r for r in m["runs"] if r["arm"] == arm and r["concurrency"] == c]
+
+    loaded = [c for c in data.get("concurrency", []) if c > 1]
+    for m in models:
+        label = f"{_serving_label(m)} ({m.get('training')})"
+        if m["kind"] == "exit-aware":
+            served, full = m["exits"]["perplexity"], m["all_loops"]["perplexity"]
+            quality_ok = served / full - 1 <= bound
+            solo = runs(m, "exits_depthwise", 1)
+            if solo and runs(m, "plain", 1):
+                table.summary[f"{label}: one request at a time (c 1), exits ÷ plain"] = (
+                    f"depth-wise {_fmt_ratio(_paired_ratio(solo, runs(m, 'plain', 1)))}, lockstep "
+                    f"{_fmt_ratio(_paired_ratio(runs(m, 'exits_lockstep', 1), runs(m, 'plain', 1)))}; mean depth "
+                    f"{solo[0]['mean_depth']:.2f} of {m['n_loops']}; perplexity {served:.2f} vs {full:.2f} all loops "
+                    f"({served / full - 1:+.2%})")
+            for c in loaded:
+                deep, plain = runs(m, "exits_depthwise", c), runs(m, "plain", c)
+                if not deep or not plain:
+                    continue
+                r = _paired_ratio(deep, plain)
+                ideal = m["n_loops"] / deep[0]["mean_depth"]
+                target = serving_target(ideal)
+                speed = _judge_at_least(r, target)
+                verdict = "not met" if not quality_ok else speed
+                gain = _judge_at_least(r, 1.0)
+                lock = _paired_ratio(runs(m, "exits_lockstep", c), plain)
+                table.summary[f"target at c {c}: {label}, depth-wise exits ≥ {target:.2f}× plain output tokens/s "
+                              f"(ideal {ideal:.2f}×) with perplexity within {bound:.0%}"] = (
+                    f"**{verdict}**: {_fmt_ratio(r)} (lockstep exits {_fmt_ratio(lock)}); perplexity "
+                    f"{served / full - 1:+.2%}; depth-wise batching turns the exits into throughput: "
+                    f"{'yes' if gain == 'met' else 'no' if gain == 'not met' else 'not shown'} (gain > 1× {gain})")
+        elif m["kind"] == "routed":
+            ref = next((f for f in fixed if f["n_loops"] == m["n_loops"] and f["d_model"] == m["d_model"]), None)
+            if ref is None:
+                table.summary[f"{label}: MoR ≥ the fixed-depth model's throughput"] = "**not tested**: no fixed model measured"
+                continue
+            for c in loaded:
+                r = _paired_ratio(runs(m, "routed", c), runs(ref, "plain", c))
+                table.summary[f"target at c {c}: {label} routed ≥ the fixed 1⊗{m['n_loops']} model's output tokens/s"] = (
+                    f"**{_judge_at_least(r, 1.0)}**: {_fmt_ratio(r)}; causal perplexity {m['routed']['perplexity']:.2f} "
+                    f"(mean depth {m['routed']['mean_depth']:.2f}) vs the fixed model's {ref['all_loops']['perplexity']:.2f}")
+    if not any(m["kind"] == "exit-aware" for m in models):
+        table.summary["exit-aware models in the engine"] = "**not tested**: none measured"
+    different = sum(r["solo_check"]["different"] for m in models for r in m["runs"] if "solo_check" in r)
+    ties = sum(r["solo_check"]["ties"] for m in models for r in m["runs"] if "solo_check" in r)
+    table.summary["every checked request against decoding it alone"] = f"{different} different, {ties} ties"
