@@ -110,6 +110,8 @@ DEPTHWISE = {
     "hybrid_gate_ssm_skip_coda": (dict(backbone="hybrid", hybrid_pattern="MA", n_layers=2, exit_gate="ouro",
                                        coda_layers=1), ExitPolicy(threshold=0.5, skip="ssm_skip")),
     "mamba2_gate_ssm_propagate": (dict(backbone="mamba2", exit_gate="ouro"), ExitPolicy(threshold=0.5, skip="ssm_propagate")),
+    "router_expert_choice": (dict(depth_router={"name": "expert_choice"}, n_layers=2), None),
+    "router_token_choice_injection": (dict(depth_router={"name": "token_choice"}, injection="add"), None),
 }
 
 
@@ -145,7 +147,9 @@ def test_depthwise_batching_equals_solo_decoding(case):
 
 @pytest.mark.parametrize("kw,exits,named", [
     (dict(state_mode="stateloop_attn"), None, "state_mode='stateloop_attn'"),
-    (dict(depth_router={"name": "expert_choice"}), None, "depth_router='expert_choice'"),
+    (dict(depth_router={"name": "expert_choice", "kv": "share_first"}), None, "depth_router.kv='share_first'"),
+    (dict(depth_router={"name": "token_choice"}, backbone="hybrid", hybrid_pattern="MA", n_layers=2), None,
+     "backbone='hybrid' with depth_router='token_choice'"),
     (dict(loop_schedule="parallel"), None, "loop_schedule='parallel'"),
     (dict(exit_gate="ouro"), ExitPolicy(threshold=0.5), "skip=None"),
 ])

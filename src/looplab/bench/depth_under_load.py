@@ -13,7 +13,8 @@ Each checkpoint is one of three kinds, read off its config:
                 on those windows; none within: the smallest q. It is chosen on those windows and reported on the
                 `windows` after them (lm_tiny's validation and test splits are the same held-out works, so the
                 split is by window).
-    routed      a depth router (table 12's MoR): one arm, routed (lockstep; each token at the router's own depth).
+    routed      a depth router (table 12's MoR): arms routed (lockstep: a step runs until its deepest row's token
+                stops) and routed_depthwise (depth-wise batching); each token at the router's own depth.
     fixed       every other looped model (table 12's fixed 1⊗R): one arm, plain.
 
 Quality on the `windows` held-out windows after the selection windows: perplexity with every loop, and with the engine's exit decisions
@@ -170,7 +171,7 @@ def run(paths, concurrency=(1, 8, 32), requests: int = 32, repeats: int = 5, rul
             arms = ["plain", "exits_lockstep", "exits_depthwise"]
         elif kind == "routed":
             info["routed"] = quality(model, q_ids, q_tgt, routed=True)
-            arms = ["routed"]
+            arms = ["routed", "routed_depthwise"]
         if trace is None:
             trace = make_trace(test_ids, requests, prompt_len, new_tokens, seed)
         models.append({"model": model, "policy": policy, "arms": arms, "info": info, "runs": []})
@@ -184,10 +185,12 @@ def run(paths, concurrency=(1, 8, 32), requests: int = 32, repeats: int = 5, rul
         for rep in range(repeats):
             for m in models:  # every (model, arm) once per round: the round's ratios are paired in time
                 for arm in m["arms"]:
-                    res = run_arm(m["model"], trace, "plain" if arm == "routed" else arm, c, m["policy"],
-                                  open_loop=False, check=check and rep == 0, progress=progress)
+                    routed = arm.startswith("routed")
+                    res = run_arm(m["model"], trace, "plain" if routed else arm, c, m["policy"], open_loop=False,
+                                  check=check and rep == 0, progress=progress,
+                                  schedule="depthwise" if arm == "routed_depthwise" else None)
                     res["arm"], res["repeat"] = arm, rep
-                    if arm == "routed":  # the engine does not see the router's depths: the causal forward's figure
+                    if routed:  # the engine does not report the router's depths: the causal forward's figure
                         res["mean_depth"] = m["info"]["routed"]["mean_depth"]
                     m["runs"].append(res)
             print(f"[depth_under_load] c={c} round {rep + 1}/{repeats}: " + ", ".join(

@@ -68,10 +68,12 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def run_arm(model, trace: list[dict], arm: str, concurrency: int, exits: ExitPolicy | None, open_loop: bool,
-            check: bool = True, progress: bool = True) -> dict[str, Any]:
+            check: bool = True, progress: bool = True, schedule: str | None = None) -> dict[str, Any]:
+    """One closed-loop (or open-loop) run of the trace; schedule: the arm's own (exits_depthwise: depthwise) unless
+    given (a routed model's depth-wise arm runs 'plain' — no exit policy — under schedule='depthwise')."""
     R = model.config.n_loops
     max_len = max(len(r["prompt"]) + r["max_new_tokens"] for r in trace)
-    schedule = "depthwise" if arm == "exits_depthwise" else "lockstep"
+    schedule = schedule or ("depthwise" if arm == "exits_depthwise" else "lockstep")
     policy = None if arm == "plain" else exits
     engine = Engine(model, max_batch=concurrency, max_len=max_len, exits=policy, schedule=schedule)
     bar = None

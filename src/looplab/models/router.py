@@ -263,15 +263,20 @@ class TokenChoiceRouter(DepthRouter):
         """Each token's depth (B, T) in 1..R and weight (B, T), from the first loop's input."""
         cfg, R = self.cfg, self.n_loops
         logits, probs = self.scores(x)
-        choice = probs.argmax(-1)  # (B, T) in 0..R−1
-        weight = self.weight(probs.gather(-1, choice[..., None]).squeeze(-1))
+        depth, weight = self.choose(probs)
+        choice = depth - 1  # (B, T) in 0..R−1
         if cfg.balancing_loss_coeff > 0:
             frac = torch.bincount(choice.flatten(), minlength=R).to(probs.dtype) / choice.numel()
             P = probs.float().mean(dim=(0, 1))
             _add(state.losses, "balance", cfg.balancing_loss_coeff * (P * R * frac.float()).sum())
         if cfg.z_loss_coeff > 0:
             _add(state.losses, "router_z", cfg.z_loss_coeff * self.z_loss(logits))
-        return choice + 1, weight
+        return depth, weight
+
+    def choose(self, probs: torch.Tensor):
+        """Depth probabilities (..., R) → each token's depth (...) in 1..R (the argmax) and its weight."""
+        choice = probs.argmax(-1)
+        return choice + 1, self.weight(probs.gather(-1, choice[..., None]).squeeze(-1))
 
     def scores(self, x: torch.Tensor):
         """The router's logits and probabilities (B, T, R) over depths 1..R."""

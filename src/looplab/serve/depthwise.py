@@ -19,17 +19,23 @@ masks and recurrent states; only float rounding can depend on the batch's compos
 is a recurrence, so the fill of a leaving token's deeper loops must come before that row's next token runs
 them: it does (the fill happens as the token leaves, the next token starts in a later step).
 
+A depth router (MoR) schedules its tokens the same way: the router decides after each loop whether the
+token runs the next one (token choice: its depth, chosen at loop 1), a stopped token leaves at once, and each
+loop's items write and read that loop's recursion-wise entry (only the tokens that ran it, its own length
+per row: `_ItemRoutedEntries`); nothing is filled at the deeper loops, as in routed decoding.
+
 Supported: llama, Mamba-2 and hybrid blocks, vanilla and StateLoop without a mixer, prelude, coda,
 injection, the exit gate or a zero-shot exit rule with a skip handling (kv_copy; ssm_skip / ssm_propagate
-with Mamba-2 layers), or no exits. Refused by name: StateLoop mixers, depth routers, parallel loops,
-exits without skip (`unsupported`).
+with Mamba-2 layers), or no exits; expert- and token-choice routers on llama blocks with recursion-wise
+caches. Refused by name: StateLoop mixers, parallel loops, exits without skip, routers with share_first
+caches, Mamba-2 layers or a StateLoop state (`unsupported`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from looplab.models.cache import SSMCache, Step
+from looplab.models.cache import RoutedKVCache, SSMCache, Step
 from looplab.models.exit_compute import HANDLINGS, fill_exited
 from looplab.models.exit_rules import stops_at
 
@@ -40,7 +46,15 @@ def unsupported(model, exits) -> str | None:
     if c.state_mode in ("stateloop_attn", "stateloop_mamba2"):
         return f"state_mode={c.state_mode!r}: the StateLoop mixer is not batched across loops; use schedule='lockstep'"
     if c.depth_router.name != "none":
-        return f"depth_router={c.depth_router.name!r}: routed depth is not batched across loops; use schedule='lockstep'"
+        if c.depth_router.kv != "recursion_wise":
+            return (f"depth_router.kv={c.depth_router.kv!r}: depth-wise batching runs recursion-wise routed caches "
+                    "(each loop's own tokens); use schedule='lockstep'")
+        if c.backbone != "llama":
+            return (f"backbone={c.backbone!r} with depth_router={c.depth_router.name!r}: routed Mamba-2 states are not "
+                    "batched across loops; use schedule='lockstep'")
+        if c.state_mode != "vanilla":
+            return (f"state_mode={c.state_mode!r} with depth_router={c.depth_router.name!r}: a routed StateLoop "
+                    "state is not batched across loops; use schedule='lockstep'")
     if c.loop_schedule != "sequential":
         return (f"loop_schedule={c.loop_schedule!r}: parallel loops already run every loop of a token in one block "
                 "call; use schedule='lockstep'")
@@ -110,10 +124,41 @@ class _ItemSSM:
             e.last_xBC[rows], e.last_dt_raw[rows] = xBC[a:b], dt_raw[a:b]
 
 
+class _ItemRoutedEntries:
+    """What one attention layer sees in a depth-wise call of a routed model: each group's items write their
+    loop's RoutedKVCache (the tokens that ran that loop, its own length per row) and read it; the groups'
+    key/values are padded to the longest and the padding masked out."""
+
+    def __init__(self, cache, key, groups, step: Step):
+        self.cache, self.key, self.groups, self.step = cache, key, groups, step
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        cache, st, parts = self.cache, self.step, []
+        saved = cache.step
+        try:
+            for r, a, b in self.groups:  # RoutedKVCache.write reads its rows from the owner's Step
+                cache.step = Step(st.positions[a:b], st.cols[a:b], st.rows[a:b], None, 0, None, 1)
+                parts.append((a, b, *cache[r, self.key].write(k[a:b], v[a:b], None, None, None, 1)))
+        finally:
+            cache.step = saved
+        if len(parts) == 1:
+            return parts[0][2:]
+        n, Hkv, _, hd = k.shape
+        L = max(p[2].shape[2] for p in parts)
+        keys, values = k.new_zeros(n, Hkv, L, hd), v.new_zeros(n, Hkv, L, hd)
+        mask = torch.zeros(n, 1, 1, L, dtype=torch.bool, device=k.device)
+        for a, b, kk, vv, mm in parts:
+            keys[a:b, :, :kk.shape[2]], values[a:b, :, :vv.shape[2]], mask[a:b, ..., :mm.shape[-1]] = kk, vv, mm
+        return keys, values, mask
+
+
 def _entries(cache, key, groups, step: Step):
-    """The depth-wise view of entry `key` for a call's groups: attention (key/values) or Mamba-2 (states)."""
+    """The depth-wise view of entry `key` for a call's groups: attention (key/values; routed: each loop's own
+    tokens) or Mamba-2 (states)."""
     first = cache[groups[0][0], key]
-    return _ItemSSM(cache, key, groups, step) if isinstance(first, SSMCache) else _ItemEntries(cache, key, groups, step)
+    if isinstance(first, SSMCache):
+        return _ItemSSM(cache, key, groups, step)
+    return (_ItemRoutedEntries if isinstance(first, RoutedKVCache) else _ItemEntries)(cache, key, groups, step)
 
 
 def _groups(loops: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:
@@ -141,6 +186,9 @@ class DepthwiseDecoder:
         self.survival = torch.ones(B, device=device)
         self.x = self.e = self.s = None  # (B, 1, ·), allocated at the first start
         self.probs = torch.zeros(B, n_loops, device=device)  # the gate's p(t) of the in-flight token
+        self.router = getattr(model, "router", None)  # a depth router: each token's next loop is the router's
+        self.route_w = torch.zeros(B, device=device)  # the router's weight of the token's next loop
+        self.route_depth = torch.full((B,), n_loops, dtype=torch.long, device=device)  # token choice: its depth
         self.hist: dict[str, torch.Tensor] = {}  # zero-shot rules: loops 1..t of logits / hidden, (R, B, ·)
         self.block_calls: list[list[int]] = []  # per block call: its items' loops (1-based), what a test counts
 
@@ -168,6 +216,24 @@ class DepthwiseDecoder:
         self.loop[rows] = 0
         self.survival[rows] = 1.0
         self.probs[rows] = 0.0
+        if self.router is not None:  # loop 1 runs every token (capacity 1 / depth >= 1): its weight, token choice's depth
+            w, depth = self._route(0, st.x[:, -1])
+            self.route_w[rows] = w
+            if depth is not None:
+                self.route_depth[rows] = depth
+
+    def _route(self, r: int, x: torch.Tensor):
+        """The router at loop r (0-based) for tokens x (n, d) → (weight (n,), token choice's depth (n,) or None;
+        expert choice: its weight, and whether it runs loop r, as `depth` r + 1 or r) — RoutedLoop's decisions."""
+        from looplab.models.router import ExpertChoiceRouter
+
+        router = self.router
+        if isinstance(router, ExpertChoiceRouter):
+            ran = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+            active, w = router.decide(r, x, ran, None)
+            return w, None if r == 0 else torch.where(active, r + 1, r)
+        depth, w = router.choose(router.scores(x)[1])
+        return w, depth
 
     def _step_of(self, items: torch.Tensor) -> Step:
         cols = self.col[items]
@@ -195,6 +261,9 @@ class DepthwiseDecoder:
         h = x
         for l, layer in enumerate(m.block):
             h = layer(h, positions, None, _entries(cache, l, groups, step))
+        if self.router is not None:  # the router's weight multiplies the update (RoutedLoop.loop_step's gate)
+            w = self.route_w[items][:, None, None]
+            h = x + w * (h if self.router.cfg.update == "mor" else h - x)
         if m.state is not None:
             s, x, _ = m.state(h, self.s[items], positions, None, None)
             self.s[items] = s
@@ -206,13 +275,16 @@ class DepthwiseDecoder:
 
         # which items read a prediction now: every one under exits, the last loop's otherwise
         read = torch.ones_like(t, dtype=torch.bool) if self.exits is not None else t == R
+        if self.router is not None:  # a routed token stops where the router does not send it on
+            read = read | self._route_stops(items, t, x)
         sel = read.nonzero().squeeze(1)
-        stop = t == R
+        stop = read if self.router is not None else t == R
         logits = None
         if sel.numel():
             zs, ts = z[sel], t[sel]
             sub = step.subset(sel)
-            sub_groups = _groups(ts, offset=-1)  # ts is sorted too (sel keeps the items' order)
+            # ts is sorted too (sel keeps the items' order); routed decoding reads every token through depth R's coda
+            sub_groups = _groups(ts, offset=-1) if self.router is None else [(R - 1, 0, int(sel.numel()))]
             for c, layer in enumerate(m.coda):
                 zs = layer(zs, sub.positions, None, _entries(cache, ("coda", c), sub_groups, sub))
             normed = m.final_norm(zs[:, -1])  # (k, d)
@@ -228,6 +300,23 @@ class DepthwiseDecoder:
             self._fill_deeper(rows, t[leave] - 1)
         self.loop[items] = torch.where(stop, torch.full_like(t, -1), t)
         return rows, out_logits, t[leave]
+
+    def _route_stops(self, items, t, x) -> torch.Tensor:
+        """Whether each item's token stops after loop t (1-based): token choice at its depth; expert choice where
+        the router does not run loop t + 1 (the weight of that loop is kept for the ones that go on)."""
+        from looplab.models.router import ExpertChoiceRouter
+
+        if not isinstance(self.router, ExpertChoiceRouter):
+            return t >= self.route_depth[items]
+        stop = t >= self.R
+        for g in t.unique().tolist():
+            if g >= self.R:
+                continue
+            idx = (t == g).nonzero().squeeze(1)
+            w, depth = self._route(g, x[idx, -1])
+            stop[idx] = depth == g
+            self.route_w[items[idx]] = w
+        return stop
 
     def _decide(self, rows, t, normed) -> torch.Tensor:
         """The exit rule after loop t (1-based) for each item, from loops 1..t, as SkipDecoding decides it."""
