@@ -182,18 +182,20 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
                           loop_hidden=loop_hidden, exit_steps=exit_steps)
 
 
-def fill_exited(model, cache: LoopCache, r: int, idx: torch.Tensor, exit_loop: torch.Tensor, handling: str) -> None:
+def fill_exited(model, cache: LoopCache, r: int, idx: torch.Tensor, exit_loop: torch.Tensor, handling: str,
+                entries=None) -> None:
     """Loop r's entries of the call's rows idx (b,), whose token exited after loop exit_loop[idx] (0-based) < r,
     without running a layer: attention entries take the exit loop's key/values at the token's column (kv_copy —
     what recomputing from the frozen input gives), Mamba-2 entries its exit-loop conv input, and under
-    ssm_propagate also the state write (Mamba2Mixer.step_from)."""
+    ssm_propagate also the state write (Mamba2Mixer.step_from). entries: the ((loop, key), entry) pairs to look at
+    (default: all of the cache's; a caller that fills often passes loop r's)."""
     st = cache.step
     exits = exit_loop[idx]
     for e in exits.unique().tolist():
         sel = idx[exits == e]
         rows = sel if st.rows is None else st.rows[sel]  # the batch rows of these tokens
         cols = st.cols[sel, -1]
-        for (rr, key), dst in cache.entries.items():
+        for (rr, key), dst in (cache.entries.items() if entries is None else entries):
             if rr != r:
                 continue
             src = cache[e, key]

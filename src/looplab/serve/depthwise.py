@@ -191,6 +191,7 @@ class DepthwiseDecoder:
         self.route_depth = torch.full((B,), n_loops, dtype=torch.long, device=device)  # token choice: its depth
         self.hist: dict[str, torch.Tensor] = {}  # zero-shot rules: loops 1..t of logits / hidden, (R, B, ·)
         self.block_calls: list[list[int]] = []  # per block call: its items' loops (1-based), what a test counts
+        self._entries_of = {r: [(k, e) for k, e in cache.entries.items() if k[0] == r] for r in range(n_loops)}
 
     @property
     def in_flight(self) -> torch.Tensor:
@@ -288,15 +289,18 @@ class DepthwiseDecoder:
             for c, layer in enumerate(m.coda):
                 zs = layer(zs, sub.positions, None, _entries(cache, ("coda", c), sub_groups, sub))
             normed = m.final_norm(zs[:, -1])  # (k, d)
+            read_logits = None
             if self.exits is not None:
                 stop = stop.clone()
-                stop[sel] |= self._decide(items[sel], ts, normed)
-            logits = normed  # the head runs on the leaving items only
+                decided, read_logits = self._decide(items[sel], ts, normed)
+                stop[sel] |= decided
         leave = stop.nonzero().squeeze(1)
         rows = items[leave]
         out_logits = None
         if leave.numel():
-            out_logits = m.head(logits[torch.searchsorted(sel, leave)])  # leave ⊆ sel: each one's place in sel
+            at = torch.searchsorted(sel, leave)  # leave ⊆ sel: each one's place in sel
+            # the head runs on the leaving items only, unless the rule already read every item's logits
+            out_logits = read_logits[at] if read_logits is not None else m.head(normed[at])
             self._fill_deeper(rows, t[leave] - 1)
         self.loop[items] = torch.where(stop, torch.full_like(t, -1), t)
         return rows, out_logits, t[leave]
@@ -318,8 +322,9 @@ class DepthwiseDecoder:
             self.route_w[items[idx]] = w
         return stop
 
-    def _decide(self, rows, t, normed) -> torch.Tensor:
-        """The exit rule after loop t (1-based) for each item, from loops 1..t, as SkipDecoding decides it."""
+    def _decide(self, rows, t, normed):
+        """The exit rule after loop t (1-based) for each item, from loops 1..t, as SkipDecoding decides it → (stop,
+        the logits the rule read, or None for the gate and hidden_delta)."""
         pol, R = self.exits, self.R
         rule, q = pol.rule_name, pol.threshold
         not_last = t < R
@@ -335,15 +340,14 @@ class DepthwiseDecoder:
                 self.hist[key] = value.new_zeros(R, self.cache.batch_size, value.shape[-1])
             self.hist[key][t - 1, rows] = value
         stop = torch.zeros_like(t, dtype=torch.bool)
-        for g in t.unique().tolist():
+        for g, a, e in _groups(t):  # t is sorted: each loop's items one slice
             if g >= R or g < pol.min_loops:
                 continue
-            idx = (t == g).nonzero().squeeze(1)
-            b = rows[idx]
-            stop[idx] = stops_at(rule, g, q, exit_probs=self.probs[b, :g] if rule == "gate" else None,
+            b = rows[a:e]
+            stop[a:e] = stops_at(rule, g, q, exit_probs=self.probs[b, :g] if rule == "gate" else None,
                                  logits=self.hist["logits"][:g, b] if "logits" in self.hist else None,
                                  hidden=self.hist["hidden"][:g, b] if "hidden" in self.hist else None)
-        return stop
+        return stop, (value if rule not in ("gate", "hidden_delta") else None)
 
     def _fill_deeper(self, rows: torch.Tensor, exit_loop: torch.Tensor) -> None:
         """Each leaving token's entries of the loops after its exit loop (0-based), as the skip handling fills them
@@ -356,6 +360,7 @@ class DepthwiseDecoder:
         cache.step = Step(self.pos[rows][:, None], self.col[rows][:, None], rows, None, 0, None, 1)
         try:
             for r in range(int(exit_loop.min()) + 1, self.R):
-                fill_exited(self.model, cache, r, (exit_loop < r).nonzero().squeeze(1), exit_loop, self.exits.skip)
+                fill_exited(self.model, cache, r, (exit_loop < r).nonzero().squeeze(1), exit_loop, self.exits.skip,
+                            self._entries_of[r])
         finally:
             cache.step = saved
