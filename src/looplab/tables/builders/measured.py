@@ -342,7 +342,8 @@ def build_serving(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] 
                     "ratio to the reference arm measured in the same round (exit arms: the same model's plain "
                     "continuous batching; MoR: the fixed 1⊗R model's), with a 95% t-interval on the log ratios; "
                     "perplexities teacher-forced on held-out windows, served = with the engine's exit rule and skip "
-                    "handling (exit-aware) or causal routing (MoR); solo = requests equal / tied / different from "
+                    "handling (exit-aware) or causal routing (MoR; its all-loops column: the routing it was trained "
+                    "with, top-k over the window for expert choice); solo = requests equal / tied / different from "
                     "decoding each alone")
     path = Path(serving_json or DEFAULT_SERVING_JSON)
     if not path.exists():
