@@ -328,6 +328,7 @@ class DepthwiseDecoder:
         pol, R = self.exits, self.R
         rule, q = pol.rule_name, pol.threshold
         not_last = t < R
+        read_logits = None
         if rule == "gate":  # p(t) = λ_t S_{t−1}, S_t = S_{t−1}(1 − λ_t); the last loop takes what is left
             live = not_last.nonzero().squeeze(1)
             if live.numel():
@@ -339,6 +340,7 @@ class DepthwiseDecoder:
             if key not in self.hist:
                 self.hist[key] = value.new_zeros(R, self.cache.batch_size, value.shape[-1])
             self.hist[key][t - 1, rows] = value
+            read_logits = value if key == "logits" else None
         stop = torch.zeros_like(t, dtype=torch.bool)
         for g, a, e in _groups(t):  # t is sorted: each loop's items one slice
             if g >= R or g < pol.min_loops:
@@ -347,7 +349,7 @@ class DepthwiseDecoder:
             stop[a:e] = stops_at(rule, g, q, exit_probs=self.probs[b, :g] if rule == "gate" else None,
                                  logits=self.hist["logits"][:g, b] if "logits" in self.hist else None,
                                  hidden=self.hist["hidden"][:g, b] if "hidden" in self.hist else None)
-        return stop, (value if rule not in ("gate", "hidden_delta") else None)
+        return stop, read_logits
 
     def _fill_deeper(self, rows: torch.Tensor, exit_loop: torch.Tensor) -> None:
         """Each leaving token's entries of the loops after its exit loop (0-based), as the skip handling fills them
