@@ -202,6 +202,14 @@ def _exit_aware_training(table: Table, groups: dict[tuple, list[tuple[dict, dict
                       f"(paired over {len(seeds)} seeds; mean exit step {exits.mean:+.2f}) — **{verdict}**"] = diff
 
 
+def _measured_json(table: Table, path: Path) -> dict[str, Any] | None:
+    """The benchmark JSON a table reads, or None with the file listed as missing (the table's make target makes it)."""
+    if not path.exists():
+        table.missing.append(f"{path}: not found — `make table{table.spec.number}` trains the models and measures them")
+        return None
+    return json.loads(path.read_text())
+
+
 def _model_label(run: dict[str, Any]) -> str:
     """'llama vanilla 2⊗4 d 128' (+ 'P1 C1' with a prelude / coda)."""
     pc = " ".join(f"{k}{run.get(f'{n}_layers')}" for k, n in (("P", "prelude"), ("C", "coda")) if run.get(f"{n}_layers"))
@@ -221,10 +229,9 @@ def build_speculation(spec: TableSpec, scale: str, out_root: Path, seeds: list[i
                     "speculative call gave plain decoding's tokens exactly (checked); acceptance = kept draft tokens / "
                     "drafted; draft cost = plain decoding at depth k ÷ at depth R, per token, paired the same way")
     path = Path(speculation_json or DEFAULT_SPECULATION_JSON)
-    if not path.exists():
-        table.missing.append(f"{path}: not found — `make table11` trains the models and measures them")
+    data = _measured_json(table, path)
+    if data is None:
         return table
-    data = json.loads(path.read_text())
     runs = data.get("runs", [])
     for run in runs:
         for b, res in sorted(run["batches"].items(), key=lambda kv: int(kv[0])):
@@ -346,10 +353,9 @@ def build_serving(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] 
                     "with, top-k over the window for expert choice); solo = requests equal / tied / different from "
                     "decoding each alone")
     path = Path(serving_json or DEFAULT_SERVING_JSON)
-    if not path.exists():
-        table.missing.append(f"{path}: not found — `make table14` trains the models and measures them")
+    data = _measured_json(table, path)
+    if data is None:
         return table
-    data = json.loads(path.read_text())
     models = data.get("models", [])
     fixed = [m for m in models if m["kind"] == "fixed"]
     table.columns = ["model", "kind", "training", "exit rule", "perplexity (all loops)", "perplexity (served)",
