@@ -225,3 +225,28 @@ def test_make_bench_serve_part(tmp_path):
     for k in ("depthwise_vs_plain_c8", "depthwise_decode_vs_plain_c8", "lockstep_exits_vs_plain_c8", "ideal_c8"):
         assert r[k] > 0, k
     assert r["ideal_c8"] > 1.2  # the gate spreads the exits: there is depth to save
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "depthwise"])
+def test_sampled_requests_draw_what_they_draw_alone(schedule):
+    """Requests with sampling options beside greedy ones: each sampled request draws from its own seeded generator, so
+    it gets exactly what generate(sampling=..., generator seeded alike) gives it alone; another seed draws otherwise."""
+    from looplab.models.generation import Sampling
+
+    m = looped(exit_gate="ouro")
+    exits = ExitPolicy(threshold=0.5, skip="kv_copy")
+    engine = Engine(m, max_batch=3, max_len=40, exits=exits, schedule=schedule)
+    warm = Sampling(temperature=1.0, top_k=20)
+    handles = [engine.add(p, 12, sampling=warm if i % 2 else None, seed=100 + i) for i, (p, _) in enumerate(trace(6))]
+    engine.run()
+    assert [h.sampling is not None for h in handles] == [False, True] * 3
+    agree = solo_agreement(m, handles, exits=exits)
+    assert agree["equal"] == 6, agree["differences"]
+    greedy = generate(m, handles[1].prompt[None], 12, exits=exits)[0, handles[1].prompt.numel():].tolist()
+    assert handles[1].tokens != greedy  # the draws are not the greedy tokens
+    other = Engine(m, max_batch=3, max_len=40, exits=exits, schedule=schedule)
+    again = other.add(handles[1].prompt, 12, sampling=warm, seed=7)
+    other.run()
+    assert again.tokens != handles[1].tokens
+    with pytest.raises(ValueError, match="sampling.generator"):
+        engine.add([1, 2], 3, sampling=Sampling(temperature=1.0, generator=torch.Generator()))

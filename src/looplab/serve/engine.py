@@ -12,8 +12,9 @@ The engine keeps `max_batch` rows of one cache. Each `step()`:
      next admission.
 
 Each request gets the tokens (and, with exits, the exit depths) it would get from
-`generate(prompt, max_new_tokens, exits=policy, eos_token_id=eos)` alone: greedy decoding, per-row
-lengths, positions and masks in the cache, and nothing shared between rows but the weights. Float
+`generate(prompt, max_new_tokens, exits=policy, eos_token_id=eos)` alone: greedy decoding, or sampling
+from the request's own seeded generator (`add(..., sampling=Sampling(...), seed=s)`), per-row lengths,
+positions and masks in the cache, and nothing shared between rows but the weights. Float
 rounding can differ with the batch's composition; `solo_agreement` counts a difference as a tie
 only where the solo run's top-2 logit margin at the first differing token is below 1e-4.
 
@@ -26,14 +27,14 @@ token at its own loop (looplab.serve.depthwise, docs/decoding.md#depth-wise-batc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
 
 from looplab.models.exit_compute import SkipDecoding
 from looplab.models.exits import ExitPolicy
-from looplab.models.generation import decode_one_token, prefill
+from looplab.models.generation import Sampling, decode_one_token, prefill
 from looplab.serve.depthwise import DepthwiseDecoder
 
 SCHEDULES = ("lockstep", "depthwise")
@@ -54,6 +55,8 @@ class Request:
     admitted_at: float | None = None
     token_times: list[float] = field(default_factory=list)  # engine clock when each token was chosen
     row: int | None = None
+    sampling: "Sampling | None" = None  # None or temperature 0: greedy; else drawn from the request's own generator
+    seed: int | None = None  # the seed of that generator (solo_agreement draws again from it)
 
     hit_eos: bool = False
 
@@ -63,7 +66,7 @@ class Request:
 
 
 class Engine:
-    """Continuous batching of greedy requests over one model (docs/decoding.md#serving-many-requests).
+    """Continuous batching of requests (greedy or sampled) over one model (docs/decoding.md#serving-many-requests).
 
         engine = Engine(model, max_batch=8, max_len=256, exits=ExitPolicy(threshold=0.5, skip="kv_copy"))
         for prompt in prompts:
@@ -104,7 +107,11 @@ class Engine:
     def now(self) -> float:
         return self._clock() - self._t0
 
-    def add(self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int, arrival: float | None = None) -> Request:
+    def add(self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int, arrival: float | None = None,
+            sampling: Sampling | None = None, seed: int | None = None) -> Request:
+        """Queue a request. sampling: Sampling(temperature, top_k, top_p) (default greedy); a sampled request draws
+        from its own generator seeded with `seed` (default: its id), so that it gets what
+        `generate(..., sampling=Sampling(..., generator=torch.Generator().manual_seed(seed)))` gives it alone."""
         prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         if prompt.numel() == 0:
             raise ValueError("an empty prompt: give at least one token")
@@ -114,6 +121,11 @@ class Engine:
             raise ValueError(f"prompt ({prompt.numel()} tokens) + max_new_tokens={max_new_tokens} exceeds the engine's "
                              f"max_len={self.max_len}")
         req = Request(prompt.to(self.cache.lengths.device), int(max_new_tokens), id=self._next_id, arrival=arrival)
+        if sampling is not None and not sampling.greedy:
+            if sampling.generator is not None:
+                raise ValueError("sampling.generator: the engine seeds each request's own generator; give seed= instead")
+            req.seed = self._next_id if seed is None else int(seed)
+            req.sampling = replace(sampling, generator=_generator(req.seed, self.cache.lengths.device))
         self._next_id += 1
         self.waiting.append(req)
         return req
@@ -223,7 +235,7 @@ class Engine:
 
     def _record(self, req: Request, logits: torch.Tensor, step, t: float) -> None:
         top = logits.float().topk(2).values if logits.numel() > 1 else logits.float().expand(2)
-        token = int(logits.argmax())
+        token = int(logits.argmax()) if req.sampling is None else int(req.sampling.sample(logits[None])[0])
         req.tokens.append(token)
         req.margins.append(float(top[0] - top[1]))
         req.token_times.append(t)
@@ -238,16 +250,23 @@ class Engine:
         return req
 
 
+def _generator(seed: int, device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def solo_agreement(model, requests: Sequence[Request], *, exits: ExitPolicy | None = None, n_loops: int | None = None,
                    eos_token_id: int | None = None) -> dict:
-    """Each request against `generate(prompt, max_new_tokens, exits=exits)` alone (batch 1): equal, a tie (the first
+    """Each request against `generate(prompt, max_new_tokens, exits=exits)` alone (batch 1; a sampled request with its
+    sampling and a generator seeded as the engine seeded its own): equal, a tie (a greedy request whose first
     differing token's solo top-2 margin < TIE_MARGIN), or different. Exit depths must agree up to that token."""
     from looplab.models.generation import generate
 
     equal, ties, differ = 0, 0, []
     for req in requests:
+        sampling = (None if req.sampling is None
+                    else replace(req.sampling, generator=_generator(req.seed, req.prompt.device)))
         out = generate(model, req.prompt[None], req.max_new_tokens, exits=exits, n_loops=n_loops,
-                       eos_token_id=eos_token_id, return_logits=True)
+                       eos_token_id=eos_token_id, sampling=sampling, return_logits=True)
         solo = out.sequences[0, req.prompt.numel():].tolist()[:len(req.tokens)]
         solo_steps = out.exit_steps[0].tolist()[:len(req.tokens)] if out.exit_steps is not None else []
         first = next((i for i, (a, b) in enumerate(zip(req.tokens, solo)) if a != b), None)
@@ -256,7 +275,7 @@ def solo_agreement(model, requests: Sequence[Request], *, exits: ExitPolicy | No
         if first is None and len(solo) == len(req.tokens) and steps_agree:
             equal += 1
             continue
-        if first is not None and steps_agree:
+        if first is not None and steps_agree and req.sampling is None:
             top = out.logits[0, first].float().topk(2).values
             if float(top[0] - top[1]) < TIE_MARGIN:
                 ties += 1
