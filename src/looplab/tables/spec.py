@@ -466,7 +466,8 @@ TABLES: dict[int, TableSpec] = {
                                  "plain continuous batching (every loop), exits lockstep and exits depth-wise with the "
                                  "zero-shot kl rule and the handling they were trained with, at the largest grid threshold "
                                  f"within {SERVING_QUALITY_BOUND:.0%} of all-loops perplexity on 16 held-out windows "
-                                 "(perplexities reported on the 64 after them)",
+                                 "(perplexities reported on the 64 after them); MoR models: their router under lockstep "
+                                 "and depth-wise batching, against the fixed model's plain continuous batching",
                          "paper": "not defined: run `python -m looplab.bench.depth_under_load` (or `python -m looplab.bench "
                                   "serve CKPT`) on paper checkpoints, on a GPU"}),
 }
