@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from looplab.bench.common import machine_info, set_threads
-from looplab.bench.serve import run_arm
-from looplab.bench.trained_runs import body_training, checkpoints_in, run_results, run_seed
+from looplab.bench.serve import parse_concurrency, parse_pair, run_arm
+from looplab.bench.trained_runs import body_training, checkpoints_in, held_out_examples, run_results, run_seed
 from looplab.models.exits import ExitPolicy
 
 QUALITY_BOUND = 0.02  # the issue's "perplexity within 2% of its all-loops perplexity"
@@ -69,22 +69,10 @@ def handling_of(model, ckpt) -> str:
 
 def windows(meta: dict[str, Any], n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first n (input_ids, targets) windows of the checkpoint's test split."""
-    from looplab.eval.__main__ import build_datamodule
-
-    dm = build_datamodule(meta["dataset"])
-    if hasattr(dm, "prepare_data"):
-        dm.prepare_data()
-    dm.setup("test")
-    ids, tgt = [], []
-    for batch in dm.test_dataloader():
-        ids.append(batch["input_ids"])
-        tgt.append(batch["targets"])
-        if sum(x.shape[0] for x in ids) >= n:
-            break
-    ids, tgt = torch.cat(ids)[:n], torch.cat(tgt)[:n]
-    if ids.shape[0] < n:
-        raise ValueError(f"the test split has {ids.shape[0]} windows, fewer than the {n} asked for")
-    return ids, tgt
+    held = held_out_examples(meta, n, every_token=True)
+    if len(held) < n:
+        raise ValueError(f"the test split has {len(held)} windows, fewer than the {n} asked for")
+    return torch.stack([ex["input_ids"] for ex in held]), torch.stack([ex["targets"] for ex in held])
 
 
 @torch.no_grad()
@@ -223,25 +211,15 @@ def main(argv=None) -> dict[str, Any]:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default="bench/serving.json")
     a = ap.parse_args(argv)
-
-    def ints(s, name, n=None):
-        try:
-            v = tuple(int(x) for x in s.split(","))
-        except ValueError:
-            ap.error(f"--{name} {s!r}: give integers separated by commas")
-        if any(x < 1 for x in v) or (n is not None and (len(v) != n or v[0] > v[1])):
-            ap.error(f"--{name} {s!r}: " + ("need 1 <= a <= b" if n else "every value must be >= 1"))
-        return v
-
     try:
         grid = tuple(float(x) for x in a.grid.split(","))
     except ValueError:
         ap.error(f"--grid {a.grid!r}: give numbers separated by commas")
     if a.repeats < 1 or a.requests < 1:
         ap.error(f"--repeats {a.repeats} / --requests {a.requests}: must be >= 1")
-    out = run(a.paths, ints(a.concurrency, "concurrency"), a.requests, a.repeats, a.rule, grid, a.windows,
-              a.select_windows, ints(a.prompt_len, "prompt-len", 2), ints(a.new_tokens, "new-tokens", 2), a.seed,
-              a.threads, not a.no_check, progress=True)
+    out = run(a.paths, parse_concurrency(ap, a.concurrency), a.requests, a.repeats, a.rule, grid, a.windows,
+              a.select_windows, parse_pair(ap, a.prompt_len, "prompt-len"), parse_pair(ap, a.new_tokens, "new-tokens"),
+              a.seed, a.threads, not a.no_check, progress=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {a.out} ({out['seconds']:.0f} s)")

@@ -218,6 +218,28 @@ def run(threads: int, quick: bool) -> dict[str, Any]:
     return out
 
 
+def parse_pair(ap: argparse.ArgumentParser, s: str, name: str) -> tuple[int, int]:
+    """--NAME a,b (a length range, 1 <= a <= b); a bad value ends the command with ap.error naming it."""
+    try:
+        lo, hi = (int(x) for x in s.split(","))
+    except ValueError:
+        ap.error(f"--{name} {s!r}: give two integers a,b")
+    if not 1 <= lo <= hi:
+        ap.error(f"--{name} {s!r}: need 1 <= a <= b")
+    return lo, hi
+
+
+def parse_concurrency(ap: argparse.ArgumentParser, s: str) -> tuple[int, ...]:
+    """--concurrency 1,8,32; a bad value ends the command with ap.error naming it."""
+    try:
+        conc = tuple(int(x) for x in s.split(","))
+    except ValueError:
+        ap.error(f"--concurrency {s!r}: give integers, e.g. 1,8,32")
+    if any(c < 1 for c in conc):
+        ap.error(f"--concurrency {s!r}: every concurrency must be >= 1")
+    return conc
+
+
 def main(argv=None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m looplab.bench serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("ckpt", help="a training checkpoint (last.ckpt or a folder) or 'random' (make bench's model)")
@@ -235,22 +257,7 @@ def main(argv=None) -> dict[str, Any]:
     ap.add_argument("--no-check", action="store_true", help="skip decoding every request alone to check the outputs")
     ap.add_argument("--out", default=os.path.join("bench", "serve.json"))
     a = ap.parse_args(argv)
-
-    def pair(s, name):
-        try:
-            lo, hi = (int(x) for x in s.split(","))
-        except ValueError:
-            ap.error(f"--{name} {s!r}: give two integers a,b")
-        if not 1 <= lo <= hi:
-            ap.error(f"--{name} {s!r}: need 1 <= a <= b")
-        return lo, hi
-
-    try:
-        conc = tuple(int(x) for x in a.concurrency.split(","))
-    except ValueError:
-        ap.error(f"--concurrency {a.concurrency!r}: give integers, e.g. 1,8,32")
-    if any(c < 1 for c in conc):
-        ap.error(f"--concurrency {a.concurrency!r}: every concurrency must be >= 1")
+    conc = parse_concurrency(ap, a.concurrency)
     if a.repeats < 1:
         ap.error(f"--repeats {a.repeats}: must be >= 1")
     if a.rate is not None and a.rate <= 0:
@@ -264,7 +271,8 @@ def main(argv=None) -> dict[str, Any]:
         model, _ = load_model(a.ckpt)
         model.eval()
     res = serve_bench(model, concurrency=conc, requests=a.requests, rate=a.rate, exit_threshold=a.exit_threshold,
-                      prompt_len=pair(a.prompt_len, "prompt-len"), new_tokens=pair(a.new_tokens, "new-tokens"),
+                      prompt_len=parse_pair(ap, a.prompt_len, "prompt-len"),
+                      new_tokens=parse_pair(ap, a.new_tokens, "new-tokens"),
                       seed=a.seed, check=not a.no_check, repeats=a.repeats)
     res["machine"] = machine_info(a.threads)
     res["ckpt"] = a.ckpt

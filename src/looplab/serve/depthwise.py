@@ -33,6 +33,8 @@ caches, Mamba-2 layers or a StateLoop state (`unsupported`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from looplab.models.cache import RoutedKVCache, SSMCache, Step
@@ -134,13 +136,9 @@ class _ItemRoutedEntries:
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         cache, st, parts = self.cache, self.step, []
-        saved = cache.step
-        try:
-            for r, a, b in self.groups:  # RoutedKVCache.write reads its rows from the owner's Step
-                cache.step = Step(st.positions[a:b], st.cols[a:b], st.rows[a:b], None, 0, None, 1)
+        for r, a, b in self.groups:  # RoutedKVCache.write reads its rows from the owner's Step
+            with _stepping(cache, st.positions[a:b], st.cols[a:b], st.rows[a:b]):
                 parts.append((a, b, *cache[r, self.key].write(k[a:b], v[a:b], None, None, None, 1)))
-        finally:
-            cache.step = saved
         if len(parts) == 1:
             return parts[0][2:]
         n, Hkv, _, hd = k.shape
@@ -150,6 +148,17 @@ class _ItemRoutedEntries:
         for a, b, kk, vv, mm in parts:
             keys[a:b, :, :kk.shape[2]], values[a:b, :, :vv.shape[2]], mask[a:b, ..., :mm.shape[-1]] = kk, vv, mm
         return keys, values, mask
+
+
+@contextlib.contextmanager
+def _stepping(cache, positions: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor):
+    """For the body of the with-block the cache's Step is one token of each of rows (b,) at cols (b, 1): what the
+    entry methods that read their rows from the owner's Step (routed writes, exit fills) see."""
+    saved, cache.step = cache.step, Step(positions, cols, rows, None, 0, None, 1)
+    try:
+        yield
+    finally:
+        cache.step = saved
 
 
 def _entries(cache, key, groups, step: Step):
@@ -313,13 +322,12 @@ class DepthwiseDecoder:
         if not isinstance(self.router, ExpertChoiceRouter):
             return t >= self.route_depth[items]
         stop = t >= self.R
-        for g in t.unique().tolist():
+        for g, a, b in _groups(t):  # t is sorted: each loop's items one slice
             if g >= self.R:
                 continue
-            idx = (t == g).nonzero().squeeze(1)
-            w, depth = self._route(g, x[idx, -1])
-            stop[idx] = depth == g
-            self.route_w[items[idx]] = w
+            w, depth = self._route(g, x[a:b, -1])
+            stop[a:b] = depth == g
+            self.route_w[items[a:b]] = w
         return stop
 
     def _decide(self, rows, t, normed):
@@ -358,11 +366,7 @@ class DepthwiseDecoder:
         if self.exits is None or not bool(deeper.any()):
             return
         rows, exit_loop = rows[deeper], exit_loop[deeper]
-        cache, saved = self.cache, self.cache.step
-        cache.step = Step(self.pos[rows][:, None], self.col[rows][:, None], rows, None, 0, None, 1)
-        try:
+        with _stepping(self.cache, self.pos[rows][:, None], self.col[rows][:, None], rows):
             for r in range(int(exit_loop.min()) + 1, self.R):
-                fill_exited(self.model, cache, r, (exit_loop < r).nonzero().squeeze(1), exit_loop, self.exits.skip,
+                fill_exited(self.model, self.cache, r, (exit_loop < r).nonzero().squeeze(1), exit_loop, self.exits.skip,
                             self._entries_of[r])
-        finally:
-            cache.step = saved

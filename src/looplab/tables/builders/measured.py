@@ -322,6 +322,16 @@ def _serving_label(m: dict[str, Any]) -> str:
     return f"{m['backbone']} {m['n_layers']}⊗{m['n_loops']} d {m['d_model']}{router}"
 
 
+def _runs_of(m: dict[str, Any], arm: str, c: int) -> list[dict]:
+    """A measured model's runs of one arm at concurrency c (one per round)."""
+    return [r for r in m["runs"] if r["arm"] == arm and r["concurrency"] == c]
+
+
+def _fixed_for(m: dict[str, Any], fixed: list[dict]) -> dict[str, Any] | None:
+    """The fixed-depth model a routed one is compared with: same loops and width."""
+    return next((f for f in fixed if f["n_loops"] == m["n_loops"] and f["d_model"] == m["d_model"]), None)
+
+
 def serving_target(ideal: float) -> float:
     """The issue's target at one concurrency: 1.5× plain, or 80% of the ideal R / mean depth where that is below 1.9."""
     from looplab.tables.spec import SERVING_TARGET, SERVING_TARGET_IDEAL
@@ -365,16 +375,16 @@ def build_serving(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] 
         op = m.get("operating_point")
         served = (m.get("exits") or m.get("routed") or {}).get("perplexity")
         full = m["all_loops"]["perplexity"]
-        ref_model = next((f for f in fixed if f["n_loops"] == m["n_loops"] and f["d_model"] == m["d_model"]), None)
+        ref_model = _fixed_for(m, fixed)
         for c in data.get("concurrency", []):
             for arm in m["arms"]:
-                runs = [r for r in m["runs"] if r["arm"] == arm and r["concurrency"] == c]
+                runs = _runs_of(m, arm, c)
                 if not runs:
                     continue
                 if arm in ("exits_lockstep", "exits_depthwise"):
-                    ref = [r for r in m["runs"] if r["arm"] == "plain" and r["concurrency"] == c]
+                    ref = _runs_of(m, "plain", c)
                 elif arm.startswith("routed") and ref_model is not None:
-                    ref = [r for r in ref_model["runs"] if r["arm"] == "plain" and r["concurrency"] == c]
+                    ref = _runs_of(ref_model, "plain", c)
                 else:
                     ref = []
                 first = next((r for r in runs if "solo_check" in r), None)
@@ -408,24 +418,21 @@ def build_serving(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] 
 
 
 def _serving_verdicts(table: Table, data: dict, models: list[dict], fixed: list[dict], bound: float) -> None:
-    def runs(m, arm, c):
-        return [r for r in m["runs"] if r["arm"] == arm and r["concurrency"] == c]
-
     loaded = [c for c in data.get("concurrency", []) if c > 1]
     for m in models:
         label = f"{_serving_label(m)} ({m.get('training')})"
         if m["kind"] == "exit-aware":
             served, full = m["exits"]["perplexity"], m["all_loops"]["perplexity"]
             quality_ok = served / full - 1 <= bound
-            solo = runs(m, "exits_depthwise", 1)
-            if solo and runs(m, "plain", 1):
+            solo = _runs_of(m, "exits_depthwise", 1)
+            if solo and _runs_of(m, "plain", 1):
                 table.summary[f"{label}: one request at a time (c 1), exits ÷ plain"] = (
-                    f"depth-wise {_fmt_ratio(_paired_ratio(solo, runs(m, 'plain', 1)))}, lockstep "
-                    f"{_fmt_ratio(_paired_ratio(runs(m, 'exits_lockstep', 1), runs(m, 'plain', 1)))}; mean depth "
+                    f"depth-wise {_fmt_ratio(_paired_ratio(solo, _runs_of(m, 'plain', 1)))}, lockstep "
+                    f"{_fmt_ratio(_paired_ratio(_runs_of(m, 'exits_lockstep', 1), _runs_of(m, 'plain', 1)))}; mean depth "
                     f"{solo[0]['mean_depth']:.2f} of {m['n_loops']}; perplexity {served:.2f} vs {full:.2f} all loops "
                     f"({served / full - 1:+.2%})")
             for c in loaded:
-                deep, plain = runs(m, "exits_depthwise", c), runs(m, "plain", c)
+                deep, plain = _runs_of(m, "exits_depthwise", c), _runs_of(m, "plain", c)
                 if not deep or not plain:
                     continue
                 r = _paired_ratio(deep, plain)
@@ -434,19 +441,19 @@ def _serving_verdicts(table: Table, data: dict, models: list[dict], fixed: list[
                 speed = _judge_at_least(r, target)
                 verdict = "not met" if not quality_ok else speed
                 gain = _judge_at_least(r, 1.0)
-                lock = _paired_ratio(runs(m, "exits_lockstep", c), plain)
+                lock = _paired_ratio(_runs_of(m, "exits_lockstep", c), plain)
                 table.summary[f"target at c {c}: {label}, depth-wise exits ≥ {target:.2f}× plain output tokens/s "
                               f"(ideal {ideal:.2f}×) with perplexity within {bound:.0%}"] = (
                     f"**{verdict}**: {_fmt_ratio(r)} (lockstep exits {_fmt_ratio(lock)}); perplexity "
                     f"{served / full - 1:+.2%}; depth-wise batching turns the exits into throughput: "
                     f"{'yes' if gain == 'met' else 'no' if gain == 'not met' else 'not shown'} (gain > 1× {gain})")
         elif m["kind"] == "routed":
-            ref = next((f for f in fixed if f["n_loops"] == m["n_loops"] and f["d_model"] == m["d_model"]), None)
+            ref = _fixed_for(m, fixed)
             if ref is None:
                 table.summary[f"{label}: MoR ≥ the fixed-depth model's throughput"] = "**not tested**: no fixed model measured"
                 continue
             for c in loaded:
-                arms = {a: _paired_ratio(runs(m, a, c), runs(ref, "plain", c)) for a in m["arms"]}
+                arms = {a: _paired_ratio(_runs_of(m, a, c), _runs_of(ref, "plain", c)) for a in m["arms"]}
                 best = max((a for a in arms if arms[a] is not None), key=lambda a: arms[a]["ratio"], default=None)
                 table.summary[f"target at c {c}: {label} routed ≥ the fixed 1⊗{m['n_loops']} model's output tokens/s"] = (
                     f"**{_judge_at_least(arms.get(best), 1.0)}** (its faster schedule, {best}): "
