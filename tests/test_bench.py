@@ -239,7 +239,7 @@ def test_overhead_part_measures_plain_transformers_and_skip(tmp_path):
 
 
 def test_router_part_measures_routed_and_fixed_depth(tmp_path, capsys):
-    """`make bench`'s depth-routing part (issue 28): training and decoding tokens/s of expert choice and
+    """`make bench`'s depth-routing part (Mixture-of-Recursions): training and decoding tokens/s of expert choice and
     token choice against the fixed-depth model with the same block, and their analytic training FLOPs."""
     out = tmp_path / "results.json"
     runner.main(["--quick", "--threads", "1", "--only", "router", "--out", str(out)])

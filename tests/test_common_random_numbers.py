@@ -101,7 +101,7 @@ def test_paired_arms_share_initial_values_and_batches(label, cfg_a, cfg_b):
 
 
 def test_stateloop_starts_as_vanilla_looped():
-    """SPEC §3 with common random numbers: the same seed gives the same function, not only the same shared weights."""
+    """StateLoop (docs/formulations.md#stateloop) with common random numbers: the same seed gives the same function, not only the same shared weights."""
     cfg = dict(vocab_size=64, d_model=32, n_heads=4, n_layers=1, n_loops=3)
     torch.manual_seed(1)
     van = LoopedLM(LoopedLMConfig(**cfg))

@@ -117,7 +117,7 @@ def test_hardware_strategies_instantiate():
     assert isinstance(build_strategy(cfg.trainer.strategy, dict(cfg.hardware.fsdp)), LoopedFSDPStrategy)
 
 
-# ----------------------------------------------------------------------------- fused conv widths (issue 13)
+# ----------------------------------------------------------------------------- fused conv widths
 @pytest.mark.parametrize("d_conv", [1, 5])
 def test_kernel_mamba_ssm_needs_a_causal_conv1d_width(d_conv):
     """causal-conv1d has kernels for widths 2..4: kernel=mamba_ssm refuses others, naming d_conv;

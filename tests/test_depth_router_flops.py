@@ -1,4 +1,4 @@
-"""depth_router (issue 28 item 2): LoopedLM.flops_per_token counts each loop at the fraction of tokens
+"""depth_router: LoopedLM.flops_per_token counts each loop at the fraction of tokens
 that runs it, checked against torch's FlopCounterMode on real routed forwards (as tests/test_model.py
 does for the plain model): the reduced-length block, the reduced attention (recursion_wise: among the
 active tokens; share_first: against loop 0's keys), the StateLoop branch, the router (and aux router)."""

@@ -65,7 +65,7 @@ def test_eval_cli_sweep(gated_checkpoint, tmp_path):
 
 
 def test_eval_cli_at_a_test_time_depth(gated_checkpoint, tmp_path):
-    """--loops R′ (issue 15): the per-loop rows run over 1..R′ with the same weights, and loop R′'s accuracy is that of
+    """--loops R′ (test-time depth): the per-loop rows run over 1..R′ with the same weights, and loop R′'s accuracy is that of
     model(ids, n_loops=R′), recomputed here; R′ < 1 is refused."""
     path, model, dm = gated_checkpoint
     report = main([str(path), "--loops", "5", "--thresholds", "0.5", "--out", str(tmp_path / "eval5")])

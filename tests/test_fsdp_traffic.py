@@ -1,4 +1,4 @@
-"""FSDP2 traffic of a looped model does not grow with R (issue 26): collectives counted per optimizer step.
+"""FSDP2 traffic of a looped model does not grow with R: collectives counted per optimizer step.
 
 On 2 CPU processes (gloo), a 2⊗R model at R = 1, 2, 4, 8, sharded as hardware=fsdp shards it
 (`shard_looped_model`: one unit per block layer, then the root). With looplab's default

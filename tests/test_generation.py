@@ -1,14 +1,16 @@
 """Cached decoding and exit-gate skip decoding against full recomputation (docs/decoding.md).
 
-Every backbone (llama, mamba2, hybrid) × state_mode × exit-gate combination is checked.
-StateLoop's W_o and the exit gate are given random weights: at init W_o is zero (StateLoop
-would equal Vanilla) and the gate is near 0.5 everywhere, which would test little.
+Cached decoding against full forwards for every registered variant (every backbone, state update, mixer, exit gate
+and injection, in left-padded batches, plain and with the exit read-out) is the conformance kit's
+(tests/test_conformance.py); this file checks what is particular to the decoders: the cache's memory, sampling and
+eos, the skip handling's KV reuse, zero-shot rules against forward, the CLI and the benchmark. StateLoop's W_o and
+the exit gate are given random weights: at init W_o is zero (StateLoop would equal Vanilla) and the gate is near
+0.5 everywhere, which would test little.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
@@ -18,10 +20,8 @@ from looplab.models.cache import KVCache
 from looplab.models.exit_compute import skip_compute_unsupported
 from looplab.models.exits import ExitPolicy
 from looplab.models.generation import Sampling, decode_one_token, generate
+from looplab.models.registry import BACKBONES, STATE_MIXERS, STATE_UPDATES
 
-BACKBONES = ("llama", "mamba2", "hybrid")
-STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
-GATES = ("none", "ouro")
 V = 61
 ATOL = 2e-5
 
@@ -29,15 +29,12 @@ ATOL = 2e-5
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
 
 
-def combo_params(backbones=BACKBONES, state_modes=STATE_MODES, gates=GATES):
-    return [pytest.param(b, s, g, id=f"{b}-{s}-{g}") for b, s, g in itertools.product(backbones, state_modes, gates)]
-
-
-def make_model(backbone="llama", state_mode="vanilla", exit_gate="none", n_loops=3, seed=0, gate_bias=None) -> LoopedLM:
+def make_model(backbone="llama", state_mode="vanilla", exit_gate="none", n_loops=3, seed=0, gate_bias=None,
+               state_mixer=None) -> LoopedLM:
     torch.manual_seed(seed)
     cfg = LoopedLMConfig(
         vocab_size=V, d_model=32, n_heads=4, n_layers=2, n_loops=n_loops, backbone=backbone,
-        hybrid_pattern="MA", state_mode=state_mode, exit_gate=exit_gate, max_seq_len=64,
+        hybrid_pattern="MA", state_mode=state_mode, state_mixer=state_mixer, exit_gate=exit_gate, max_seq_len=64,
         d_state=8, headdim=16, chunk_size=4, kernel="torch",
     )
     model = LoopedLM(cfg).eval()
@@ -61,47 +58,13 @@ def recompute_greedy(model, prompt, n, exit_threshold=None):
     return seq, torch.stack(logits, 1)
 
 
-# --------------------------------------------------------- cache == recompute
-@pytest.mark.parametrize("backbone,state_mode,exit_gate", combo_params())
-@torch.no_grad()
-def test_cached_greedy_equals_recompute(backbone, state_mode, exit_gate):
-    model = make_model(backbone, state_mode, exit_gate)
-    prompt = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
-    for q in (None, 0.5) if exit_gate == "ouro" else (None,):
-        out = generate(model, prompt, 6, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=q))
-        ref_seq, ref_logits = recompute_greedy(model, prompt, 6, exit_threshold=q)
-        assert torch.equal(out.sequences, ref_seq)
-        torch.testing.assert_close(out.logits, ref_logits, atol=ATOL, rtol=1e-4)
-        if q is not None:
-            assert out.exit_steps.shape == (2, 6)
-            assert out.exit_steps.min() >= 1 and out.exit_steps.max() <= model.config.n_loops
-
-
-@pytest.mark.parametrize(
-    "backbone,state_mode,exit_gate",
-    combo_params(state_modes=("vanilla", "stateloop_attn", "stateloop_mamba2"), gates=("ouro",)),
-)
-@torch.no_grad()
-def test_prefill_then_decode_equals_full_forward(backbone, state_mode, exit_gate):
-    model = make_model(backbone, state_mode, exit_gate)
-    T, k = 9, 5  # T > chunk_size: the chunked SSD prefill crosses chunk boundaries
-    ids = torch.randint(0, V, (2, T + k), generator=torch.Generator().manual_seed(2))
-    full = model(ids, return_all_loops=True)
-    cache = model.allocate_cache(2, T + k)
-    pre = model(ids[:, :T], cache=cache, return_all_loops=True)
-    torch.testing.assert_close(pre.loop_logits, full.loop_logits[:, :, :T], atol=ATOL, rtol=1e-4)
-    for i in range(k):
-        step = model(ids[:, T + i : T + i + 1], cache=cache, return_all_loops=True)
-        torch.testing.assert_close(step.loop_logits[:, :, 0], full.loop_logits[:, :, T + i], atol=ATOL, rtol=1e-4)
-        torch.testing.assert_close(step.exit_probs[:, 0], full.exit_probs[:, T + i], atol=ATOL, rtol=1e-4)
-    assert cache.lengths.tolist() == [T + k] * 2
-
-
 # ------------------------------------------------------------- cache memory
-@pytest.mark.parametrize("backbone,state_mode,exit_gate", combo_params(state_modes=("vanilla", "stateloop_attn", "stateloop_mamba2"), gates=("none",)))
+@pytest.mark.parametrize("backbone", BACKBONES.names())
+@pytest.mark.parametrize("mixer", STATE_MIXERS.names())
 @torch.no_grad()
-def test_cache_memory_growth(backbone, state_mode, exit_gate):
-    model = make_model(backbone, state_mode)
+def test_cache_memory_growth(backbone, mixer):
+    """Only key/value entries grow with the length, by exactly their width per token; a recurrent entry is constant."""
+    model = make_model(backbone, "vanilla" if mixer == "none" else "stateloop", state_mixer=mixer)
     cfg = model.config
     cache = model.allocate_cache(1, 40)
     sizes = {}
@@ -110,36 +73,13 @@ def test_cache_memory_growth(backbone, state_mode, exit_gate):
     for n in range(11, 31):
         model(torch.randint(0, V, (1, 1)), cache=cache)
         sizes[n] = cache.nbytes()
-    n_attn = cfg.layer_types.count("A") + (state_mode == "stateloop_attn")
-    # 2 (k, v) × loops × attention entries × width × 4 bytes per token, and nothing else grows
-    per_token = 2 * cfg.n_loops * n_attn * cfg.d_model * 4
+    n_kv = sum(1 for k in cfg.layer_types if k == "A") + (STATE_MIXERS.get(mixer).supports.cache == "kv")
+    # 2 (k, v) × loops × key/value entries × width × 4 bytes per token, and nothing else grows
+    per_token = 2 * cfg.n_loops * n_kv * cfg.d_model * 4
     for n in sizes:
         assert sizes[n] - sizes[10] == per_token * (n - 10)
-    if n_attn == 0:  # pure Mamba-2 (state mixer none or Mamba-2): constant in length
+    if n_kv == 0:  # recurrent entries only: constant in length
         assert len(set(sizes.values())) == 1 and sizes[10] > 0
-
-
-# ------------------------------------------------------------- left padding
-@pytest.mark.parametrize(
-    "backbone,state_mode,exit_gate",
-    combo_params(state_modes=("vanilla", "stateloop_attn", "stateloop_mamba2")),  # the mixers see padding
-)
-@torch.no_grad()
-def test_batched_left_padding_equals_alone(backbone, state_mode, exit_gate):
-    model = make_model(backbone, state_mode, exit_gate)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, V, (n,), generator=g) for n in (3, 8, 5)]
-    T = max(len(p) for p in prompts)
-    pad = 0
-    ids = torch.stack([torch.cat([torch.full((T - len(p),), pad), p]) for p in prompts])
-    mask = torch.stack([torch.cat([torch.zeros(T - len(p)), torch.ones(len(p))]) for p in prompts]).long()
-    q = 0.5 if exit_gate == "ouro" else None
-    batched = generate(model, ids, 5, attention_mask=mask, return_logits=True,
-                       exits=ExitPolicy.from_kwargs(exit_threshold=q))
-    for i, p in enumerate(prompts):
-        alone = generate(model, p[None], 5, return_logits=True, exits=ExitPolicy.from_kwargs(exit_threshold=q))
-        assert torch.equal(batched.sequences[i, T:], alone.sequences[0, len(p):])
-        torch.testing.assert_close(batched.logits[i], alone.logits[0], atol=ATOL, rtol=1e-4)
 
 
 def test_right_padding_is_refused():
@@ -183,7 +123,8 @@ def test_sampling_limits_and_eos():
 
 
 # ------------------------------------------------------------ skip_compute
-LLAMA_STATES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_reset")
+# every registered state update on a llama block, and the attention mixer (whose keys/values kv_copy fills too)
+LLAMA_STATES = (*STATE_UPDATES.names(), "stateloop_attn")
 
 
 @pytest.mark.parametrize("state_mode", LLAMA_STATES)

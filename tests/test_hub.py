@@ -1,8 +1,9 @@
-"""LoopedLM.save_pretrained / from_pretrained and `python -m looplab.convert to-hf` (issue 17)."""
+"""LoopedLM.save_pretrained / from_pretrained and `python -m looplab.convert to-hf`."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,7 +11,6 @@ import torch
 from looplab import convert
 from looplab.checkpoint import looplab_meta
 from looplab.models import LoopedLM, LoopedLMConfig
-from looplab.models.config import BACKBONES, EXIT_GATES, STATE_MODES
 
 TINY = dict(vocab_size=64, d_model=32, n_heads=4, n_layers=2, n_loops=2, ffn_hidden=64, d_state=8, headdim=16,
             hybrid_pattern="MA", state_dim=32, max_seq_len=64)
@@ -37,24 +37,23 @@ def _check_same(a: LoopedLM, b: LoopedLM) -> None:
         assert torch.equal(oa.exit_probs, ob.exit_probs)
 
 
-# every backbone × state mode × exit gate (30 cases, one thread, tiny models)
-CASES = [(b, s, g) for b in BACKBONES for s in STATE_MODES for g in EXIT_GATES]
-
-
-@pytest.mark.parametrize("backbone, state_mode, exit_gate", CASES)
+# Every registered variant's checkpoint → folder → model round trip, and the remote-code export or its refusal by
+# name, is the conformance kit's (tests/test_conformance.py: checkpoint, export). Here: the converter's CLI and card.
+@pytest.mark.parametrize("backbone, state_mode, exit_gate", [("llama", "stateloop_attn", "ouro"),
+                                                             ("hybrid", "stateloop", "none")])
 def test_checkpoint_to_folder_to_model_gives_identical_logits(backbone, state_mode, exit_gate, tmp_path):
     model = _model(backbone, state_mode, exit_gate)
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
                 "looplab": looplab_meta(model.config, {"tokenizer": None})}, ckpt)
-    exportable = backbone == "llama" and state_mode != "stateloop_mamba2"  # what the remote-code export runs
-    if not exportable:  # refused by name; --looplab writes the folder only looplab reads
-        with pytest.raises(convert.ConversionError, match="backbone=|state_mode='stateloop_mamba2'"):
+    reason = model.config.unsupported("export")  # what the variants declare (models/registry.py)
+    if reason:  # refused by name; --looplab writes the folder only looplab reads
+        with pytest.raises(convert.ConversionError, match=re.escape(reason.split(":")[0])):
             convert.to_hf(str(ckpt), tmp_path / "refused", log=lambda *a: None)
         assert not (tmp_path / "refused" / "config.json").exists()
-    args = [] if exportable else ["--looplab"]
+    args = ["--looplab"] if reason else []
     assert convert.main(["to-hf", str(ckpt), "--out", str(tmp_path / "hf"), *args]) == 0
-    assert (tmp_path / "hf" / "modeling_looplab.py").is_file() == exportable
+    assert (tmp_path / "hf" / "modeling_looplab.py").is_file() == (reason is None)
     back = LoopedLM.from_pretrained(str(tmp_path / "hf"))
     assert back.config.architecture_dict() == model.config.architecture_dict()
     assert back.config.extra["dataset"] == {"tokenizer": None}  # kept for eval of the folder

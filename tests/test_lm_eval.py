@@ -304,7 +304,7 @@ def test_loglikelihood_under_a_zero_shot_exit_rule_sums_the_chosen_depths_log_pr
 
 
 def test_adapter_scores_and_generates_at_a_test_time_depth():
-    """model_args n_loops=R′ (issue 15): loglikelihood is read from model(ids, n_loops=R′), generation runs R′ loops,
+    """model_args n_loops=R′ (test-time depth): loglikelihood is read from model(ids, n_loops=R′), generation runs R′ loops,
     and a depth below 1 is refused."""
     model = tiny_model(loops=2)
     tok = load_tokenizer(TOK)

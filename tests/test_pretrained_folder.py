@@ -1,5 +1,5 @@
 """A Hub-style looplab folder works wherever a checkpoint does: init_from=DIR, load_model
-(eval, generate, the lm-eval adapter) and dataset.tokenizer=DIR (issue 17, item 3)."""
+(eval, generate, the lm-eval adapter) and dataset.tokenizer=DIR."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Only global rank 0 puts back an interrupted sharded checkpoint (issue 26).
+"""Only global rank 0 puts back an interrupted sharded checkpoint.
 
 `recover_checkpoint` runs in `python -m looplab.train` on every rank before the process group
 exists. When SLURM (or torchrun) starts the ranks, each one sees the same `.last.ckpt.old` left by

@@ -1,4 +1,4 @@
-"""Loading weights never runs code hidden in a pickle (issue 17, item 5).
+"""Loading weights never runs code hidden in a pickle.
 
 A crafted checkpoint whose unpickling would create a file is refused on every path that
 reads weights: read_checkpoint(_meta), load_model, init_from= (load_warm_start), resume's
@@ -7,7 +7,7 @@ lm-eval adapter read through the same load_model (importing lm-eval alone takes 
 slow here), which the last test pins down: no other torch.load exists in looplab. A genuine
 checkpoint still loads.
 
-Sharded folders (issue 26): torch.distributed.checkpoint unpickles `.metadata` and every non-tensor
+Sharded folders: torch.distributed.checkpoint unpickles `.metadata` and every non-tensor
 entry unrestricted, so a folder with a benign meta.pt and a crafted `.metadata` is refused on every
 path that reads one, eval, the lm-eval adapter and FSDP resume included (those three import lm-eval
 or start a training run, a few seconds each); a genuine one still loads to identical weights.

@@ -1,6 +1,7 @@
 """Self-speculative decoding (docs/decoding.md#self-speculative-decoding) against plain decoding.
 
-Greedy exactness over backbone × state mode × prelude/coda × injection, at batch 1 and in left-padded
+Greedy exactness over backbone × state mixer (prelude/coda and injection cycled through them; every registered
+variant is also checked by the conformance kit, tests/test_conformance.py), at batch 1 and in left-padded
 batches whose rows keep different numbers of draft tokens and so stand at different lengths; the per-row
 rollback of every cache kind checked against plain decoding of each row's kept tokens; speculative
 sampling against the full model's exactly enumerated distribution (chi-square); the refusals; the CLI and
@@ -21,10 +22,13 @@ from looplab.models import LoopedLM, LoopedLMConfig
 from looplab.models.cache import KVCache, SSMCache
 from looplab.models.exits import ExitPolicy
 from looplab.models.generation import Sampling, Speculation, generate, prefill, speculative_round
+from looplab.models.registry import BACKBONES as BACKBONE_REGISTRY
+from looplab.models.registry import STATE_MIXERS
 
 V = 61
-BACKBONES = ("llama", "mamba2", "hybrid")
-STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2")  # mixer none / attn / mamba2
+BACKBONES = BACKBONE_REGISTRY.names()
+# one state mode per registered mixer: none (vanilla looping), attn and mamba2 (StateLoop with that mixer)
+STATE_MODES = tuple("vanilla" if m == "none" else f"stateloop+{m}" for m in STATE_MIXERS.names())
 DEPTHS = ((0, 0, "none"), (1, 1, "add"), (0, 1, "none"), (1, 0, "add"))  # (prelude, coda, injection)
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
@@ -33,9 +37,10 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one th
 def make_model(backbone="llama", state_mode="vanilla", prelude=0, coda=0, injection="none", n_loops=3, seed=0,
                damp=0.3) -> LoopedLM:
     torch.manual_seed(seed)
+    state_mode, _, mixer = state_mode.partition("+")
     cfg = LoopedLMConfig(
         vocab_size=V, d_model=32, n_heads=4, n_layers=2, n_loops=n_loops, backbone=backbone, hybrid_pattern="MA",
-        state_mode=state_mode, prelude_layers=prelude, coda_layers=coda, injection=injection, max_seq_len=64,
+        state_mode=state_mode, state_mixer=mixer or None, prelude_layers=prelude, coda_layers=coda, injection=injection, max_seq_len=64,
         d_state=8, headdim=16, chunk_size=4, kernel="torch",
     )
     model = LoopedLM(cfg).eval()
@@ -65,7 +70,8 @@ def left_padded(lengths=(3, 8, 5), seed=3):
 
 def matrix():
     out = []
-    for i, (b, s, (pre, coda, inj)) in enumerate(itertools.product(BACKBONES, STATE_MODES, DEPTHS)):
+    for i, (b, s) in enumerate(itertools.product(BACKBONES, STATE_MODES)):
+        pre, coda, inj = DEPTHS[i % len(DEPTHS)]
         k, gamma = (1, 2) if i % 3 == 0 else (2, 3) if i % 3 == 1 else (2, "auto")
         out.append(pytest.param(b, s, pre, coda, inj, k, gamma, id=f"{b}-{s}-p{pre}c{coda}-{inj}-k{k}-g{gamma}"))
     return out

@@ -1,4 +1,4 @@
-"""Synthetic tasks (SPEC §5): generators vs independent solvers, splits, token layouts, and the
+"""Synthetic tasks (docs/formulations.md#tasks): generators vs independent solvers, splits, token layouts, and the
 resumable rank-sharded training stream of TaskDataModule."""
 
 from __future__ import annotations

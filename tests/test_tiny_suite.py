@@ -1,4 +1,4 @@
-"""The looplab_tiny zero-shot suite (issue 14): deterministic, held-out text only, well-formed, shipped."""
+"""The looplab_tiny zero-shot suite: deterministic, held-out text only, well-formed, shipped."""
 
 from __future__ import annotations
 

@@ -530,7 +530,7 @@ def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_
 # --------------------------------------------------------------------------- to transformers
 def transformers_config(cfg: LoopedLMConfig):
     """The transformers config of the unrolled model: P + N·R + C layers (prelude, the block R times, coda)."""
-    if cfg.state_mode != "vanilla":
+    if cfg.uses_state:
         _refuse("state_mode", cfg.state_mode, "transformers models have no StateLoop branch (export vanilla models)")
     if cfg.exit_gate != "none":
         _refuse("exit_gate", cfg.exit_gate, "transformers models have no exit gate")

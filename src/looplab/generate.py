@@ -147,4 +147,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from looplab.cli_errors import run_cli
+
+    run_cli(main, "python -m looplab.generate")  # bad input: one line on stderr, exit 1 (looplab/cli_errors.py)

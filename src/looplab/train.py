@@ -363,6 +363,7 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "perplexity": final.get(f"{split}/ppl"),
         "per_depth": per_depth,
         "exit": exit_stats,
+        "exit_rule": module.eval_rule or ("gate" if module.thresholds else None),
         "exit_expected_step": final.get(f"{split}/exit_expected_step"),
         # depth_router: the metrics above route as training does (expert choice sees the whole sequence);
         # causal_*: each token routed on its own, as decoding does (training/module.py _routed_eval)
@@ -435,9 +436,11 @@ def print_summary(results: dict[str, Any], out_dir: Path, loggers: list) -> None
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from looplab.cli_errors import clean_job_errors
     from looplab.training.hydra_ddp import per_job_ddp
 
-    with per_job_ddp():  # DDP children run this job only, not the whole -m sweep (see hydra_ddp.py)
+    # bad input: one line on stderr, exit 1, the traceback in <run>/train.log (a sweep's jobs: recorded, the sweep goes on)
+    with clean_job_errors("python -m looplab.train"), per_job_ddp():  # DDP children run this job only (hydra_ddp.py)
         results = task_wrapper(train)(cfg)
     if results is None:
         return None
@@ -445,4 +448,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    from looplab.training.variants import register_cli_variants
+
+    register_cli_variants(sys.argv[1:])  # a researcher's variant named on the command line (docs/extending.md)
     main()

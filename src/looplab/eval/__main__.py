@@ -40,9 +40,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("checkpoint")
     ap.add_argument("--split", choices=["test", "val"], default="test")
     ap.add_argument("--thresholds", type=float, nargs="*", default=[0.3, 0.5, 0.7, 0.9, 1.01], help="exit thresholds q (gated models)")
-    ap.add_argument("--exit-rule", default=None, choices=["gate", "kl", "entropy", "hidden_delta", "argmax_stable"],
-                    help="add rows for a zero-shot exit rule at --rule-thresholds (models/exit_rules.py); gate = the "
-                         "learned gate's q (--thresholds), the default for gated models")
+    ap.add_argument("--exit-rule", default=None,
+                    help="add rows for a zero-shot exit rule at --rule-thresholds: a registered rule (kl, entropy, "
+                         "hidden_delta, argmax_stable, or a researcher's, e.g. my_pkg.rules.margin; "
+                         "models/exit_rules.py); gate = the learned gate's q (--thresholds), the default for gated models")
     ap.add_argument("--rule-thresholds", type=float, nargs="*", default=None,
                     help="thresholds of --exit-rule (kl/entropy: nats; hidden_delta: relative change; argmax_stable: k)")
     ap.add_argument("--min-loops", type=int, default=1, help="no exit before this loop (zero-shot exit rules)")
@@ -63,6 +64,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the run's results.json (default: <run>/results.json of a <run>/checkpoints/X.ckpt, when present)")
     args = ap.parse_args(argv)
     rule = args.exit_rule if args.exit_rule not in (None, "gate") else None
+    if rule is not None:
+        from looplab.models.exit_rules import get_rule
+
+        try:
+            get_rule(rule)
+        except ValueError as e:
+            ap.error(f"--exit-rule: {e}")
     if rule is not None and not args.rule_thresholds:
         ap.error(f"--exit-rule {rule} needs --rule-thresholds (e.g. 0.01 0.05 0.2)")
 
@@ -177,4 +185,6 @@ def agreement(run: dict, metrics: dict[str, float], split: str) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from looplab.cli_errors import run_cli
+
+    run_cli(main, "python -m looplab.eval")  # bad input: one line on stderr, exit 1 (looplab/cli_errors.py)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from looplab.models.exit_gate import logits_at_depth, threshold_exit_steps
-from looplab.models.exit_rules import check_rule, first_exit
+from looplab.models.exit_rules import check_rule, first_exit, get_rule
 
 IGNORE = -100
 
@@ -74,8 +74,9 @@ def exit_sweep(
     rows = [_Row(f"exit_at_step={k}", R) for k in range(1, R + 1)]
     q_rows = [_Row(f"q={q}", R) for q in thresholds] if gated else []
     if rule is not None:
-        if rule == "gate":
-            raise ValueError("exit rule 'gate' is the thresholds q of a gated model; pass it as thresholds")
+        if get_rule(rule).reads == "exit_probs":
+            raise ValueError(f"exit rule {rule!r} reads the gate's exit distribution: it is the thresholds q of a gated "
+                             "model; pass it as thresholds")
         for tau in rule_thresholds:
             check_rule(rule, tau, min_loops, R)
     rule_rows = [_Row(f"{rule}<{tau}" if rule != "argmax_stable" else f"{rule} k={tau:g}", R) for tau in rule_thresholds] \

@@ -10,27 +10,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-BACKBONES = ("llama", "mamba2", "hybrid")
-STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_mamba2", "stateloop_reset")
-EXIT_GATES = ("none", "ouro")
-INJECTIONS = ("none", "add", "concat", "diag")  # models/injection.py
-DEPTH_ROUTERS = ("none", "expert_choice", "token_choice")  # models/router.py (Mixture-of-Recursions)
+from looplab.models.registry import (BACKBONES, DEPTH_ROUTERS, EXIT_GATES, INJECTIONS, LAYERS, LOOP_SCHEDULES,
+                                     STATE_MIXERS, STATE_UPDATES, ConfigError, option_values)
+
+# a variant's options live in `LoopedLMConfig.options[axis]` (the axes whose variants build model parts)
+OPTION_AXES = {"state_update": STATE_UPDATES, "state_mixer": STATE_MIXERS, "backbone": BACKBONES,
+               "injection": INJECTIONS, "loop_schedule": LOOP_SCHEDULES}
+
+
+def _keep_if(cond):
+    """Field metadata: `to_dict` (and so the architecture hash) keeps the field only where cond(config) holds, so a
+    field added later leaves every earlier model's dict and checkpoints' hash as they were."""
+    return {"keep_if": cond}
+
 ROUTER_KV = ("recursion_wise", "share_first")
-LOOP_SCHEDULES = ("sequential", "parallel")  # models/parallel.py (Parallel Loop Transformer)
 LOOP_KV = ("own", "share_first", "gswa")
 LOOP_GATES = ("query", "residual")
-# the parallel-schedule fields and their defaults: a sequential model's dict (and its checkpoints' hash) omits them
-PARALLEL_DEFAULTS = {"loop_kv": "own", "loop_window": 64, "loop_gate": "query", "loop_mix": (1.0, 1.0),
-                     "loop_mix_learned": False, "loop_norm": False}
 KERNELS = ("auto", "torch", "mamba_ssm")
 # causal-conv1d's CUDA conv (csrc/causal_conv1d.cpp) has kernels for these widths only. kernel=auto
 # keeps the torch conv for other widths (fused scan still used); kernel=mamba_ssm asks for the fused
 # path outright, so another width is refused here rather than silently half-fused.
 CAUSAL_CONV1D_WIDTHS = (2, 3, 4)
-
-
-class ConfigError(ValueError):
-    """An impossible configuration; the message names the field and the fix."""
 
 
 def fused_conv_width_error(d_conv: int) -> str:
@@ -137,8 +137,8 @@ class LoopedLMConfig:
     prelude_layers: int = 0  # non-shared layers applied once before the looped block (docs/formulations.md#prelude-and-coda)
     coda_layers: int = 0  # non-shared layers applied to a loop's readout before the final norm and head
     ffn_hidden: int | None = None  # SwiGLU hidden width; None = 8/3·d rounded up to 64
-    backbone: str = "llama"  # llama | mamba2 | hybrid
-    hybrid_pattern: str = "MMMA"  # hybrid: 'M' Mamba-2, 'A' attention; tiled over n_layers (and the prelude, the coda)
+    backbone: str = "llama"  # a registered backbone (models/backbone.py): llama | mamba2 | hybrid
+    hybrid_pattern: str = "MMMA"  # hybrid: layer letters ('M' Mamba-2, 'A' attention) tiled over n_layers (and the prelude, the coda)
     max_seq_len: int = 2048
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
@@ -158,12 +158,19 @@ class LoopedLMConfig:
     mamba_dt_init: tuple[float, float] = (1e-3, 1e-1)  # softplus(dt_bias) ~ logU[a, b]
 
     # --- StateLoop (docs/formulations.md#stateloop) --------------------------
+    # the update rule (models/state.py): vanilla | stateloop | stateloop_reset | gru | a registered one; or an
+    # alias naming a rule and a mixer (stateloop_attn = stateloop + attn, stateloop_mamba2 = stateloop + mamba2).
+    # After construction it holds the alias wherever one names the (rule, mixer) pair, else the rule.
     state_mode: str = "vanilla"
+    # the state's cross-token mixer: none | attn | mamba2 | a registered one; None = what state_mode implies.
+    # After construction it always names the mixer.
+    state_mixer: str | None = field(default=None, metadata=_keep_if(
+        lambda c: c.state_mixer != "none" and c.state_mode not in STATE_UPDATES.aliases()))
     state_dim: int | None = None  # d_s; None = d_model
     state_init: str = "zeros"  # zeros | learned  (s_0)
     state_in_output: bool = True  # logits = Head(FinalNorm(h_R + W_o s_R))
-    state_A_init: tuple[float, float] = (1.0, 16.0)  # exp(A_log) ~ U[a, b], as in Mamba
-    state_dt_init: tuple[float, float] = (1e-3, 1e-1)  # softplus(b_Δ) ~ logU[a, b]
+    state_A_init: tuple[float, float] = (1.0, 16.0)  # selective update: exp(A_log) ~ U[a, b], as in Mamba
+    state_dt_init: tuple[float, float] = (1e-3, 1e-1)  # selective update: softplus(b_Δ) ~ logU[a, b]
 
     # --- exit gate (docs/formulations.md#exit-gate) --------------------------
     exit_gate: str = "none"  # none | ouro
@@ -172,21 +179,35 @@ class LoopedLMConfig:
     injection: str = "none"  # none | add | concat | diag: the embedding re-enters before loops 2..R
 
     # --- depth router (docs/formulations.md#routed-depth) --------------------
-    depth_router: RouterConfig = field(default_factory=RouterConfig)  # name none = today's model exactly
+    depth_router: RouterConfig = field(default_factory=RouterConfig,  # name none = today's model exactly
+                                       metadata=_keep_if(lambda c: c.depth_router.name != "none"))
 
     # --- loop schedule (docs/formulations.md#parallel-loops) -----------------
     # sequential: loop r+1 reads loop r's output at the same token (every model above). parallel: cross-loop
     # parallelism, loop r+1 reads a·E + b·shift(H^(r)), the previous loop's output one token back, so the R
-    # loops of one decoded token are independent rows of one block call (models/parallel.py)
-    loop_schedule: str = "sequential"
-    loop_kv: str = "own"  # parallel: own (each loop its own keys/values) | share_first (loops >= 2 attend to loop 1's)
-    #                       | gswa (loop 1's, gated with a sliding window of loop_window over the loop's own)
-    loop_window: int = 64  # gswa: the sliding window w over a loop's own keys/values (itself included)
-    loop_gate: str = "query"  # gswa: g = σ(q_h·w_h + b_h) (query) | σ(Linear(RMSNorm(x))) of the residual (residual);
-    #                           out = g·(attention to loop 1's keys) + (1 − g)·(windowed attention to the loop's own)
-    loop_mix: tuple[float, float] = (1.0, 1.0)  # (a, b): loops >= 2 read a·E + b·shift(H); E + shift(H) by default
-    loop_mix_learned: bool = False  # a and b are parameters, initialised at loop_mix
-    loop_norm: bool = False  # the final norm on shift(H) before it is mixed in (vLLM's plt_normalize_per_loop)
+    # loops of one decoded token are independent rows of one block call (models/parallel.py). The parallel
+    # schedule's options are kept in a sequential model's dict (and its checkpoints' hash) only when set.
+    loop_schedule: str = field(default="sequential", metadata=_keep_if(lambda c: c.loop_schedule != "sequential"))
+    loop_kv: str = field(default="own", metadata=_keep_if(lambda c: c.loop_schedule != "sequential"))
+    #  parallel: own (each loop its own keys/values) | share_first (loops >= 2 attend to loop 1's)
+    #  | gswa (loop 1's, gated with a sliding window of loop_window over the loop's own)
+    loop_window: int = field(default=64, metadata=_keep_if(lambda c: c.loop_schedule != "sequential"))
+    #  gswa: the sliding window w over a loop's own keys/values (itself included)
+    loop_gate: str = field(default="query", metadata=_keep_if(lambda c: c.loop_schedule != "sequential"))
+    #  gswa: g = σ(q_h·w_h + b_h) (query) | σ(Linear(RMSNorm(x))) of the residual (residual);
+    #  out = g·(attention to loop 1's keys) + (1 − g)·(windowed attention to the loop's own)
+    loop_mix: tuple[float, float] = field(default=(1.0, 1.0),
+                                          metadata=_keep_if(lambda c: c.loop_schedule != "sequential"))
+    #  (a, b): loops >= 2 read a·E + b·shift(H); E + shift(H) by default
+    loop_mix_learned: bool = field(default=False, metadata=_keep_if(lambda c: c.loop_schedule != "sequential"))
+    #  a and b are parameters, initialised at loop_mix
+    loop_norm: bool = field(default=False, metadata=_keep_if(lambda c: c.loop_schedule != "sequential"))
+    #  the final norm on shift(H) before it is mixed in (vLLM's plt_normalize_per_loop)
+
+    # --- a registered variant's own hyperparameters, by axis (models/registry.py OPTION_AXES) ----
+    # e.g. {"state_update": {"gate_bias": 1.0}}; values at their defaults are dropped, so an option enters the
+    # architecture hash only where it is set to something else
+    options: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=_keep_if(lambda c: bool(c.options)))
 
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, never read by the model
 
@@ -200,7 +221,97 @@ class LoopedLMConfig:
         for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init", "loop_mix"):
             setattr(self, name, tuple(getattr(self, name)))
         self.depth_router = RouterConfig.from_any(self.depth_router)
+        self._resolve_state()
+        self._resolve_options()
         self.validate()
+
+    def _resolve_state(self) -> None:
+        """state_mode / state_mixer → the update rule and the mixer; the canonical names (the alias when one names
+        the pair), so that two spellings of one model are one config with one hash."""
+        aliases = STATE_UPDATES.aliases()
+        mode, mixer = self.state_mode, self.state_mixer
+        if isinstance(mode, str) and mode in aliases:
+            update, implied = aliases[mode]
+            if mixer not in (None, implied):
+                raise ConfigError(f"state_mode={mode!r} (= {update} + mixer {implied}) with state_mixer={mixer!r}: "
+                                  f"set state_mode={update} state_mixer={mixer}, or drop state_mixer")
+            mixer = implied
+        else:
+            update = mode
+        STATE_UPDATES.get(update)  # unknown names fail here, naming the field
+        mixer = "none" if mixer is None else mixer
+        STATE_MIXERS.get(mixer)
+        self.state_mixer = mixer
+        self.state_mode = next((a for a, pair in aliases.items() if pair == (update, mixer)), update)
+
+    def _resolve_options(self) -> None:
+        if not isinstance(self.options, dict):
+            raise ConfigError(f"options={self.options!r} must be a mapping of axis → {{option: value}}")
+        out = {}
+        for axis, values in self.options.items():
+            if axis not in OPTION_AXES:
+                raise ConfigError(f"options[{axis!r}]: unknown axis; choose one of {sorted(OPTION_AXES)}")
+            cls = OPTION_AXES[axis].get(self.variant_name(axis))
+            kept = option_values(cls, values, f"{OPTION_AXES[axis].field}={self.variant_name(axis)!r}")
+            if kept:
+                out[axis] = kept
+        self.options = out
+
+    # ------------------------------------------------------------------------
+    @property
+    def state_update(self) -> str:
+        """The update rule's registered name (state_mode without the mixer an alias names)."""
+        alias = STATE_UPDATES.aliases().get(self.state_mode)
+        return self.state_mode if alias is None else alias[0]
+
+    def variant_name(self, axis: str) -> str:
+        """The name chosen on one axis (models/registry.py REGISTRIES)."""
+        return {"state_update": self.state_update, "state_mixer": self.state_mixer, "backbone": self.backbone,
+                "injection": self.injection, "loop_schedule": self.loop_schedule, "exit_gate": self.exit_gate,
+                "depth_router": self.depth_router.name}[axis]
+
+    def variants(self) -> list[tuple[str, type]]:
+        """Every variant this model is built from, each with how the config names it — the block's layer kinds,
+        the state update and mixer, the exit gate, the injection, the router, the loop schedule."""
+        out = [(f"backbone={self.backbone}", BACKBONES.get(self.backbone))]
+        kinds = self.all_layer_types
+        for kind in dict.fromkeys(kinds):
+            cls = LAYERS.get(kind)
+            mixed = len(set(kinds)) > 1 or self.backbone == "hybrid"
+            out.append((f"backbone={self.backbone}" + (f" ({cls.title} layers)" if mixed else ""), cls))
+        out.append((f"state_mode={self.state_mode}", STATE_UPDATES.get(self.state_update)))
+        if self.state_mixer != "none":
+            out.append((f"state_mode={self.state_mode} (mixer {self.state_mixer})", STATE_MIXERS.get(self.state_mixer)))
+        out.append((f"exit_gate={self.exit_gate}", EXIT_GATES.get(self.exit_gate)))
+        out.append((f"injection={self.injection}", INJECTIONS.get(self.injection)))
+        out.append((f"depth_router={self.depth_router.name}", DEPTH_ROUTERS.get(self.depth_router.name)))
+        out.append((f"loop_schedule={self.loop_schedule}", LOOP_SCHEDULES.get(self.loop_schedule)))
+        return out
+
+    def unsupported(self, feature: str) -> str | None:
+        """Why this model cannot do `feature` (models/registry.py FEATURES), naming every variant that refuses it, or
+        None."""
+        reasons = [f"{where}: {reason}" for where, cls in self.variants()
+                   if (reason := cls.capabilities(self).why_not(feature))]
+        return "; and ".join(reasons) if reasons else None
+
+    def cache_owners(self, block_only: bool = False) -> list[tuple[str, str]]:
+        """(where, cache kind) of every part that keeps a decoding cache entry per loop (prelude and coda included
+        unless block_only)."""
+        kinds = self.layer_types if block_only else self.all_layer_types
+        out = []
+        for kind in dict.fromkeys(kinds):
+            cache = LAYERS.get(kind).supports.cache
+            if cache:
+                out.append((f"backbone={self.backbone!r} has {LAYERS.get(kind).title} layers", cache))
+        if self.state_mixer != "none":
+            cache = STATE_MIXERS.get(self.state_mixer).supports.cache
+            if cache:
+                out.append((f"the state mixer of state_mode={self.state_mode!r} is {self.state_mixer}", cache))
+        return out
+
+    def cache_kinds(self, block_only: bool = False) -> set[str]:
+        return {kind for _, kind in self.cache_owners(block_only)}
 
     # ------------------------------------------------------------------------
     def validate(self) -> None:
@@ -210,152 +321,57 @@ class LoopedLMConfig:
 
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len", "ffn_hidden", "state_dim"):
             v = getattr(self, name)
-            need(isinstance(v, int) and v >= 1, f"{name}={v!r} must be a positive integer")
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name}={v!r} must be a positive integer")
         for name, key in (("prelude_layers", "prelude"), ("coda_layers", "coda")):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                  f"{name} (loop_depth.{key})={v!r} must be an integer >= 0 (the number of non-shared layers "
                  f"{'before' if key == 'prelude' else 'after'} the looped block; 0 = none)")
         need(
-            isinstance(self.n_loops, int) and self.n_loops >= 1,
+            isinstance(self.n_loops, int) and not isinstance(self.n_loops, bool) and self.n_loops >= 1,
             f"n_loops (loop_depth.loops, R)={self.n_loops!r} must be >= 1: a looped model applies its block at least once",
         )
-        need(self.backbone in BACKBONES, f"backbone={self.backbone!r} is unknown; choose one of {BACKBONES}")
-        need(self.state_mode in STATE_MODES, f"state_mode={self.state_mode!r} is unknown; choose one of {STATE_MODES}")
-        need(self.exit_gate in EXIT_GATES, f"exit_gate={self.exit_gate!r} is unknown; choose one of {EXIT_GATES}")
-        need(self.injection in INJECTIONS,
-             f"injection (loop_depth.injection)={self.injection!r} is unknown; choose one of {INJECTIONS}")
+        backbone = BACKBONES.get(self.backbone)
+        EXIT_GATES.get(self.exit_gate)
+        INJECTIONS.get(self.injection)
         need(self.kernel in KERNELS, f"kernel={self.kernel!r} is unknown; choose one of {KERNELS}")
         need(self.state_init in ("zeros", "learned"), f"state_init={self.state_init!r} must be 'zeros' or 'learned'")
-        kinds = self.all_layer_types
-        if "A" in kinds:
-            need(
-                self.d_model % self.n_heads == 0,
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                f"pick n_heads among the divisors of {self.d_model}",
-            )
-            need((self.d_model // self.n_heads) % 2 == 0, f"head dim d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE")
-            need(
-                self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
-                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}",
-            )
-        if "M" in kinds or self.state_mode == "stateloop_mamba2":
-            for name in ("d_state", "headdim", "expand", "ngroups", "d_conv", "chunk_size"):
-                v = getattr(self, name)
-                need(isinstance(v, int) and v >= 1, f"{name}={v!r} must be a positive integer")
-            d_inner = self.expand * self.d_model
-            need(d_inner % self.headdim == 0, f"expand*d_model={d_inner} is not divisible by headdim={self.headdim}")
-            need((d_inner // self.headdim) % self.ngroups == 0, f"ngroups={self.ngroups} must divide the number of heads {d_inner // self.headdim}")
-            need(self.kernel != "mamba_ssm" or self.d_conv in CAUSAL_CONV1D_WIDTHS, fused_conv_width_error(self.d_conv))
-        if self.backbone == "hybrid":
-            need(
-                len(self.hybrid_pattern) > 0 and set(self.hybrid_pattern) <= {"M", "A"},
-                f"hybrid_pattern={self.hybrid_pattern!r} must be a non-empty string of 'M' (Mamba-2) and 'A' (attention)",
-            )
-        if self.state_mode == "stateloop_attn":
-            need(
-                self.state_dim % self.n_heads == 0 and (self.state_dim // self.n_heads) % 2 == 0,
-                f"state_dim={self.state_dim} must split into n_heads={self.n_heads} heads of even width for the attention mixer",
-            )
-        if self.state_mode == "stateloop_mamba2":
-            d_inner = self.expand * self.state_dim
-            need(d_inner % self.headdim == 0, f"expand*state_dim={d_inner} is not divisible by headdim={self.headdim}")
+        backbone.validate(self)
+        for kind in dict.fromkeys(self.all_layer_types):  # each layer kind checks the widths it needs
+            check = getattr(LAYERS.get(kind), "validate", None)
+            if check is not None:
+                check(self)
+        if self.state_mixer != "none":
+            need(STATE_UPDATES.get(self.state_update).builds_state,
+                 f"state_mixer={self.state_mixer!r} with state_mode={self.state_update!r}: a mixer mixes the StateLoop "
+                 "state, and this mode keeps none; choose a state update (e.g. state_mode=stateloop)")
+            STATE_MIXERS.get(self.state_mixer).validate(self)
         for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
             lo, hi = getattr(self, name)
             need(0 < lo <= hi, f"{name}={getattr(self, name)} must satisfy 0 < a <= b")
-        self._validate_router(need)
-        self._validate_schedule(need)
+        router = DEPTH_ROUTERS.get(self.depth_router.name)
+        if hasattr(router, "validate"):
+            router.validate(self)
+        LOOP_SCHEDULES.get(self.loop_schedule).validate(self)
 
-    def _validate_schedule(self, need) -> None:
-        need(self.loop_schedule in LOOP_SCHEDULES,
-             f"loop_schedule (loop_depth.schedule)={self.loop_schedule!r} is unknown; choose one of {LOOP_SCHEDULES}")
-        if self.loop_schedule == "sequential":
-            changed = [f"{k}={getattr(self, k)!r}" for k, v in PARALLEL_DEFAULTS.items()
-                       if (tuple(getattr(self, k)) if k == "loop_mix" else getattr(self, k)) != v]
-            need(not changed, f"{', '.join(changed)} with loop_schedule=sequential: these are options of the parallel "
-                 "loop schedule; set loop_depth.schedule=parallel or leave them at their defaults")
-            return
-        p = "loop_schedule=parallel"
-        need(self.loop_kv in LOOP_KV, f"loop_kv (loop_depth.kv)={self.loop_kv!r} is unknown; choose one of {LOOP_KV}")
-        need(self.loop_gate in LOOP_GATES,
-             f"loop_gate (loop_depth.gate)={self.loop_gate!r} is unknown; choose one of {LOOP_GATES}")
-        need(isinstance(self.loop_window, int) and not isinstance(self.loop_window, bool) and self.loop_window >= 1,
-             f"loop_window (loop_depth.window)={self.loop_window!r} must be an integer >= 1 (tokens, the current one "
-             "included)")
-        need(len(self.loop_mix) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                             for v in self.loop_mix),
-             f"loop_mix (loop_depth.mix)={list(self.loop_mix)!r} must be two numbers [a, b]: loops >= 2 read "
-             "a·E + b·shift(H)")
-        need(self.backbone == "llama",
-             f"{p} with backbone={self.backbone}: the parallel schedule is built for attention blocks (llama); a "
-             "Mamba-2 layer's state would have to run loop by loop over time with a shifted input, which is not "
-             "defined here yet; use backbone=llama or loop_schedule=sequential")
-        need(self.state_mode == "vanilla",
-             f"{p} with state_mode={self.state_mode}: the StateLoop state is updated along the loops of one token, "
-             "and the parallel schedule puts each loop of a token at a different step; use state_mode=vanilla")
-        need(self.exit_gate == "none",
-             f"{p} with exit_gate={self.exit_gate}: an exit picks a loop of the same token, and under the parallel "
-             "schedule loop r of a token finishes at a later step than loop r−1; use exit_gate=none")
-        need(self.injection == "none",
-             f"{p} with injection={self.injection}: the parallel schedule has its own embedding term (loop_mix a·E); "
-             "use injection=none")
-        need(self.depth_router.name == "none",
-             f"{p} with depth_router={self.depth_router.name}: routing's kv=share_first and per-token depths are a "
-             "different scheme; use depth_router=none")
-
-    def _validate_router(self, need) -> None:
-        rc = self.depth_router
-        need(rc.name in DEPTH_ROUTERS, f"depth_router={rc.name!r} is unknown; choose one of {DEPTH_ROUTERS}")
-        if rc.name == "none":
-            return
-        r = f"depth_router={rc.name}"
-        need(self.exit_gate == "none", f"{r} with exit_gate={self.exit_gate}: a router and an exit gate both choose "
-             f"the depth; combine them with exit_gate=none only")
-        need(rc.kv in ROUTER_KV, f"depth_router.kv={rc.kv!r} is unknown; choose one of {ROUTER_KV}")
-        # Mamba-2 layers (backbone mamba2 / hybrid, the stateloop_mamba2 mixer) are recursion-wise under
-        # either kv mode: loop r's scan and conv run over the tokens active at loop r. share_first only
-        # changes attention layers, so a block without one would silently run recursion_wise.
-        need(rc.kv != "share_first" or "A" in self.layer_types,
-             f"depth_router.kv=share_first with backbone={self.backbone} (block layers {self.layer_types!r}): "
-             f"share_first reuses the first loop's attention keys/values and this block has no attention layer "
-             f"(Mamba-2 layers keep a recursion-wise state); use depth_router.kv=recursion_wise")
-        need(rc.router_type == "linear", f"depth_router.router_type={rc.router_type!r}: only 'linear' is offered")
-        acts = ("sigmoid", "tanh") if rc.name == "expert_choice" else ("softmax", "sigmoid")
-        need(rc.activation in acts, f"depth_router.activation={rc.activation!r} with {r}: choose one of {acts}")
-        need(rc.gating in ("weighted", "hard"), f"depth_router.gating={rc.gating!r}: choose weighted or hard")
-        need(rc.update in ("mor", "delta"), f"depth_router.update={rc.update!r}: choose mor or delta")
-        for name in ("temperature", "scale"):
-            v = getattr(rc, name)
-            need(isinstance(v, (int, float)) and v > 0, f"depth_router.{name}={v!r} must be a positive number")
-        for name in ("aux_loss_coeff", "aux_router_coeff", "z_loss_coeff", "balancing_loss_coeff"):
-            v = getattr(rc, name)
-            need(isinstance(v, (int, float)) and v >= 0, f"depth_router.{name}={v!r} must be a number >= 0")
-        need(not rc.aux_router or (rc.name == "expert_choice" and rc.aux_router_coeff > 0),
-             f"depth_router.aux_router=true with {r}, aux_router_coeff={rc.aux_router_coeff}: the auxiliary router is "
-             "an expert_choice option and learns only from its BCE loss; set aux_router_coeff > 0 (MoR: 0.001)")
-        need(isinstance(rc.capacity_warmup_steps, int) and rc.capacity_warmup_steps >= 0,
-             f"depth_router.capacity_warmup_steps={rc.capacity_warmup_steps!r} must be an integer >= 0")
-        if rc.name == "expert_choice":
-            need(rc.inference in ("aux_router", "threshold"),
-                 f"depth_router.inference={rc.inference!r}: choose aux_router or threshold")
-            need(rc.inference != "aux_router" or rc.aux_router,
-                 "depth_router.inference=aux_router needs depth_router.aux_router=true (the classifier it reads)")
-            need(isinstance(rc.inference_threshold, (int, float)) and 0 < rc.inference_threshold < 1,
-                 f"depth_router.inference_threshold={rc.inference_threshold!r} must lie in (0, 1)")
-            need(self.n_loops >= 2, f"{r} needs loop_depth.loops >= 2 (R={self.n_loops}: nothing to route)")
-            caps = rc.capacities(self.n_loops)
-            need(len(caps) == self.n_loops and all(0 < c <= 1 for c in caps)
-                 and all(a >= b for a, b in zip(caps, caps[1:])),
-                 f"depth_router.capacity={rc.capacity!r} must hold R={self.n_loops} fractions in (0, 1], descending "
-                 f"(MoR's default: {[round((self.n_loops - i) / self.n_loops, 4) for i in range(self.n_loops)]})")
-        else:
-            need(rc.capacity is None, f"depth_router.capacity={rc.capacity!r} is an expert_choice option; "
-                 "token_choice assigns each token one depth (set capacity=null)")
+    def validate_mamba_fields(self) -> None:
+        """The Mamba-2 settings, for a Mamba-2 layer or mixer anywhere in the model."""
+        for name in ("d_state", "headdim", "expand", "ngroups", "d_conv", "chunk_size"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ConfigError(f"{name}={v!r} must be a positive integer")
+        d_inner = self.expand * self.d_model
+        if d_inner % self.headdim:
+            raise ConfigError(f"expand*d_model={d_inner} is not divisible by headdim={self.headdim}")
+        if (d_inner // self.headdim) % self.ngroups:
+            raise ConfigError(f"ngroups={self.ngroups} must divide the number of heads {d_inner // self.headdim}")
+        if self.kernel == "mamba_ssm" and self.d_conv not in CAUSAL_CONV1D_WIDTHS:
+            raise ConfigError(fused_conv_width_error(self.d_conv))
 
     # ------------------------------------------------------------------------
     @property
     def layer_types(self) -> str:
-        """One letter per layer of the looped block: 'A' attention(+MLP), 'M' Mamba-2."""
+        """One letter per layer of the looped block (models/registry.py LAYERS): 'A' attention(+MLP), 'M' Mamba-2."""
         return self._kinds(self.n_layers)
 
     @property
@@ -375,12 +391,7 @@ class LoopedLMConfig:
     def _kinds(self, n: int) -> str:
         if not isinstance(n, int) or n < 0:
             return ""  # validate() names the bad count
-        if self.backbone == "llama":
-            return "A" * n
-        if self.backbone == "mamba2":
-            return "M" * n
-        pat = self.hybrid_pattern or "M"
-        return "".join(pat[i % len(pat)] for i in range(n))
+        return BACKBONES.get(self.backbone).layer_kinds(self, n)
 
     @property
     def head_dim(self) -> int:
@@ -388,19 +399,17 @@ class LoopedLMConfig:
 
     @property
     def uses_state(self) -> bool:
-        return self.state_mode != "vanilla"
+        return STATE_UPDATES.get(self.state_update).builds_state
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
-            d[name] = list(getattr(self, name))
-        if self.depth_router.name == "none":
-            d.pop("depth_router")  # a model without router: the dict (and its checkpoints' hash) as before routing existed
-        if self.loop_schedule == "sequential":
-            for k in ("loop_schedule", *PARALLEL_DEFAULTS):
-                d.pop(k)  # likewise: a sequential model's dict as before the parallel schedule existed
-        else:
-            d["loop_mix"] = list(self.loop_mix)
+        for f in fields(self):
+            keep = f.metadata.get("keep_if")
+            if keep is not None and not keep(self):
+                d.pop(f.name)  # a field added later: an earlier model's dict (and its checkpoints' hash) as it was
+        for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init", "loop_mix"):
+            if name in d:
+                d[name] = list(getattr(self, name))
         return d
 
     @classmethod

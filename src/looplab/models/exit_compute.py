@@ -42,10 +42,59 @@ import torch
 
 from looplab.models.cache import KVCache, LoopCache, SSMCache
 from looplab.models.exit_gate import logits_at_depth
-from looplab.models.exit_rules import check_rule, stops_at
+from looplab.models.exit_rules import check_rule, get_rule, zero_shot_rules
 from looplab.models.outputs import LoopedLMOutput
+from looplab.models.registry import HANDLINGS, Variant
 
-HANDLINGS = ("kv_copy", "ssm_skip", "ssm_propagate")
+
+class SkipHandling(Variant):
+    """What an exited token leaves in the deeper loops' cache entries (a registered class: HANDLINGS).
+
+    fills: the cache kinds (models/registry.py Supports.cache) it knows how to fill; a model keeping another
+    kind is refused. ssm_absent: at a deeper loop a Mamba-2 layer treats the token as absent (dt = 0);
+    ssm_write: a deeper loop's Mamba-2 state is written from the token's exit-loop input."""
+
+    fills: frozenset = frozenset({"kv"})
+    ssm_absent: bool = False
+    ssm_write: bool = False
+
+    @classmethod
+    def refusal(cls, where: str, kind: str) -> str:
+        """Why this handling cannot serve a model whose `where` keeps a `kind` cache entry it does not fill."""
+        return (f"skip_compute={cls.name} fills {sorted(cls.fills)} cache entries, but {where} keeps a {kind!r} entry; "
+                "choose a handling that fills it, or decode without skip_compute")
+
+
+@HANDLINGS.register("kv_copy")
+class KVCopy(SkipHandling):
+    fills = frozenset({"kv"})
+
+    @classmethod
+    def refusal(cls, where, kind):
+        if kind != "ssm":
+            return super().refusal(where, kind)
+        return ("skip_compute=kv_copy (or true) needs an attention-only model, but {where}: a Mamba-2 layer's "
+                "recurrent state at each loop depends on every earlier token at that loop, so copying key/values "
+                "does not say what an exited token leaves there. Choose skip_compute=ssm_skip (the token is absent "
+                "from the deeper loops' states) or ssm_propagate (the deeper loops write it from its exit-loop "
+                "input), or decode without skip_compute (every loop runs, the exit only picks the depth)."
+                ).format(where=where)
+
+
+@HANDLINGS.register("ssm_skip")
+class SSMSkip(SkipHandling):
+    fills = frozenset({"kv", "ssm"})
+    ssm_absent = True
+
+
+@HANDLINGS.register("ssm_propagate")
+class SSMPropagate(SkipHandling):
+    fills = frozenset({"kv", "ssm"})
+    ssm_write = True
+
+
+def handling_names() -> tuple[str, ...]:
+    return HANDLINGS.names()
 
 
 def resolve_handling(skip_compute: bool | str | None) -> str | None:
@@ -56,28 +105,26 @@ def resolve_handling(skip_compute: bool | str | None) -> str | None:
         return "kv_copy"
     if isinstance(skip_compute, str) and skip_compute in HANDLINGS:
         return skip_compute
-    raise ValueError(f"skip_compute={skip_compute!r} is unknown; choose none, {', '.join(HANDLINGS)} (true = kv_copy)")
+    raise ValueError(f"skip_compute={skip_compute!r} is unknown; choose none, {', '.join(HANDLINGS.names())} "
+                     "(true = kv_copy)")
 
 
 def has_ssm(config) -> bool:
-    return "M" in config.all_layer_types or config.state_mode == "stateloop_mamba2"
+    """Whether the model keeps a recurrent (Mamba-2) cache entry anywhere: its block, prelude, coda or state mixer."""
+    return "ssm" in config.cache_kinds()
 
 
 def skip_compute_unsupported(config, exit_rule: str | None = None, skip_compute: bool | str = True) -> str | None:
     """Why skip_compute (with this handling and exit rule) cannot be used with this model, or None."""
     handling = resolve_handling(skip_compute)
-    if handling == "kv_copy" and has_ssm(config):
-        where = "the state mixer is Mamba-2" if "M" not in config.all_layer_types else f"backbone={config.backbone!r} has Mamba-2 layers"
-        return (
-            f"skip_compute=kv_copy (or true) needs an attention-only model, but {where}: a Mamba-2 layer's "
-            "recurrent state at each loop depends on every earlier token at that loop, so copying key/values "
-            "does not say what an exited token leaves there. Choose skip_compute=ssm_skip (the token is absent "
-            "from the deeper loops' states) or ssm_propagate (the deeper loops write it from its exit-loop input), "
-            "or decode without skip_compute (every loop runs, the exit only picks the depth)."
-        )
-    if config.exit_gate == "none" and (exit_rule or "gate") == "gate":
+    if handling is not None:
+        cls = HANDLINGS.get(handling)
+        for where, kind in config.cache_owners():
+            if kind not in cls.fills:
+                return cls.refusal(where, kind)
+    if config.exit_gate == "none" and get_rule(exit_rule).reads == "exit_probs":
         return ("exit_gate.skip_compute needs a model with an exit gate (exit_gate=ouro), "
-                "or a zero-shot exit_rule (kl, entropy, hidden_delta, argmax_stable)")
+                f"or a zero-shot exit_rule ({', '.join(zero_shot_rules())})")
     return None
 
 
@@ -85,7 +132,7 @@ class FrozenInputs:
     """Inside one forward: each token that has exited feeds every deeper layer its exit-loop input."""
 
     def __init__(self, handling: str):
-        self.handling = handling
+        self.handling = HANDLINGS.get(handling)
         self.inputs: dict = {}  # key (layer index, "state" or ("coda", l)) → (B, T, d) input at each token's last run loop
         self.gone: torch.Tensor | None = None  # (B, T) bool: tokens whose exit depth is below this loop
 
@@ -98,7 +145,7 @@ class FrozenInputs:
         if prev is not None and self.gone is not None:
             x = torch.where(self.gone[..., None], prev, x)
         self.inputs[key] = x
-        if self.handling == "ssm_skip" and self.gone is not None and _is_ssm(module):
+        if self.handling.ssm_absent and self.gone is not None and _is_ssm(module):
             return module(x, positions, valid, cache, skip=self.gone)
         return module(x, positions, valid, cache)
 
@@ -131,15 +178,16 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
     n_loops: the depth R′ to run (test-time depth; default the configured R).
     """
     if handling not in HANDLINGS:
-        raise ValueError(f"handling={handling!r} is unknown; choose one of {HANDLINGS}")
+        raise ValueError(f"handling={handling!r} is unknown; choose one of {HANDLINGS.names()}")
     R = model.loops(n_loops)
     online = exit_steps is None
     if online:
         if rule is None or threshold is None:
             raise ValueError("forward_with_exits needs exit_steps, or an exit rule and its threshold")
         check_rule(rule, threshold, min_loops, R)
-        if rule == "gate" and model.exit_gate is None:
-            raise ValueError("exit rule 'gate' needs a model with an exit gate (exit_gate=ouro)")
+        reads = get_rule(rule).reads
+        if reads == "exit_probs" and model.exit_gate is None:
+            raise ValueError(f"exit rule {rule!r} needs a model with an exit gate (exit_gate=ouro)")
         exit_steps = torch.full(input_ids.shape, R, dtype=torch.long, device=input_ids.device)
         decided = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     positions, valid = model.positions(input_ids, attention_mask)
@@ -161,15 +209,16 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
         t = r + 1
         if online and t < R:
             hidden.append(model.final_norm(readout))
-            if rule == "gate":
+            if reads == "exit_probs":
                 lam = model.exit_gate(hidden[-1])
                 survival = torch.ones_like(lam) if survival is None else survival
                 probs.append(lam * survival)
                 survival = survival * (1 - lam)
             if t >= min_loops:
                 h = torch.stack(hidden)
-                stop = stops_at(rule, t, threshold, exit_probs=torch.stack(probs, -1) if probs else None,
-                                logits=model.head(h) if rule in ("kl", "entropy", "argmax_stable") else None, hidden=h)
+                inputs = {"exit_probs": lambda: torch.stack(probs, -1), "logits": lambda: model.head(h),
+                          "hidden": lambda: h}[reads]()
+                stop = get_rule(rule).stops(t, threshold, inputs)
                 new = stop & ~state["decided"]
                 state["steps"] = torch.where(new, torch.full_like(state["steps"], t), state["steps"])
                 state["decided"] = state["decided"] | new
@@ -206,7 +255,7 @@ def fill_exited(model, cache: LoopCache, r: int, idx: torch.Tensor, exit_loop: t
                     mixer = model.state.mixer
                 else:
                     mixer = (model.coda[key[1]] if isinstance(key, tuple) else model.block[key]).mixer
-                mixer.step_from(dst, src, rows, write=handling == "ssm_propagate")
+                mixer.step_from(dst, src, rows, write=HANDLINGS.get(handling).ssm_write)
             if hasattr(dst, "upto") and hasattr(src, "upto"):
                 # a coda entry's misuse guard (LoopCache.check_filled): the fill covers this token as a run would
                 dst.upto = max(dst.upto, src.upto)
@@ -216,7 +265,7 @@ class SkipDecoding:
     """One T = 1 decoding step in which a row stops running loops once its token has exited (skip handling).
 
     The exit decision is forward(exits=ExitPolicy(threshold, rule))'s, taken online after each loop from
-    loops 1..t (`exit_rules.stops_at`); for the gate, p(t) = λ_t S_{t−1} with S_t = S_{t−1}(1 − λ_t) and
+    loops 1..t (the rule's `stops`); for the gate, p(t) = λ_t S_{t−1} with S_t = S_{t−1}(1 − λ_t) and
     p(R) = S_{R−1}. Loop r runs on the rows still going only (`LoopedLM.run_loops`' rows: gathered, their
     cache entries indexed), and the rows that have exited get loop r's entries filled by the handling
     (`fill_exited`), which is exactly what the frozen-input reference leaves there. `block_rows` records how
@@ -230,13 +279,15 @@ class SkipDecoding:
     def __call__(self, input_ids: torch.Tensor, cache: LoopCache) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (logits (B, V) at each row's exit, exit steps (B,), 1-based)."""
         model, pol, R = self.model, self.policy, self.R
-        rule, q, handling = pol.rule_name, pol.threshold, pol.skip
+        q, handling = pol.threshold, pol.skip
+        rule_cls = get_rule(pol.rule_name)
+        reads = rule_cls.reads
         B = input_ids.shape[0]
         positions, valid = model.positions(input_ids, None, cache)
         stream = model.start(input_ids, positions, valid, cache)
         exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running
         logits = None
-        hist = {"probs": [], "logits": [], "hidden": []}  # loops 1..t, full-batch rows (exited rows stale)
+        hist: list[torch.Tensor] = []  # what the rule reads, loops 1..t, full-batch rows (exited rows stale)
         survival = stream.x.new_ones(B)
         live = {"idx": None}  # None: every row runs (the common case: no mask ops until some row exits)
 
@@ -260,27 +311,19 @@ class SkipDecoding:
             if t == R:
                 new = torch.ones(normed.shape[0], dtype=torch.bool, device=normed.device)
             else:
-                if rule == "gate":
+                if reads == "exit_probs":
                     lam = model.exit_gate(normed)
                     s_rows = survival if idx is None else survival[idx]
-                    hist["probs"].append(_put(hist["probs"], lam * s_rows, idx, B))
+                    hist.append(_put(hist, lam * s_rows, idx, B))
                     survival = (s_rows * (1 - lam)) if idx is None else survival.index_copy(0, idx, s_rows * (1 - lam))
-                elif rule == "hidden_delta":
-                    hist["hidden"].append(_put(hist["hidden"], normed, idx, B))
                 else:
-                    hist["logits"].append(_put(hist["logits"], model.head(normed), idx, B))
+                    hist.append(_put(hist, normed if reads == "hidden" else model.head(normed), idx, B))
                 new = None
                 if t >= pol.min_loops:
-                    def stacked(key):
-                        h = hist[key]
-                        if not h:
-                            return None
-                        full = torch.stack(h, -1 if key == "probs" else 0)
-                        if idx is None:
-                            return full
-                        return full[idx] if key == "probs" else full[:, idx]
-                    new = stops_at(rule, t, q, exit_probs=stacked("probs"), logits=stacked("logits"),
-                                   hidden=stacked("hidden"))
+                    full = torch.stack(hist, -1 if reads == "exit_probs" else 0)
+                    if idx is not None:
+                        full = full[idx] if reads == "exit_probs" else full[:, idx]
+                    new = rule_cls.stops(t, q, full)
             if new is None or not bool(new.any()):
                 return
             if t == R and idx is None:  # every row ran every loop
@@ -289,8 +332,8 @@ class SkipDecoding:
                 return
             at = new.nonzero().squeeze(1)  # indices into this loop's rows
             glob = at if idx is None else idx[at]
-            if hist["logits"] and t < R:
-                step_logits = hist["logits"][-1][glob]  # the rule already read this loop's logits
+            if reads == "logits" and t < R:
+                step_logits = hist[-1][glob]  # the rule already read this loop's logits
             else:
                 step_logits = model.head(normed[at])
             if logits is None:

@@ -16,8 +16,26 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from looplab.models.registry import EXIT_GATES, Supports, Variant
 
-class ExitGate(nn.Module):
+
+@EXIT_GATES.register("none")
+class NoExitGate(Variant):
+    """Every token reads the last loop (zero-shot exit rules still apply): no module, no parameters."""
+
+    supports = Supports(parallel_loops=True, export=True)
+
+
+@EXIT_GATES.register("ouro")
+class ExitGate(nn.Module, Variant):
+    """λ_t = σ(w·FinalNorm(z_t) + b): Ouro's gate, one linear map shared by every loop."""
+
+    supports = Supports(
+        parallel_loops="an exit picks a loop of the same token, and under the parallel schedule loop r of a token "
+                       "finishes at a later step than loop r−1; use exit_gate=none",
+        routing="a router and an exit gate both choose the depth; combine them with exit_gate=none only",
+        export=True)
+
     def __init__(self, d_model: int):
         super().__init__()
         self.proj = nn.Linear(d_model, 1, bias=True)

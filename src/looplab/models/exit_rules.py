@@ -3,7 +3,7 @@
 One rule decides, per token, after each loop t whether to stop there. Every rule looks only at
 loops 1..t, so the same decision can be taken online while decoding (loop by loop) or read off
 afterwards from all R loops (scoring, evaluation); `first_exit` is the latter and is defined
-through `stops_at`, the per-loop decision, so the two cannot drift apart.
+through `ExitRule.stops`, the per-loop decision, so the two cannot drift apart.
 
     rule            stops after loop t when                                        threshold
     gate            the learned Ouro gate's CDF(t) = Σ_{j≤t} p(j) ≥ q              q in (0, 1]
@@ -14,6 +14,10 @@ through `stops_at`, the per-loop decision, so the two cannot drift apart.
 
 The zero-shot rules (kl, entropy, hidden_delta, argmax_stable) follow Huginn's; they need no
 trained gate. A token stops no earlier than `min_loops` and always at R.
+
+Each rule is a registered class (models/registry.py: EXIT_RULES) that says what it reads — the gate's exit
+distribution, the loops' logits or their final-normed readouts — so that every decoder computes only that,
+and a researcher's rule (docs/extending.md#an-exit-rule) runs in every decoder unchanged.
 """
 
 from __future__ import annotations
@@ -23,59 +27,153 @@ import math
 import torch
 import torch.nn.functional as F
 
-EXIT_RULES = ("gate", "kl", "entropy", "hidden_delta", "argmax_stable")
+from looplab.models.registry import EXIT_RULES, Variant
+
+READS = ("exit_probs", "logits", "hidden")
+
+
+class ExitRule(Variant):
+    """Stops a token after loop t from what loops 1..t produced. `reads` names that input:
+    "exit_probs" (the gate's p(1..t), (..., ≥t)), "logits" ((t, ..., V)) or "hidden" (final-normed readouts, (t, ..., d)).
+    `example_thresholds`: thresholds worth trying (docs, and the conformance kit, which picks the one that makes a
+    tiny random model's tokens exit at the most mixed depths)."""
+
+    reads: str = "logits"
+    example_thresholds: tuple[float, ...] = ()
+
+    @classmethod
+    def check_threshold(cls, threshold: float) -> None:
+        """Refuse a threshold this rule cannot take, naming it (the number check is done already)."""
+
+    @classmethod
+    def stops(cls, t: int, threshold: float, inputs: torch.Tensor) -> torch.Tensor:
+        """Whether each token stops after loop t (1-based), from `inputs` (what `reads` names) over loops 1..t →
+        bool (...)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def never(inputs: torch.Tensor, lead: int = 1, trail: int = 1) -> torch.Tensor:
+        """No token stops (a rule that needs more loops than have run)."""
+        shape = inputs.shape[lead:inputs.dim() - trail]
+        return torch.zeros(shape, dtype=torch.bool, device=inputs.device)
+
+
+@EXIT_RULES.register("gate")
+class GateRule(ExitRule):
+    reads = "exit_probs"
+    example_thresholds = (0.3, 0.5, 0.7, 0.9)
+
+    @classmethod
+    def stops(cls, t, threshold, inputs):
+        return inputs[..., :t].sum(-1) >= threshold
+
+
+@EXIT_RULES.register("kl")
+class KLRule(ExitRule):
+    example_thresholds = (0.001, 0.01, 0.05, 0.2, 1.0)
+    @classmethod
+    def check_threshold(cls, threshold):
+        if threshold < 0:
+            raise ValueError(f"exit_threshold={threshold!r}: rule 'kl' takes a threshold >= 0")
+
+    @classmethod
+    def stops(cls, t, threshold, inputs):
+        if t < 2:
+            return cls.never(inputs)
+        logp = F.log_softmax(inputs[t - 1].float(), dim=-1)
+        prev = F.log_softmax(inputs[t - 2].float(), dim=-1)
+        return (logp.exp() * (logp - prev)).sum(-1) < threshold
+
+
+@EXIT_RULES.register("entropy")
+class EntropyRule(ExitRule):
+    example_thresholds = (1.0, 2.0, 3.0, 3.5, 4.0, 4.1)
+    @classmethod
+    def check_threshold(cls, threshold):
+        if threshold < 0:
+            raise ValueError(f"exit_threshold={threshold!r}: rule 'entropy' takes a threshold >= 0")
+
+    @classmethod
+    def stops(cls, t, threshold, inputs):
+        logp = F.log_softmax(inputs[t - 1].float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1) < threshold
+
+
+@EXIT_RULES.register("hidden_delta")
+class HiddenDeltaRule(ExitRule):
+    reads = "hidden"
+    example_thresholds = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
+
+    @classmethod
+    def check_threshold(cls, threshold):
+        if threshold < 0:
+            raise ValueError(f"exit_threshold={threshold!r}: rule 'hidden_delta' takes a threshold >= 0")
+
+    @classmethod
+    def stops(cls, t, threshold, inputs):
+        if t < 2:
+            return cls.never(inputs)
+        delta = (inputs[t - 1] - inputs[t - 2]).float().norm(dim=-1)
+        return delta < threshold * inputs[t - 1].float().norm(dim=-1).clamp_min(1e-12)
+
+
+@EXIT_RULES.register("argmax_stable")
+class ArgmaxStableRule(ExitRule):
+    example_thresholds = (1, 2)
+    @classmethod
+    def check_threshold(cls, threshold):
+        if threshold < 1 or threshold != int(threshold):
+            raise ValueError(f"exit_threshold={threshold!r}: argmax_stable takes an integer k >= 1 (loops without a "
+                             "change)")
+
+    @classmethod
+    def stops(cls, t, threshold, inputs):
+        k = int(threshold)
+        if t < k + 1:
+            return cls.never(inputs)
+        top = inputs[t - k - 1:t].argmax(-1)  # (k + 1, ...)
+        return (top == top[-1]).all(0)
+
+
+def get_rule(rule: str | None) -> type[ExitRule]:
+    """The registered rule class (None = "gate")."""
+    cls = EXIT_RULES.get(rule or "gate")
+    if getattr(cls, "reads", None) not in READS:
+        raise ValueError(f"exit_rule={rule!r}: its class must set reads to one of {READS}")
+    return cls
+
+
+def zero_shot_rules() -> tuple[str, ...]:
+    """The registered rules that need no trained gate."""
+    return tuple(name for name, cls in EXIT_RULES.items() if cls.reads != "exit_probs")
 
 
 def check_rule(rule: str, threshold: float, min_loops: int, n_loops: int) -> None:
     """Clear errors, naming the bad value, before anything runs."""
-    if rule not in EXIT_RULES:
-        raise ValueError(f"exit_rule={rule!r} is unknown; choose one of {EXIT_RULES}")
-    if not isinstance(threshold, (int, float)) or math.isnan(threshold):
+    cls = get_rule(rule)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold):
         raise ValueError(f"exit_threshold={threshold!r} must be a number")
-    if rule == "argmax_stable" and (threshold < 1 or threshold != int(threshold)):
-        raise ValueError(f"exit_threshold={threshold!r}: argmax_stable takes an integer k >= 1 (loops without a change)")
-    if rule in ("kl", "entropy", "hidden_delta") and threshold < 0:
-        raise ValueError(f"exit_threshold={threshold!r}: rule {rule!r} takes a threshold >= 0")
-    if not isinstance(min_loops, int) or not 1 <= min_loops <= n_loops:
+    cls.check_threshold(threshold)
+    if isinstance(min_loops, bool) or not isinstance(min_loops, int) or not 1 <= min_loops <= n_loops:
         raise ValueError(f"exit_min_loops={min_loops!r} must be an integer in 1..{n_loops}")
 
 
 def stops_at(rule: str, t: int, threshold: float, *, logits: torch.Tensor | None = None,
              hidden: torch.Tensor | None = None, exit_probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Whether each token stops after loop t (1-based), from loops 1..t only.
-
-    logits (t, ..., V) and hidden (t, ..., d): the readouts of loops 1..t (only the rule's own input is
-    needed); exit_probs (..., ≥t): the gate's exit distribution. Returns a bool tensor of shape (...).
-    """
-    if rule == "gate":
-        if exit_probs is None:
-            raise ValueError("exit_rule='gate' needs a model with an exit gate (exit_gate=ouro)")
-        return exit_probs[..., :t].sum(-1) >= threshold
-    if rule == "hidden_delta":
-        if t < 2:
-            return torch.zeros(hidden.shape[1:-1], dtype=torch.bool, device=hidden.device)
-        delta = (hidden[t - 1] - hidden[t - 2]).float().norm(dim=-1)
-        return delta < threshold * hidden[t - 1].float().norm(dim=-1).clamp_min(1e-12)
-    logp = F.log_softmax(logits[t - 1].float(), dim=-1)
-    if rule == "entropy":
-        return -(logp.exp() * logp).sum(-1) < threshold
-    if rule == "kl":
-        if t < 2:
-            return torch.zeros(logp.shape[:-1], dtype=torch.bool, device=logp.device)
-        prev = F.log_softmax(logits[t - 2].float(), dim=-1)
-        return (logp.exp() * (logp - prev)).sum(-1) < threshold
-    if rule == "argmax_stable":
-        k = int(threshold)
-        if t < k + 1:
-            return torch.zeros(logp.shape[:-1], dtype=torch.bool, device=logp.device)
-        top = logits[t - k - 1:t].argmax(-1)  # (k + 1, ...)
-        return (top == top[-1]).all(0)
-    raise ValueError(f"exit_rule={rule!r} is unknown; choose one of {EXIT_RULES}")
+    """Whether each token stops after loop t (1-based), from loops 1..t only: the rule reads its own input
+    (logits (t, ..., V), hidden (t, ..., d) or exit_probs (..., ≥t)). Returns a bool tensor of shape (...)."""
+    cls = get_rule(rule)
+    inputs = {"exit_probs": exit_probs, "logits": logits, "hidden": hidden}[cls.reads]
+    if inputs is None:
+        if cls.reads == "exit_probs":
+            raise ValueError(f"exit_rule={rule!r} needs a model with an exit gate (exit_gate=ouro)")
+        raise ValueError(f"exit_rule={rule!r} reads the loops' {cls.reads}, which were not given")
+    return cls.stops(t, threshold, inputs)
 
 
 def first_exit(rule: str, threshold: float, n_loops: int, *, min_loops: int = 1, logits: torch.Tensor | None = None,
                hidden: torch.Tensor | None = None, exit_probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Per token, the first loop t ≥ min_loops at which `stops_at` holds, else R (1-based, long).
+    """Per token, the first loop t ≥ min_loops at which the rule stops it, else R (1-based, long).
 
     logits (R, B, T, V), hidden (R, B, T, d), exit_probs (B, T, R) → (B, T).
     """

@@ -27,7 +27,7 @@ import torch
 
 from looplab.models.exit_compute import forward_with_exits, resolve_handling, skip_compute_unsupported
 from looplab.models.exit_gate import exit_distribution, logits_at_depth
-from looplab.models.exit_rules import EXIT_RULES, check_rule, first_exit
+from looplab.models.exit_rules import check_rule, first_exit, get_rule, zero_shot_rules
 from looplab.models.outputs import LoopedLMOutput
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ExitPolicy:
     The flat keys of the CLIs and the lm-eval adapter build one with `from_kwargs`."""
 
     threshold: float | None = None  # the rule's threshold (gate: q in (0, 1])
-    rule: str | None = None  # exit_rules.EXIT_RULES; None = "gate"
+    rule: str | None = None  # a registered exit rule (models/registry.py EXIT_RULES); None = "gate"
     min_loops: int = 1  # no token stops before this loop
     at_step: int | None = None  # every token at this depth (1-based)
     expected: bool = False  # the gate-weighted mixture of every depth's logits
@@ -58,9 +58,9 @@ class ExitPolicy:
     def check(self, model, n_loops: int) -> None:
         """Refuse, naming the option, what this model cannot do at depth n_loops (before anything runs)."""
         if self.threshold is not None:
-            if self.rule_name == "gate" and model.exit_gate is None:
-                raise ValueError("exit_threshold needs a model with an exit gate (exit_gate=ouro), or a zero-shot "
-                                 f"exit_rule ({', '.join(EXIT_RULES[1:])})")
+            if get_rule(self.rule).reads == "exit_probs" and model.exit_gate is None:
+                raise ValueError(f"exit_rule={self.rule_name!r} needs a model with an exit gate (exit_gate=ouro), or "
+                                 f"a zero-shot exit_rule ({', '.join(zero_shot_rules())})")
             check_rule(self.rule_name, self.threshold, self.min_loops, n_loops)
         if self.skip is not None:
             reason = skip_compute_unsupported(model.config, self.rule, self.skip)
@@ -118,9 +118,9 @@ def read_depths(model, readouts: list[torch.Tensor], policy: ExitPolicy | None, 
         out.exit_steps = torch.full((B, T), policy.at_step, dtype=torch.long, device=device)
     elif policy.threshold is not None or policy.expected:
         rule = policy.rule or "gate"
-        if out.exit_probs is None and (policy.expected or rule == "gate"):
+        if out.exit_probs is None and (policy.expected or get_rule(rule).reads == "exit_probs"):
             raise ValueError("exit_threshold / expected_exit need a model with an exit gate (exit_gate=ouro), "
-                             f"or a zero-shot exit_rule ({', '.join(EXIT_RULES[1:])})")
+                             f"or a zero-shot exit_rule ({', '.join(zero_shot_rules())})")
         if policy.expected:
             out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs, loop_logits)
             steps = torch.arange(1, R + 1, device=device, dtype=out.exit_probs.dtype)

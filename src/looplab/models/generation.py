@@ -43,6 +43,7 @@ import torch
 from looplab.models.cache import LoopCache
 from looplab.models.exit_compute import SkipDecoding
 from looplab.models.exits import ExitPolicy
+from looplab.models.registry import named_option as _named
 from looplab.models.stream import Stream
 
 __all__ = ["GenerationOutput", "Sampling", "Speculation", "StepOutput", "check_options", "decode_one_token", "generate",
@@ -329,16 +330,9 @@ def compiled_decoder(model, batch_size: int, max_len: int, n_loops: int, mode: s
 
 
 def compile_unsupported(config) -> str | None:
-    """Why a compiled (static-shape) step cannot decode this model, or None."""
-    if "M" in config.all_layer_types:
-        return (f"compile=... needs attention-only layers, but backbone={config.backbone!r} has Mamba-2 layers (their "
-                "step keeps no static-shape state yet); decode with compile=False")
-    if config.state_mode in ("stateloop_attn", "stateloop_mamba2"):
-        return (f"compile=... does not cover state_mode={config.state_mode!r} (its mixer has its own cache); decode "
-                "with compile=False")
-    if config.depth_router.name != "none":
-        return f"compile=... does not route (depth_router={config.depth_router.name}); decode with compile=False"
-    return None
+    """Why a compiled (static-shape) step cannot decode this model, or None (the variants' declared `compile`)."""
+    reason = config.unsupported("compile")
+    return None if reason is None else f"compile=... with {reason}"
 
 
 # ------------------------------------------------------------------ generate
@@ -365,13 +359,11 @@ def check_options(model, n_loops: int, *, sampling=None, exits=None, speculation
     sampling = Sampling() if sampling is None else sampling
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling={sampling!r}: give looplab.models.Sampling(temperature, top_k, top_p, generator)")
-    if getattr(cfg, "loop_schedule", "sequential") == "parallel":
-        bad = [f"{name}={v!r}" for name, v in (("exits", exits), ("speculation", speculation), ("compile", compile))
-               if v not in (None, False)]
-        if bad:
-            raise ValueError(f"loop_schedule=parallel decodes all loops of a token in one folded block call; it does not "
-                             f"take {', '.join(bad)} (exits and drafts read a shallower loop of the same token, which "
-                             "the parallel schedule computes at a later step; the folded step is not compiled)")
+    for feature, value in (("exits", exits), ("speculation", speculation), ("compile", compile)):
+        if value not in (None, False):
+            reason = cfg.unsupported(feature)
+            if reason:
+                raise ValueError(f"{_named(feature, value)} with {reason}")
     if exits is not None:
         if not isinstance(exits, ExitPolicy):
             raise TypeError(f"exits={exits!r}: give looplab.models.ExitPolicy(threshold=..., rule=..., skip=...)")
@@ -393,14 +385,9 @@ def check_options(model, n_loops: int, *, sampling=None, exits=None, speculation
     if compile not in (False, True, *COMPILE_MODES):
         raise ValueError(f"compile={compile!r} is unknown; choose False, True (= 'default'), {', '.join(COMPILE_MODES)}")
     if compile:
-        reason = compile_unsupported(cfg)
-        if reason:
-            raise ValueError(reason)
         bad = [name for name, v in (("exits", exits), ("speculation", speculation)) if v is not None]
         if bad:
             raise ValueError(f"compile={compile!r} decodes plain steps; it does not combine with {', '.join(bad)}")
-    if getattr(model, "router", None) is not None:
-        model.router.check_generate(exits=exits, speculation=speculation, compile=compile or None)
 
 
 @torch.no_grad()

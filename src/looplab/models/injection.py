@@ -18,10 +18,39 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-INJECTIONS = ("none", "add", "concat", "diag")
+from looplab.models.registry import INJECTIONS, Supports, Variant
+
+# the parallel schedule re-enters the embedding itself (loop_mix a·E); every injection exports
+_INJECTING = Supports(parallel_loops="the parallel schedule has its own embedding term (loop_mix a·E); use "
+                      "injection=none", export=True)
 
 
-class AddInjection(nn.Module):
+class Injection(nn.Module, Variant):
+    """x_{r+1} ← Inject(x_{r+1}, e) before loops 2..R; must compute the un-injected model at init, drawing no random
+    numbers (so a seeded model's other parameters equal the un-injected model's)."""
+
+    supports = _INJECTING
+
+    @torch.no_grad()
+    def reset_special_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Back to the un-injected model (LoopedLM's generic init skips injection parameters)."""
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def flops_per_token(self) -> int:
+        return 0
+
+
+@INJECTIONS.register("none")
+class NoInjection(Variant):
+    """The stream goes on as it is: no module, no parameters, no state-dict keys."""
+
+    supports = Supports(parallel_loops=True, export=True)
+
+
+@INJECTIONS.register("add")
+class AddInjection(Injection):
     def __init__(self, d: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(d, d))  # W_in
@@ -38,7 +67,8 @@ class AddInjection(nn.Module):
         return 2 * d * d + d
 
 
-class ConcatInjection(nn.Module):
+@INJECTIONS.register("concat")
+class ConcatInjection(Injection):
     def __init__(self, d: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(d, 2 * d))  # W_c over [x; e]
@@ -57,7 +87,8 @@ class ConcatInjection(nn.Module):
         return 2 * self.weight.numel()
 
 
-class DiagInjection(nn.Module):
+@INJECTIONS.register("diag")
+class DiagInjection(Injection):
     def __init__(self, d: int):
         super().__init__()
         self.gate = nn.Parameter(torch.zeros(d))  # g; the gain tanh(g) is bounded in (−1, 1)
@@ -74,12 +105,6 @@ class DiagInjection(nn.Module):
 
 
 def build_injection(mode: str, d_model: int) -> nn.Module | None:
-    if mode == "none":
-        return None
-    if mode == "add":
-        return AddInjection(d_model)
-    if mode == "concat":
-        return ConcatInjection(d_model)
-    if mode == "diag":
-        return DiagInjection(d_model)
-    raise ValueError(f"injection={mode!r} is unknown; choose one of {INJECTIONS}")
+    """The injection module of a registered mode (None: "none", or any mode that is not a module)."""
+    cls = INJECTIONS.get(mode)
+    return cls(d_model) if isinstance(cls, type) and issubclass(cls, nn.Module) else None

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from looplab.models.cache import KVCache
 from looplab.models.config import LoopedLMConfig
+from looplab.models.backbone import Layer
+from looplab.models.registry import LAYERS, ConfigError, Supports
 
 
 # --- CPU autograd -------------------------------------------------------------
@@ -214,10 +216,23 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class AttentionLayer(nn.Module):
+@LAYERS.register("A")
+class AttentionLayer(nn.Module, Layer):
     """Pre-norm LLaMA layer: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
 
     kind = "A"
+    title = "attention"
+    supports = Supports(cache="kv", parallel_loops=True, export=True)
+
+    @classmethod
+    def validate(cls, cfg: LoopedLMConfig) -> None:
+        if cfg.d_model % cfg.n_heads:
+            raise ConfigError(f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}; pick n_heads among the "
+                              f"divisors of {cfg.d_model}")
+        if (cfg.d_model // cfg.n_heads) % 2:
+            raise ConfigError(f"head dim d_model/n_heads={cfg.d_model // cfg.n_heads} must be even for RoPE")
+        if not (cfg.n_kv_heads >= 1 and cfg.n_heads % cfg.n_kv_heads == 0):
+            raise ConfigError(f"n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
 
     def __init__(self, cfg: LoopedLMConfig):
         super().__init__()

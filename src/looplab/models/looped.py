@@ -53,29 +53,20 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from looplab.models.backbone import build_layer
 from looplab.models.cache import LoopCache
 from looplab.models.config import LoopedLMConfig
-from looplab.models.exit_gate import ExitGate
 from looplab.models.exits import ExitPolicy, forward_with_skips, read_depths
 from looplab.models.hub import LoopedHubMixin
 from looplab.models.injection import build_injection
-from looplab.models.llama import AttentionLayer, RMSNorm
+from looplab.models.llama import RMSNorm
 from looplab.models.outputs import LoopedLMOutput
-from looplab.models.parallel import LoopGate, LoopInput, ParallelKVCache, parallel_forward
+from looplab.models.registry import EXIT_GATES, LOOP_SCHEDULES, STATE_UPDATES
 from looplab.models.rng import draw_init_seed, named_generator
 from looplab.models.router import build_router
-from looplab.models.state import StateBranch
 from looplab.models.stream import Stream
 
-
-def build_layer(kind: str, cfg: LoopedLMConfig) -> nn.Module:
-    if kind == "A":
-        return AttentionLayer(cfg)
-    if kind == "M":
-        from looplab.models.mamba2 import Mamba2Layer  # own module; kernels imported lazily inside
-
-        return Mamba2Layer(cfg)
-    raise ValueError(f"unknown layer kind {kind!r}")
+__all__ = ["LoopedLM", "LoopedLMOutput", "build_layer"]
 
 
 class LoopedLM(nn.Module, LoopedHubMixin):
@@ -95,20 +86,21 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             self.prelude = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.prelude_layer_types)
             self.block = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.layer_types)
             self.coda = nn.ModuleList(build_layer(kind, cfg) for kind in cfg.coda_layer_types)
-            self.state = StateBranch(cfg) if cfg.uses_state else None
-            self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate != "none" else None
+            # the variants (models/registry.py): a registered class each, None where a choice builds nothing
+            self.state = STATE_UPDATES.get(cfg.state_update)(cfg) if cfg.uses_state else None
+            gate = EXIT_GATES.get(cfg.exit_gate)
+            self.exit_gate = gate(cfg.d_model) if issubclass(gate, nn.Module) else None
             self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.tie_embeddings:
                 self.head.weight = self.embed.weight
             self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
             self.router = build_router(cfg)  # depth_router (models/router.py); None: no parameters, no state-dict keys
-            # loop_schedule=parallel (models/parallel.py): what loops 2..R read, and G-SWA's gate in each block
-            # attention layer (one per layer, shared by loops 2..R); None / absent under the sequential schedule
-            self.loop_input = LoopInput(cfg) if cfg.loop_schedule == "parallel" else None
-            if cfg.loop_schedule == "parallel" and cfg.loop_kv == "gswa":
-                for layer in self.block:
-                    layer.attn.loop_gate = LoopGate(cfg)
+            # the loop schedule (models/schedule.py) may add modules: loop_schedule=parallel (models/parallel.py) adds
+            # what loops 2..R read and G-SWA's gate in each block attention layer; None under the sequential schedule
+            self.schedule = LOOP_SCHEDULES.get(cfg.loop_schedule)
+            self.loop_input = None
+            self.schedule.build(self)
         self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
         self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
@@ -194,10 +186,8 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         readout = sum(layer.flops_per_token(seq_len) for layer in self.coda) + 2 * cfg.d_model * cfg.vocab_size
         readout *= loops if all_readouts else 1
         inj = self.inject.flops_per_token() if self.inject is not None else 0  # before loops 2..R
-        if cfg.loop_schedule == "parallel" and cfg.loop_kv == "gswa":
-            # loops 2..R also score a window of w keys and run the gate (the global branch is the block's count)
-            inj += sum(4 * min(cfg.loop_window, seq_len) * cfg.n_heads * cfg.head_dim + layer.attn.loop_gate.flops_per_token()
-                       for layer in self.block)
+        # what the schedule adds in loops 2..R (parallel G-SWA: a window of w keys and the gate)
+        inj += self.schedule.loop_flops(self, seq_len)
         fwd = prelude + loops * per_loop + max(loops - 1, 0) * inj + readout
         if not training:
             return round(fwd)
@@ -261,15 +251,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                    for l, layer in enumerate(self.prelude)}
         rt = self.router
         R = self.loops(n_loops)
-        if self.loop_input is not None:  # parallel: one entry per block layer for every loop, the coda of loop R only
-            if static:
-                raise ValueError("loop_schedule=parallel decodes with an eager cache (static=False): its folded step is "
-                                 "not compiled")
-            for l in range(len(self.block)):
-                entries[(0, l)] = ParallelKVCache(self.config, R, batch_size, max_len, device, dtype)
-            for l, layer in enumerate(self.coda):
-                entries[(R - 1, ("coda", l))] = layer.allocate_cache(batch_size, max_len, device, dtype)
-            return LoopCache(entries, batch_size, max_len, device, n_loops=R)
+        own = self.schedule.allocate_cache(self, batch_size, max_len, device, dtype, R, static)
+        if own is not None:  # a schedule's own layout (parallel: one entry per block layer for every loop)
+            return own
         for r in range(R):
             for l, layer in enumerate(self.block):
                 if rt is None:
@@ -307,9 +291,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         depths: torch.Tensor | str | None = None,  # depth_router only: 'inference' or (B, T) given depths (models/router.py)
     ) -> LoopedLMOutput:
         """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
-        if self.loop_input is not None:  # loop_schedule=parallel
-            return parallel_forward(self, input_ids, attention_mask, cache, n_loops, backprop_loops=backprop_loops,
-                                    return_all_loops=return_all_loops, exits=exits, depths=depths)
+        if not self.schedule.sequential:  # its own forward over the sequence (loop_schedule=parallel: models/parallel.py)
+            return self.schedule.forward(self, input_ids, attention_mask, cache, n_loops, backprop_loops=backprop_loops,
+                                         return_all_loops=return_all_loops, exits=exits, depths=depths)
         if self.router is not None:
             self.router.check_call(n_loops, cache, exits, depths)
         elif depths is not None:
@@ -378,9 +362,14 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         return stream
 
     def loop_step(self, st: Stream, r: int, cache=None, gate=None, call=None) -> Stream:
-        """Loop r (0-based): re-inject e (r > 0), apply the block, update the state branch.
+        """Loop r (0-based), as the loop schedule runs it (models/schedule.py; sequential: `loop_body`). Every
+        driver — forward, prefill, every decoder, the exit reference, routing — runs a loop through here.
         gate(x, h): a depth router's weighting of the block's update; call(layer, key, x, positions, valid,
         entry): how each layer is applied (the exit reference's frozen inputs, models/exit_compute.py)."""
+        return self.schedule.step(self, st, r, cache, gate=gate, call=call)
+
+    def loop_body(self, st: Stream, r: int, cache=None, gate=None, call=None) -> Stream:
+        """One loop r (0-based): re-inject e (r > 0), apply the block, update the state branch."""
         x = st.x
         if self.inject is not None and r > 0:
             x = self.inject(x, st.e)

@@ -42,6 +42,8 @@ from looplab.models.cache import SSMCache
 from looplab.models.config import CAUSAL_CONV1D_WIDTHS, ConfigError, LoopedLMConfig, fused_conv_width_error
 from looplab.models.llama import RMSNorm, SwiGLU
 from looplab.models.ops.ssd import ssd_chunked, ssd_step
+from looplab.models.backbone import Layer
+from looplab.models.registry import LAYERS, Supports
 
 _FP32_PARAMS = ("A_log", "dt_bias", "D")
 
@@ -449,10 +451,24 @@ class Mamba2Mixer(nn.Module):
         return proj + conv + scan
 
 
-class Mamba2Layer(nn.Module):
+@LAYERS.register("M")
+class Mamba2Layer(nn.Module, Layer):
     """Pre-norm residual Mamba-2 layer: x + Mixer(RMSNorm(x)), then optionally x + SwiGLU(RMSNorm(x))."""
 
     kind = "M"
+    title = "Mamba-2"
+    supports = Supports(
+        cache="ssm",
+        compile="a Mamba-2 step keeps no static-shape state yet; decode with compile=False",
+        depthwise_routed="routed Mamba-2 states are not batched across loops; use schedule='lockstep'",
+        parallel_loops="a Mamba-2 layer's state would have to run loop by loop over time with a shifted input, which "
+                       "is not defined here yet; use backbone=llama or loop_schedule=sequential",
+        export="Mamba-2 layers would need transformers' hybrid cache conventions, which the export does not "
+               "implement; export mamba2 models unrolled with --transformers")
+
+    @classmethod
+    def validate(cls, cfg: LoopedLMConfig) -> None:
+        cfg.validate_mamba_fields()
 
     def __init__(self, cfg: LoopedLMConfig):
         super().__init__()

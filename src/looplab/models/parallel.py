@@ -40,12 +40,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looplab.models.config import LoopedLMConfig
+from looplab.models.config import LOOP_GATES, LOOP_KV, ConfigError, LoopedLMConfig
 from looplab.models.llama import RMSNorm, attention_mask
 from looplab.models.outputs import LoopedLMOutput
+from looplab.models.registry import LOOP_SCHEDULES, Supports
+from looplab.models.schedule import LoopSchedule
 
-__all__ = ["LoopAttention", "LoopGate", "LoopInput", "ParallelKVCache", "decode_folded", "parallel_forward",
-           "parallel_states"]
+__all__ = ["LoopAttention", "LoopGate", "LoopInput", "Parallel", "ParallelKVCache", "decode_folded",
+           "parallel_forward", "parallel_states"]
 
 NO_COLUMN = -(1 << 40)  # a ring slot that holds no token (never inside a window)
 
@@ -404,3 +406,80 @@ def decode_folded(model, tokens: torch.Tensor, cache, R: int) -> torch.Tensor:
 def parallel_states(model, input_ids, attention_mask, n_loops: int):
     """The cache-free CLP forward's per-loop states: (H^(1..R′) list of (B, T, d), E, positions, valid)."""
     return _run(model, input_ids, attention_mask, None, n_loops)
+
+
+# ------------------------------------------------------------------ the schedule
+@LOOP_SCHEDULES.register("parallel")
+class Parallel(LoopSchedule):
+    """PLT's cross-loop parallelism (module docstring): its own forward, cache and folded decoding step."""
+
+    sequential = False
+    supports = Supports(
+        compile="its folded decoding step is not compiled; decode with compile=False (and train with "
+                "hardware.compile=false: its attention reads another loop's keys through a per-call object that a "
+                "compiled layer would retrace)",
+        speculation="drafts read a shallower loop of the same token, which the parallel schedule computes at a later "
+                    "step",
+        exits="exits read a shallower loop of the same token, which the parallel schedule computes at a later step",
+        depthwise="parallel loops already run every loop of a token in one block call; use schedule='lockstep'",
+        depth_sampling="the parallel schedule trains at its configured R with every loop's gradient; use "
+                       "loop_depth.sampler=fixed, backprop_loops=null",
+        parallel_loops=True,
+        routing="routing's kv=share_first and per-token depths are a different scheme; use depth_router=none",
+        export="parallel loops (cross-loop shift, shared/windowed KV) are not in the exported code")
+
+    @classmethod
+    def validate(cls, cfg):
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(cfg.loop_kv in LOOP_KV, f"loop_kv (loop_depth.kv)={cfg.loop_kv!r} is unknown; choose one of {LOOP_KV}")
+        need(cfg.loop_gate in LOOP_GATES,
+             f"loop_gate (loop_depth.gate)={cfg.loop_gate!r} is unknown; choose one of {LOOP_GATES}")
+        need(isinstance(cfg.loop_window, int) and not isinstance(cfg.loop_window, bool) and cfg.loop_window >= 1,
+             f"loop_window (loop_depth.window)={cfg.loop_window!r} must be an integer >= 1 (tokens, the current one "
+             "included)")
+        need(len(cfg.loop_mix) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                            for v in cfg.loop_mix),
+             f"loop_mix (loop_depth.mix)={list(cfg.loop_mix)!r} must be two numbers [a, b]: loops >= 2 read "
+             "a·E + b·shift(H)")
+        reason = cfg.unsupported("parallel_loops")
+        need(reason is None, f"loop_schedule=parallel with {reason}")
+
+    @classmethod
+    def build(cls, model):
+        cfg = model.config
+        model.loop_input = LoopInput(cfg)
+        if cfg.loop_kv == "gswa":  # one gate per block attention layer, shared by loops 2..R
+            for layer in model.block:
+                layer.attn.loop_gate = LoopGate(cfg)
+
+    @classmethod
+    def forward(cls, model, input_ids, attention_mask, cache, n_loops, **kw):
+        kw.pop("return_diagnostics", None)
+        return parallel_forward(model, input_ids, attention_mask, cache, n_loops, **kw)
+
+    @classmethod
+    def allocate_cache(cls, model, batch_size, max_len, device, dtype, n_loops, static):
+        from looplab.models.cache import LoopCache
+
+        if static:
+            raise ValueError("loop_schedule=parallel decodes with an eager cache (static=False): its folded step is "
+                             "not compiled")
+        entries = {("prelude", l): layer.allocate_cache(batch_size, max_len, device, dtype)
+                   for l, layer in enumerate(model.prelude)}
+        for l in range(len(model.block)):  # one entry per block layer for every loop, the coda of loop R only
+            entries[(0, l)] = ParallelKVCache(model.config, n_loops, batch_size, max_len, device, dtype)
+        for l, layer in enumerate(model.coda):
+            entries[(n_loops - 1, ("coda", l))] = layer.allocate_cache(batch_size, max_len, device, dtype)
+        return LoopCache(entries, batch_size, max_len, device, n_loops=n_loops)
+
+    @classmethod
+    def loop_flops(cls, model, seq_len: int) -> int:
+        """What loops 2..R compute beyond the block (the G-SWA window and gate), per token and loop."""
+        cfg = model.config
+        if cfg.loop_kv != "gswa":
+            return 0
+        return sum(4 * min(cfg.loop_window, seq_len) * cfg.n_heads * cfg.head_dim + layer.attn.loop_gate.flops_per_token()
+                   for layer in model.block)

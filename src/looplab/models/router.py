@@ -71,7 +71,6 @@ with the option named: kv=share_first without an attention layer in the block, t
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass, field, replace
 
@@ -79,17 +78,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looplab.models.config import LoopedLMConfig
+from looplab.models.config import ROUTER_KV, ConfigError, LoopedLMConfig
+from looplab.models.registry import DEPTH_ROUTERS, Supports, Variant, named_option as _named
 from looplab.models.stream import Stream
-
-
-def _named(key: str, value) -> str:
-    """An option as the error names it: a dataclass by the fields set (ExitPolicy(threshold=0.5, skip='kv_copy'))."""
-    if dataclasses.is_dataclass(value):
-        set_ = [f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value)
-                if getattr(value, f.name) is not None and getattr(value, f.name) != f.default]
-        return f"{key}={type(value).__name__}({', '.join(set_)})"
-    return f"{key}={value!r}"
 
 
 @dataclass
@@ -128,9 +119,77 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
     return nn.Linear(d_in, d_out, bias=False)  # MoR's linear router: no bias
 
 
-class DepthRouter(nn.Module):
+_ROUTED = "routed decoding runs plain greedy/sampled steps (each token's depth is the router's); decode without it, " \
+          "or use depth_router=none"
+
+
+@DEPTH_ROUTERS.register("none")
+class NoRouter(Variant):
+    """Every token runs every loop: no router, no parameters, no state-dict keys."""
+
+    supports = Supports(parallel_loops=True, export=True)
+
+
+class DepthRouter(nn.Module, Variant):
     """Shared by both routers: the per-forward RoutedLoop, the refusals, the training step (for warm-ups).
     `train_step` is a plain attribute (no state-dict key), set by the training module every step."""
+
+    supports = Supports(
+        compile=_ROUTED, speculation=_ROUTED, exits=_ROUTED,
+        parallel_loops="routing's kv=share_first and per-token depths are a different scheme; use depth_router=none",
+        depth_sampling="the router is trained for the configured R loops; use loop_depth.sampler=fixed and "
+                       "eval_loops=null",
+        test_depth="the router is trained for the configured R loops (capacities / depths per loop); call with "
+                   "n_loops=None",
+        export="routed depth is not in the exported code")
+
+    @classmethod
+    def validate(cls, cfg: LoopedLMConfig) -> None:
+        """Refuse, naming the field, a router configuration this model cannot run (LoopedLMConfig.validate calls it)."""
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        rc = cfg.depth_router
+        r = f"depth_router={rc.name}"
+        reason = cfg.unsupported("routing")
+        need(reason is None, f"{r} with {reason}")
+        need(rc.kv in ROUTER_KV, f"depth_router.kv={rc.kv!r} is unknown; choose one of {ROUTER_KV}")
+        # Mamba-2 layers (backbone mamba2 / hybrid, the stateloop_mamba2 mixer) are recursion-wise under
+        # either kv mode: loop r's scan and conv run over the tokens active at loop r. share_first only
+        # changes attention layers, so a block without one would silently run recursion_wise.
+        need(rc.kv != "share_first" or "kv" in cfg.cache_kinds(block_only=True),
+             f"depth_router.kv=share_first with backbone={cfg.backbone} (block layers {cfg.layer_types!r}): "
+             f"share_first reuses the first loop's attention keys/values and this block has no attention layer "
+             f"(Mamba-2 layers keep a recursion-wise state); use depth_router.kv=recursion_wise")
+        need(rc.router_type == "linear", f"depth_router.router_type={rc.router_type!r}: only 'linear' is offered")
+        acts = cls.ACTIVATIONS
+        need(rc.activation in acts, f"depth_router.activation={rc.activation!r} with {r}: choose one of {acts}")
+        need(rc.gating in ("weighted", "hard"), f"depth_router.gating={rc.gating!r}: choose weighted or hard")
+        need(rc.update in ("mor", "delta"), f"depth_router.update={rc.update!r}: choose mor or delta")
+        for name in ("temperature", "scale"):
+            v = getattr(rc, name)
+            need(isinstance(v, (int, float)) and v > 0, f"depth_router.{name}={v!r} must be a positive number")
+        for name in ("aux_loss_coeff", "aux_router_coeff", "z_loss_coeff", "balancing_loss_coeff"):
+            v = getattr(rc, name)
+            need(isinstance(v, (int, float)) and v >= 0, f"depth_router.{name}={v!r} must be a number >= 0")
+        need(not rc.aux_router or (cls is ExpertChoiceRouter and rc.aux_router_coeff > 0),
+             f"depth_router.aux_router=true with {r}, aux_router_coeff={rc.aux_router_coeff}: the auxiliary router is "
+             "an expert_choice option and learns only from its BCE loss; set aux_router_coeff > 0 (MoR: 0.001)")
+        need(isinstance(rc.capacity_warmup_steps, int) and rc.capacity_warmup_steps >= 0,
+             f"depth_router.capacity_warmup_steps={rc.capacity_warmup_steps!r} must be an integer >= 0")
+        cls.validate_own(cfg, need)
+
+    @classmethod
+    def validate_own(cls, cfg: LoopedLMConfig, need) -> None:
+        """The router's own options (capacity, inference rule)."""
+
+    @classmethod
+    def capabilities(cls, config) -> Supports:
+        if config.depth_router.kv == "recursion_wise":
+            return cls.supports
+        return replace(cls.supports, depthwise=f"depth_router.kv={config.depth_router.kv!r}: depth-wise batching runs "
+                       "recursion-wise routed caches (each loop's own tokens); use schedule='lockstep'")
 
     def __init__(self, cfg: LoopedLMConfig):
         super().__init__()
@@ -159,14 +218,6 @@ class DepthRouter(nn.Module):
                 raise ValueError(f"{name}: the cache must come from this model's allocate_cache (per-depth routed "
                                  "KV / SSM caches)")
 
-    def check_generate(self, **options) -> None:
-        """Refuse the decoding options that do not route, naming them (generation.check_options)."""
-        bad = [_named(k, v) for k, v in options.items() if v not in (None, False)]
-        if bad:
-            raise ValueError(f"depth_router={self.cfg.name}: routed decoding runs plain greedy/sampled steps; "
-                             f"{', '.join(bad)} does not combine with a depth router (each token's depth is the "
-                             "router's); decode without it, or use depth_router=none")
-
     def allocate_entry(self, module, batch_size: int, max_len: int, device, dtype):
         """The routed cache of one (loop, layer) or StateLoop mixer: module is a block layer or a mixer."""
         from looplab.models.cache import RoutedKVCache, RoutedSSMCache
@@ -182,7 +233,8 @@ class DepthRouter(nn.Module):
     def shares_first(self, module) -> bool:
         """kv=share_first reuses loop 0's keys/values in attention only; a Mamba-2 layer keeps its own
         recursion-wise state at every loop (there are no keys to share, only a scan over the active tokens)."""
-        return self.cfg.kv == "share_first" and getattr(module, "kind", None) == "A"
+        return self.cfg.kv == "share_first" and getattr(module, "supports", None) is not None \
+            and module.supports.cache == "kv"
 
     def begin(self, model, x: torch.Tensor, depths=None, cache=None) -> "RoutedLoop":
         return RoutedLoop(self, model, x, depths, cache)
@@ -194,7 +246,25 @@ class DepthRouter(nn.Module):
         return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
+@DEPTH_ROUTERS.register("expert_choice")
 class ExpertChoiceRouter(DepthRouter):
+    ACTIVATIONS = ("sigmoid", "tanh")
+
+    @classmethod
+    def validate_own(cls, cfg, need):
+        rc, r = cfg.depth_router, f"depth_router={cfg.depth_router.name}"
+        need(rc.inference in ("aux_router", "threshold"),
+             f"depth_router.inference={rc.inference!r}: choose aux_router or threshold")
+        need(rc.inference != "aux_router" or rc.aux_router,
+             "depth_router.inference=aux_router needs depth_router.aux_router=true (the classifier it reads)")
+        need(isinstance(rc.inference_threshold, (int, float)) and 0 < rc.inference_threshold < 1,
+             f"depth_router.inference_threshold={rc.inference_threshold!r} must lie in (0, 1)")
+        need(cfg.n_loops >= 2, f"{r} needs loop_depth.loops >= 2 (R={cfg.n_loops}: nothing to route)")
+        caps = rc.capacities(cfg.n_loops)
+        need(len(caps) == cfg.n_loops and all(0 < c <= 1 for c in caps)
+             and all(a >= b for a, b in zip(caps, caps[1:])),
+             f"depth_router.capacity={rc.capacity!r} must hold R={cfg.n_loops} fractions in (0, 1], descending "
+             f"(MoR's default: {[round((cfg.n_loops - i) / cfg.n_loops, 4) for i in range(cfg.n_loops)]})")
     def __init__(self, cfg: LoopedLMConfig):
         super().__init__(cfg)
         R = cfg.n_loops
@@ -254,7 +324,15 @@ class ExpertChoiceRouter(DepthRouter):
         return ran_prev & sel, w
 
 
+@DEPTH_ROUTERS.register("token_choice")
 class TokenChoiceRouter(DepthRouter):
+    ACTIVATIONS = ("softmax", "sigmoid")
+
+    @classmethod
+    def validate_own(cls, cfg, need):
+        rc = cfg.depth_router
+        need(rc.capacity is None, f"depth_router.capacity={rc.capacity!r} is an expert_choice option; "
+             "token_choice assigns each token one depth (set capacity=null)")
     def __init__(self, cfg: LoopedLMConfig):
         super().__init__(cfg)
         self.router = _linear(cfg.d_model, cfg.n_loops)  # a score per depth 1..R
@@ -543,11 +621,6 @@ class RoutedLoop:
 
 
 def build_router(cfg: LoopedLMConfig) -> DepthRouter | None:
-    name = cfg.depth_router.name
-    if name == "none":
-        return None
-    if name == "expert_choice":
-        return ExpertChoiceRouter(cfg)
-    if name == "token_choice":
-        return TokenChoiceRouter(cfg)
-    raise ValueError(f"depth_router={name!r} is unknown")
+    """The model's router module (None: depth_router=none, or a registered router that is not a module)."""
+    cls = DEPTH_ROUTERS.get(cfg.depth_router.name)
+    return cls(cfg) if issubclass(cls, nn.Module) else None

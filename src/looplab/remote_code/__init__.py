@@ -27,24 +27,12 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_looplab.LoopedLMForCausalLM",
 }
 CODE_FILES = ("configuration_looplab.py", "modeling_looplab.py")
-EXPORTED_STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_reset")
 
 
 def unsupported(cfg) -> str | None:
-    """Why the exported code cannot run this LoopedLMConfig (the field and its value), or None."""
-    if cfg.backbone != "llama":
-        return (f"backbone={cfg.backbone!r}: the remote-code export runs llama blocks only (Mamba-2 layers would need "
-                "transformers' hybrid cache conventions, which the export does not implement); export mamba2 models "
-                "unrolled with --transformers")
-    if cfg.state_mode not in EXPORTED_STATE_MODES:
-        return (f"state_mode={cfg.state_mode!r}: its Mamba-2 state mixer is not in the exported code "
-                f"(exported: {', '.join(EXPORTED_STATE_MODES)})")
-    if cfg.loop_schedule != "sequential":
-        return (f"loop_schedule={cfg.loop_schedule!r}: parallel loops (cross-loop shift, shared/windowed KV) are not in "
-                "the exported code")
-    if cfg.depth_router.name != "none":
-        return f"depth_router={cfg.depth_router.name!r}: routed depth is not in the exported code"
-    return None
+    """Why the exported code cannot run this LoopedLMConfig (the field and its value), or None: the variants'
+    declared `export` (models/registry.py; a researcher's variant is refused until it declares how it exports)."""
+    return cfg.unsupported("export")
 
 
 def hf_config_dict(cfg, *, bos_token_id=None, eos_token_id=None) -> dict:

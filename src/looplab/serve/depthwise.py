@@ -38,34 +38,29 @@ import contextlib
 import torch
 
 from looplab.models.cache import RoutedKVCache, SSMCache, Step
-from looplab.models.exit_compute import HANDLINGS, fill_exited
-from looplab.models.exit_rules import stops_at
+from looplab.models.exit_compute import fill_exited
+from looplab.models.exit_rules import get_rule
+from looplab.models.registry import HANDLINGS
 
 
 def unsupported(model, exits) -> str | None:
-    """Why depth-wise batching cannot run this model and exit policy (the option and its value), or None."""
+    """Why depth-wise batching cannot run this model and exit policy (the option and its value), or None: the
+    variants' declared `depthwise` (and `depthwise_routed` under a depth router)."""
     c = model.config
-    if c.state_mode in ("stateloop_attn", "stateloop_mamba2"):
-        return f"state_mode={c.state_mode!r}: the StateLoop mixer is not batched across loops; use schedule='lockstep'"
-    if c.depth_router.name != "none":
-        if c.depth_router.kv != "recursion_wise":
-            return (f"depth_router.kv={c.depth_router.kv!r}: depth-wise batching runs recursion-wise routed caches "
-                    "(each loop's own tokens); use schedule='lockstep'")
-        if c.backbone != "llama":
-            return (f"backbone={c.backbone!r} with depth_router={c.depth_router.name!r}: routed Mamba-2 states are not "
-                    "batched across loops; use schedule='lockstep'")
-        if c.state_mode != "vanilla":
-            return (f"state_mode={c.state_mode!r} with depth_router={c.depth_router.name!r}: a routed StateLoop "
-                    "state is not batched across loops; use schedule='lockstep'")
-    if c.loop_schedule != "sequential":
-        return (f"loop_schedule={c.loop_schedule!r}: parallel loops already run every loop of a token in one block "
-                "call; use schedule='lockstep'")
+    reason = c.unsupported("depthwise")
+    if reason is None and c.depth_router.name != "none":
+        reason = c.unsupported("depthwise_routed")
+        if reason is not None:
+            reason = f"depth_router={c.depth_router.name} with {reason}"
+    if reason is not None:
+        return reason
     if exits is not None:
         if exits.threshold is None or getattr(exits, "steps", None) is not None:
             return "depth-wise batching needs exits=ExitPolicy(threshold=q, skip=handling) (or no exits)"
         if exits.skip not in HANDLINGS:
             return (f"skip={exits.skip!r}: depth-wise batching frees an exited token's place at once, which needs a "
-                    f"skip handling ({', '.join(HANDLINGS)}); without skip every loop runs: use schedule='lockstep'")
+                    f"skip handling ({', '.join(HANDLINGS.names())}); without skip every loop runs: use "
+                    "schedule='lockstep'")
     return None
 
 
@@ -198,7 +193,7 @@ class DepthwiseDecoder:
         self.router = getattr(model, "router", None)  # a depth router: each token's next loop is the router's
         self.route_w = torch.zeros(B, device=device)  # the router's weight of the token's next loop
         self.route_depth = torch.full((B,), n_loops, dtype=torch.long, device=device)  # token choice: its depth
-        self.hist: dict[str, torch.Tensor] = {}  # zero-shot rules: loops 1..t of logits / hidden, (R, B, ·)
+        self.hist: torch.Tensor | None = None  # zero-shot rules: loops 1..t of what the rule reads, (R, B, ·)
         self.block_calls: list[list[int]] = []  # per block call: its items' loops (1-based), what a test counts
         self._entries_of = {r: [(k, e) for k, e in cache.entries.items() if k[0] == r] for r in range(n_loops)}
 
@@ -332,31 +327,30 @@ class DepthwiseDecoder:
 
     def _decide(self, rows, t, normed):
         """The exit rule after loop t (1-based) for each item, from loops 1..t, as SkipDecoding decides it → (stop,
-        the logits the rule read, or None for the gate and hidden_delta)."""
+        the logits the rule read, or None when it reads no logits)."""
         pol, R = self.exits, self.R
-        rule, q = pol.rule_name, pol.threshold
+        rule, q = get_rule(pol.rule), pol.threshold
         not_last = t < R
         read_logits = None
-        if rule == "gate":  # p(t) = λ_t S_{t−1}, S_t = S_{t−1}(1 − λ_t); the last loop takes what is left
+        if rule.reads == "exit_probs":  # p(t) = λ_t S_{t−1}, S_t = S_{t−1}(1 − λ_t); the last loop takes what is left
             live = not_last.nonzero().squeeze(1)
             if live.numel():
                 b, lam = rows[live], self.model.exit_gate(normed[live])
                 self.probs[b, t[live] - 1] = lam * self.survival[b]
                 self.survival[b] = self.survival[b] * (1 - lam)
         else:
-            key, value = ("hidden", normed) if rule == "hidden_delta" else ("logits", self.model.head(normed))
-            if key not in self.hist:
-                self.hist[key] = value.new_zeros(R, self.cache.batch_size, value.shape[-1])
-            self.hist[key][t - 1, rows] = value
-            read_logits = value if key == "logits" else None
+            value = normed if rule.reads == "hidden" else self.model.head(normed)
+            if self.hist is None:
+                self.hist = value.new_zeros(R, self.cache.batch_size, value.shape[-1])
+            self.hist[t - 1, rows] = value
+            read_logits = value if rule.reads == "logits" else None
         stop = torch.zeros_like(t, dtype=torch.bool)
         for g, a, e in _groups(t):  # t is sorted: each loop's items one slice
             if g >= R or g < pol.min_loops:
                 continue
             b = rows[a:e]
-            stop[a:e] = stops_at(rule, g, q, exit_probs=self.probs[b, :g] if rule == "gate" else None,
-                                 logits=self.hist["logits"][:g, b] if "logits" in self.hist else None,
-                                 hidden=self.hist["hidden"][:g, b] if "hidden" in self.hist else None)
+            inputs = self.probs[b, :g] if rule.reads == "exit_probs" else self.hist[:g, b]
+            stop[a:e] = rule.stops(g, q, inputs)
         return stop, read_logits
 
     def _fill_deeper(self, rows: torch.Tensor, exit_loop: torch.Tensor) -> None:

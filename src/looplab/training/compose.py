@@ -16,8 +16,12 @@ from looplab.training.depth import DepthSampler
 
 # backbone.<key> → LoopedLMConfig field (same name unless listed)
 _BACKBONE_RENAMES = {"name": "backbone"}
-_STATE_KEYS = {"name": "state_mode", "d_s": "state_dim", "s0": "state_init", "in_output": "state_in_output",
-               "A_init": "state_A_init", "dt_init": "state_dt_init"}
+_STATE_KEYS = {"name": "state_mode", "mixer": "state_mixer", "d_s": "state_dim", "s0": "state_init",
+               "in_output": "state_in_output", "A_init": "state_A_init", "dt_init": "state_dt_init"}
+# a variant's own options (LoopedLMConfig.options[axis]): state_mode's other keys are its update rule's; these
+# keys hold the others' (models/registry.py OPTION_AXES)
+_OPTION_KEYS = {("state_mode", "mixer_options"): "state_mixer", ("loop_depth", "schedule_options"): "loop_schedule",
+                ("loop_depth", "injection_options"): "injection", ("backbone", "options"): "backbone"}
 _GATE_MODEL_KEYS = {"name": "exit_gate"}
 # loop_depth.<key> → LoopedLMConfig field: the loop schedule (models/parallel.py)
 _SCHEDULE_KEYS = {"schedule": "loop_schedule", "kv": "loop_kv", "window": "loop_window", "gate": "loop_gate",
@@ -51,14 +55,17 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
     for key, name in _SCHEDULE_KEYS.items():
         if loop.get(key) is not None:
             fields[name] = loop[key]
-    if fields.get("loop_schedule") == "parallel":
-        bad = [f"loop_depth.{k}={loop.get(k)!r}" for k, ok in (("sampler", "fixed"), ("backprop_loops", None))
-               if loop.get(k, ok) != ok]
-        if bad:
-            raise ConfigError(f"loop_depth.schedule=parallel with {', '.join(bad)}: the parallel schedule trains at its "
-                              "configured R with every loop's gradient; use loop_depth.sampler=fixed, backprop_loops=null")
 
-    known = set(LoopedLMConfig.__dataclass_fields__)
+    options: dict[str, dict[str, Any]] = {}
+    groups = {"state_mode": _plain(cfg.state_mode), "loop_depth": loop, "backbone": backbone}
+    for (group, key), axis in _OPTION_KEYS.items():
+        value = groups[group].pop(key, None)
+        if value:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{group}.{key}={value!r} must be a mapping of option → value")
+            options[axis] = dict(value)
+
+    known = set(LoopedLMConfig.__dataclass_fields__) - {"options"}
     for key, value in backbone.items():
         name = _BACKBONE_RENAMES.get(key, key)
         if name not in known:
@@ -72,16 +79,35 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
     elif data_vocab is not None and fields["vocab_size"] < data_vocab:
         raise ConfigError(f"backbone.vocab_size={fields['vocab_size']} is smaller than the dataset's vocabulary ({data_vocab})")
 
-    for key, value in _plain(cfg.state_mode).items():
-        if key not in _STATE_KEYS:
-            raise ConfigError(f"state_mode.{key} is unknown (known: {sorted(_STATE_KEYS)})")
-        if value is not None or key == "d_s":
-            fields[_STATE_KEYS[key]] = value
+    update_options = {}
+    for key, value in groups["state_mode"].items():
+        if key in _STATE_KEYS:
+            if value is not None or key == "d_s":
+                fields[_STATE_KEYS[key]] = value
+        else:  # the update rule's own option (LoopedLMConfig checks it against the rule's Options)
+            update_options[key] = value
+    if update_options:
+        options["state_update"] = update_options
+    if options:
+        fields["options"] = options
     fields["exit_gate"] = _plain(cfg.exit_gate).get("name", "none")
     router = router_from_cfg(cfg)
     if router is not None:
         fields["depth_router"] = router
-    return LoopedLMConfig(**fields)
+    try:
+        model_cfg = LoopedLMConfig(**fields)
+    except ConfigError as e:
+        if update_options and ("unknown option(s)" in str(e) or "takes no options" in str(e)):
+            keys = ", ".join(f"state_mode.{k}" for k in sorted(update_options))
+            raise ConfigError(f"{keys} is unknown: {e} (the keys every state_mode takes: {sorted(_STATE_KEYS)})") from None
+        raise
+    sampled = [f"loop_depth.{k}={loop.get(k)!r}" for k, ok in (("sampler", "fixed"), ("backprop_loops", None))
+               if loop.get(k, ok) != ok]
+    if sampled:
+        reason = model_cfg.unsupported("depth_sampling")
+        if reason:
+            raise ConfigError(f"{', '.join(sampled)} with {reason}")
+    return model_cfg
 
 
 def router_from_cfg(cfg: DictConfig) -> dict[str, Any] | None:
@@ -146,7 +172,8 @@ def objective_from_cfg(cfg: DictConfig) -> dict[str, Any]:
         "final_loop_weight": float(gate.get("final_loop_weight", 0.0)),
         "k": float(gate.get("k", 50.0)),
         "gamma": float(gate.get("gamma", 0.005)),
-        "eval_thresholds": list(gate.get("eval_thresholds", [])),
+        "eval_thresholds": list(gate.get("eval_thresholds") or []),
+        "eval_rule": gate.get("eval_rule") or None,
         "eval_per_depth": bool(cfg.get("eval_per_depth", True)),
     }
 

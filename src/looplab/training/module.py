@@ -81,7 +81,8 @@ class LoopedLMModule(L.LightningModule):
             raise ConfigError(f"loop_depth.sampler={self.depth.sampler!r} with exit_gate.stage=stage2: stage 2 trains the "
                               "gate of a frozen model at its trained depth; use loop_depth.sampler=fixed")
         self.eval_depth: int | None = None  # test at R′ instead of R (loop_depth.eval_loops)
-        self.thresholds = [float(q) for q in objective.get("eval_thresholds", [])] if self.model.exit_gate else []
+        # exits read at validation/test: the gate's q, or a registered exit rule's thresholds (exit_gate.eval_rule)
+        self.eval_rule, self.thresholds = self._eval_exits(objective)
         self._metrics_by_split: dict[str, dict[str, MeanMetric]] = {}
         self.diagnostics: dict[str, list[float]] = {}
         self.log_loop_diagnostics = bool(loop_diagnostics)  # val_diag/*: one validation batch, no grad
@@ -99,6 +100,37 @@ class LoopedLMModule(L.LightningModule):
             reason = skip_compute_unsupported(self.model.config, "kl", objective["skip_handling"])
             if reason:
                 raise ValueError(f"exit_gate.skip_train_prob: {reason}")
+
+    def _eval_exits(self, objective: dict[str, Any]) -> tuple[str | None, list[float]]:
+        """(exit_gate.eval_rule, its thresholds): None and the gate's q for a gated model by default; a zero-shot or
+        researcher's rule (models/registry.py EXIT_RULES) at exit_gate.eval_thresholds, checked before training."""
+        from looplab.models.exit_rules import check_rule, get_rule
+
+        rule = objective.get("eval_rule") or None
+        thresholds = [float(q) for q in objective.get("eval_thresholds") or []]
+        gated = self.model.exit_gate is not None
+        if rule is None:
+            return None, thresholds if gated else []
+        try:
+            reads = get_rule(rule).reads
+            if reads == "exit_probs" and not gated:
+                raise ValueError(f"exit rule {rule!r} reads the exit gate's distribution; this model has exit_gate=none")
+            if not thresholds:
+                raise ValueError("it needs exit_gate.eval_thresholds (e.g. [0.1, 0.5])")
+            for q in thresholds:
+                check_rule(rule, q, 1, self.R)
+        except ValueError as e:
+            raise ConfigError(f"exit_gate.eval_rule={rule!r}: {e}") from None
+        return rule, thresholds
+
+    def _exit_steps(self, out, loop_logits: torch.Tensor, q: float) -> torch.Tensor:
+        """(B, T) 1-based depth each token reads at threshold q: the gate's CDF, or exit_gate.eval_rule's first stop."""
+        if self.eval_rule is None:
+            return threshold_exit_steps(out.exit_probs, q)
+        from looplab.models.exit_rules import first_exit
+
+        return first_exit(self.eval_rule, q, loop_logits.shape[0], logits=loop_logits, hidden=out.loop_hidden,
+                          exit_probs=out.exit_probs)
 
     # ---------------------------------------------------------------- set-up
     def freeze_all_but_gate(self) -> None:
@@ -225,7 +257,8 @@ class LoopedLMModule(L.LightningModule):
         answer_mask = batch.get("answer_mask")
         at_r_prime = self.eval_depth is not None  # an eval_loops pass: the final metrics at R′ only
         R = self.eval_R
-        per_depth = not at_r_prime and (self.objective.get("eval_per_depth", True) or self.model.exit_gate is not None)
+        per_depth = not at_r_prime and (self.objective.get("eval_per_depth", True) or self.model.exit_gate is not None
+                                        or bool(self.thresholds))
         first = not at_r_prime and not self.diagnostics and self.model.state is not None
         out = self.model(ids, return_all_loops=per_depth, return_diagnostics=first, n_loops=R)
         if first:
@@ -250,8 +283,9 @@ class LoopedLMModule(L.LightningModule):
             steps = torch.arange(1, self.R + 1, device=ids.device, dtype=out.exit_probs.dtype)
             probs = out.exit_probs[mask]
             self.metric(split, "exit_expected_step").update((probs * steps).sum(-1).mean(), weight=n_tok)
+        if not at_r_prime:
             for q in self.thresholds:
-                chosen = threshold_exit_steps(out.exit_probs, q)  # (B, T)
+                chosen = self._exit_steps(out, loop_logits, q)  # (B, T)
                 logits_q = logits_at_depth(loop_logits, chosen)
                 nll = per_token_loss(logits_q, targets)
                 self.metric(split, f"exit_q{q}_loss").update(nll.mean(), weight=n_tok)

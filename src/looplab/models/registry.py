@@ -1,0 +1,363 @@
+"""Registries of variants: one per axis, each entry a class that declares what it supports (docs/extending.md).
+
+    backbone          the block's layer pattern (llama, mamba2, hybrid)     BACKBONES
+    layer             one kind of block layer, by its pattern letter (A, M) LAYERS
+    state_mode        the StateLoop update rule (vanilla, stateloop, ...)   STATE_UPDATES
+    state_mixer       the state's cross-token mixer (none, attn, mamba2)    STATE_MIXERS
+    exit_gate         the learned exit gate (none, ouro)                    EXIT_GATES
+    injection         the embedding's re-entry (none, add, concat, diag)    INJECTIONS
+    exit rule         when a token stops (gate, kl, entropy, ...)           EXIT_RULES
+    skip handling     what an exited token leaves deeper (kv_copy, ...)     HANDLINGS
+    depth_router      which tokens run each loop (none, expert_choice, ...) DEPTH_ROUTERS
+    loop_schedule     how the loops are driven (sequential, parallel)      LOOP_SCHEDULES
+
+A researcher adds a variant from their own module, with nothing edited inside looplab:
+
+    from looplab.models.registry import STATE_UPDATES
+    from looplab.models.state import StateBranch
+
+    @STATE_UPDATES.register("my_pkg.gru")
+    class GRUState(StateBranch): ...
+
+and selects it by name (`state_mode=my_pkg.gru`): a dotted name that is not registered yet is imported
+(`my_pkg.gru`, then `my_pkg`) until its module has registered it, so a checkpoint or a Hydra config naming it
+loads in a fresh process. `module:Class` names a class directly (Hydra's `_target_` style), and the
+`looplab.variants` entry-point group lists modules to import for names found nowhere else.
+
+What a variant supports is declared, never tested by name elsewhere: `Supports` (a capability is True, or the
+reason it is not supported), read by the config's validation, the decoders, the serving engine, the export and
+the docs' table of what combines with what (`unsupported(config, feature)`). Built-in variants are registered
+by their module path (`lazy`), so nothing is imported before it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+# what a capability means, for messages and the docs' table (docs/extending.md#registries-and-capabilities)
+FEATURES = {
+    "compile": "compiled decoding over a static cache (generate(compile=...))",
+    "speculation": "self-speculative decoding (generate(speculation=Speculation(...)))",
+    "exits": "exits that read a shallower loop of the same token (ExitPolicy)",
+    "depthwise": "depth-wise batching (serve.Engine(schedule='depthwise'))",
+    "depthwise_routed": "depth-wise batching under a depth router",
+    "parallel_loops": "parallel loops (loop_schedule=parallel)",
+    "routing": "a depth router (depth_router=...)",
+    "depth_sampling": "randomized training depth and truncated backprop (loop_depth.sampler, backprop_loops)",
+    "test_depth": "a test-time depth R′ ≠ R (model(ids, n_loops=R′), loop_depth.eval_loops)",
+    "export": "the transformers remote-code export (python -m looplab.convert to-hf)",
+}
+
+
+class ConfigError(ValueError):
+    """An impossible configuration; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Supports:
+    """What a variant works with. A capability is True, or a string saying why not (False: not declared).
+
+    cache: the decoding cache entry it keeps per loop — None, "kv" (key/values: attention) or "ssm" (a conv
+    history and a recurrent state: Mamba-2). Skip handlings declare which kinds they can fill."""
+
+    cache: str | None = None
+    compile: bool | str = True
+    speculation: bool | str = True
+    exits: bool | str = True
+    depthwise: bool | str = True
+    depthwise_routed: bool | str = True
+    parallel_loops: bool | str = False
+    routing: bool | str = True
+    depth_sampling: bool | str = True
+    test_depth: bool | str = True
+    export: bool | str = False
+
+    def why_not(self, feature: str) -> str | None:
+        """None when the feature is supported, else the reason."""
+        if feature not in FEATURES:
+            raise KeyError(f"unknown capability {feature!r}; known: {sorted(FEATURES)}")
+        value = getattr(self, feature)
+        if value is True:
+            return None
+        return value if isinstance(value, str) and value else f"does not declare support for {FEATURES[feature]}"
+
+
+class Variant:
+    """The base of every registered variant: its name (set at registration), what it supports and its options.
+
+    `Options`: a dataclass of the variant's own hyperparameters (None: it has none). They are set in the config's
+    `options[axis]` (Hydra: the variant's yaml keys) and enter the architecture hash only where they differ from
+    their defaults."""
+
+    name: str = ""
+    supports: Supports = Supports()
+    Options: type | None = None
+
+    @classmethod
+    def capabilities(cls, config) -> Supports:
+        """What this variant supports in this configuration (a variant whose support depends on its own options
+        overrides it)."""
+        return cls.supports
+
+
+class Registry(Generic[T]):
+    """Names → variant classes of one axis. `field` is the config field (or option) that selects one."""
+
+    def __init__(self, axis: str, field: str, key: str | None = None):
+        self.axis, self.field = axis, field
+        self.named = f"{field} ({key})" if key else field  # how errors name it: the field and the Hydra key
+        self._classes: dict[str, type] = {}
+        self._lazy: dict[str, str] = {}  # name → "module:Class", imported on first use
+        self._order: list[str] = []  # names in the order they were first registered (lazily or not)
+        self._aliases: dict[str, Any] = {}
+
+    # ---------------------------------------------------------- registration
+    def register(self, name: str | None = None, *, override: bool = False) -> Callable[[type], type]:
+        """Class decorator: `@REGISTRY.register("my_pkg.name")` (default: the class's `name`)."""
+        def deco(cls: type) -> type:
+            key = name or getattr(cls, "name", "") or cls.__name__
+            old = self._classes.get(key)
+            if old is not None and old is not cls and not override and not _same_class(old, cls):
+                raise ValueError(f"{self.field}={key!r} is already registered ({old.__module__}.{old.__qualname__}); "
+                                 "pick another name or register(..., override=True)")
+            if "name" not in cls.__dict__ or not cls.__dict__["name"]:
+                cls.name = key
+            self._classes[key] = cls
+            self._lazy.pop(key, None)
+            if key not in self._order:
+                self._order.append(key)
+            return cls
+        return deco
+
+    def lazy(self, name: str, target: str) -> None:
+        """A built-in registered by its module path ("package.module:Class"): imported when first used."""
+        self._lazy[name] = target
+        if name not in self._order:
+            self._order.append(name)
+
+    def alias(self, name: str, value: Any) -> None:
+        """Another name for a registered choice (what `value` means is the axis' business: a state mode alias
+        names an update rule and a mixer)."""
+        self._aliases[name] = value
+
+    # ---------------------------------------------------------------- lookup
+    def aliases(self) -> dict[str, Any]:
+        return dict(self._aliases)
+
+    def names(self) -> tuple[str, ...]:
+        """The registered names (built-ins first, in registration order), without aliases."""
+        return tuple(self._order)
+
+    def choices(self) -> tuple[str, ...]:
+        return (*self.names(), *self._aliases)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self.get(name)  # type: ignore[arg-type]
+        except (ConfigError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def items(self) -> Iterator[tuple[str, type]]:
+        """(name, class) of every registered variant (imports the built-ins)."""
+        for name in self.names():
+            yield name, self.get(name)
+
+    def get(self, name: str) -> type:
+        """The class registered under `name`, importing its module when needed; ConfigError naming the field,
+        the value and the choices otherwise."""
+        if not isinstance(name, str):
+            raise ConfigError(f"{self.named}={name!r} must be a name (a string); choose one of {self.choices()}")
+        cls = self._classes.get(name)
+        if cls is not None:
+            return cls
+        if name in self._lazy:
+            module, _, attr = self._lazy[name].partition(":")
+            cls = getattr(importlib.import_module(module), attr)
+            self.register(name)(cls)
+            return cls
+        cls = self._find_outside(name)
+        if cls is not None:
+            return cls
+        raise ConfigError(f"{self.named}={name!r} is unknown; choose one of {self.choices()}, or register your own "
+                          f"(a module that registers {name!r} with looplab.models.registry.{_registry_name(self)}; "
+                          "docs/extending.md)")
+
+    def _find_outside(self, name: str) -> type | None:
+        """A researcher's variant: `module:Class`, or a dotted name whose module (or a parent package) registers it
+        on import, or a module listed in the `looplab.variants` entry-point group."""
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            try:
+                cls = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(f"{self.field}={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
+            return self._classes.get(name) or self.register(name)(cls)
+        parts = name.split(".")
+        if len(parts) > 1 and parts[0] != "looplab":
+            for i in range(len(parts), 0, -1):
+                module = ".".join(parts[:i])
+                try:
+                    importlib.import_module(module)
+                except ModuleNotFoundError as e:
+                    if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+                        continue  # this prefix is not a module: try a shorter one
+                    raise  # the module exists and failed inside: the researcher's traceback matters
+                if name in self._classes:
+                    return self._classes[name]
+        _load_entry_points()
+        return self._classes.get(name)
+
+
+def _same_class(a: type, b: type) -> bool:
+    """A module imported twice (e.g. as a script and as a module) registers an equal class twice."""
+    return a.__module__ == b.__module__ and a.__qualname__ == b.__qualname__
+
+
+_ENTRY_POINTS_LOADED = False
+
+
+def _load_entry_points() -> None:
+    """Import every module of the `looplab.variants` entry-point group once (each registers its variants)."""
+    global _ENTRY_POINTS_LOADED
+    if _ENTRY_POINTS_LOADED:
+        return
+    _ENTRY_POINTS_LOADED = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="looplab.variants"):
+        ep.load()
+
+
+def _registry_name(reg: Registry) -> str:
+    for name, value in globals().items():
+        if value is reg:
+            return name
+    return "Registry"
+
+
+def named_option(key: str, value) -> str:
+    """An option as an error names it: a dataclass by the fields set (ExitPolicy(threshold=0.5, skip='kv_copy'))."""
+    if dataclasses.is_dataclass(value):
+        set_ = [f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None and getattr(value, f.name) != f.default]
+        return f"{key}={type(value).__name__}({', '.join(set_)})"
+    return f"{key}={value!r}"
+
+
+def option_values(cls: type, given: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """A variant's options as given, checked against its `Options` dataclass: unknown keys are refused naming them;
+    values equal to their defaults are dropped (so setting a default never changes the architecture hash)."""
+    given = dict(given or {})
+    opts = getattr(cls, "Options", None)
+    if opts is None:
+        if given:
+            raise ConfigError(f"{where} takes no options, got {sorted(given)}")
+        return {}
+    known = {f.name: f for f in dataclasses.fields(opts)}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {unknown}; its options: {sorted(known)}")
+    try:
+        defaults = opts()
+    except TypeError as e:
+        raise ConfigError(f"{where}: its Options need defaults for every field ({e})") from None
+    return {k: v for k, v in given.items() if v != getattr(defaults, k)}
+
+
+def options_of(cls: type, values: dict[str, Any] | None):
+    """The variant's Options instance (None when it declares none)."""
+    opts = getattr(cls, "Options", None)
+    return None if opts is None else opts(**(values or {}))
+
+
+# ------------------------------------------------------------------ the registries
+BACKBONES: Registry = Registry("backbone", "backbone")
+LAYERS: Registry = Registry("layer", "hybrid_pattern letter")
+STATE_UPDATES: Registry = Registry("state update", "state_mode")
+STATE_MIXERS: Registry = Registry("state mixer", "state_mixer")
+EXIT_GATES: Registry = Registry("exit gate", "exit_gate")
+INJECTIONS: Registry = Registry("injection", "injection", "loop_depth.injection")
+EXIT_RULES: Registry = Registry("exit rule", "exit_rule")
+HANDLINGS: Registry = Registry("skip handling", "skip_compute")
+DEPTH_ROUTERS: Registry = Registry("depth router", "depth_router")
+LOOP_SCHEDULES: Registry = Registry("loop schedule", "loop_schedule", "loop_depth.schedule")
+
+REGISTRIES = {"backbone": BACKBONES, "layer": LAYERS, "state_update": STATE_UPDATES, "state_mixer": STATE_MIXERS,
+              "exit_gate": EXIT_GATES, "injection": INJECTIONS, "exit_rule": EXIT_RULES, "handling": HANDLINGS,
+              "depth_router": DEPTH_ROUTERS, "loop_schedule": LOOP_SCHEDULES}
+
+
+# ------------------------------------------------------------------ what combines with what (docs/extending.md)
+TABLE_FEATURES = ("compile", "speculation", "exits", "depthwise", "parallel_loops", "routing", "test_depth", "export")
+
+
+def capability_table() -> str:
+    """The docs' tables of what each registered variant declares: model parts (✓, or ✗ with the reason listed under
+    the table), then exit rules (what they read) and skip handlings (the cache entries they fill)."""
+    head = ["axis", "variant", "cache", *TABLE_FEATURES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for axis, reg in REGISTRIES.items():
+        if reg in (EXIT_RULES, HANDLINGS):
+            continue
+        for name, cls in reg.items():
+            sup = cls.supports
+            cells = []
+            for f in TABLE_FEATURES:
+                why = sup.why_not(f)
+                if why is None:
+                    cells.append("✓")
+                else:
+                    notes.append(f"{axis} `{name}`, {f}: {why}")
+                    cells.append(f"✗ [{len(notes)}]")
+            lines.append(f"| {axis} | `{name}` | {sup.cache or '—'} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
+    lines += ["", "| exit rule | reads | example thresholds |", "|---|---|---|"]
+    lines += [f"| `{n}` | {c.reads} | {', '.join(f'{t:g}' for t in c.example_thresholds)} |" for n, c in EXIT_RULES.items()]
+    lines += ["", "| skip handling | fills the cache entries of kind |", "|---|---|"]
+    lines += [f"| `{n}` | {', '.join(sorted(c.fills))} |" for n, c in HANDLINGS.items()]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the built-ins, by module path
+def _builtins() -> None:
+    m = "looplab.models"
+    for name, cls in (("llama", "Llama"), ("mamba2", "Mamba2"), ("hybrid", "Hybrid")):
+        BACKBONES.lazy(name, f"{m}.backbone:{cls}")
+    LAYERS.lazy("A", f"{m}.llama:AttentionLayer")
+    LAYERS.lazy("M", f"{m}.mamba2:Mamba2Layer")
+    for name, cls in (("vanilla", "NoState"), ("stateloop", "SelectiveState"), ("stateloop_reset", "ResetState")):
+        STATE_UPDATES.lazy(name, f"{m}.state:{cls}")
+    # the two axes' historical names: every committed config, checkpoint and table keeps them
+    STATE_UPDATES.alias("stateloop_attn", ("stateloop", "attn"))
+    STATE_UPDATES.alias("stateloop_mamba2", ("stateloop", "mamba2"))
+    for name, cls in (("none", "NoMixer"), ("attn", "AttentionMixer"), ("mamba2", "Mamba2StateMixer")):
+        STATE_MIXERS.lazy(name, f"{m}.state:{cls}")
+    EXIT_GATES.lazy("none", f"{m}.exit_gate:NoExitGate")
+    EXIT_GATES.lazy("ouro", f"{m}.exit_gate:ExitGate")
+    for name, cls in (("none", "NoInjection"), ("add", "AddInjection"), ("concat", "ConcatInjection"),
+                      ("diag", "DiagInjection")):
+        INJECTIONS.lazy(name, f"{m}.injection:{cls}")
+    for name, cls in (("gate", "GateRule"), ("kl", "KLRule"), ("entropy", "EntropyRule"),
+                      ("hidden_delta", "HiddenDeltaRule"), ("argmax_stable", "ArgmaxStableRule")):
+        EXIT_RULES.lazy(name, f"{m}.exit_rules:{cls}")
+    for name, cls in (("kv_copy", "KVCopy"), ("ssm_skip", "SSMSkip"), ("ssm_propagate", "SSMPropagate")):
+        HANDLINGS.lazy(name, f"{m}.exit_compute:{cls}")
+    for name, cls in (("none", "NoRouter"), ("expert_choice", "ExpertChoiceRouter"),
+                      ("token_choice", "TokenChoiceRouter")):
+        DEPTH_ROUTERS.lazy(name, f"{m}.router:{cls}")
+    LOOP_SCHEDULES.lazy("sequential", f"{m}.schedule:Sequential")
+    LOOP_SCHEDULES.lazy("parallel", f"{m}.parallel:Parallel")
+
+
+_builtins()
+

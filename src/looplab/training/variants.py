@@ -1,0 +1,62 @@
+"""A researcher's variants on the command line (docs/extending.md#from-the-command-line).
+
+Hydra selects a config-group option by its yaml file. A variant registered in the researcher's own module
+(models/registry.py) has none inside looplab, so before Hydra composes, `python -m looplab.train` imports the
+variants its overrides name and gives each a node in Hydra's ConfigStore under its group, named as it was
+registered:
+
+    python -m looplab.train state_mode=my_pkg.gru               # the module my_pkg.gru registers "my_pkg.gru"
+    python -m looplab.train -m state_mode=vanilla,my_pkg.gru    # sweeps too
+    python -m looplab.train state_mode=my_pkg.gru state_mode.gate_bias=2.0   # its own options (its Options' fields)
+
+Values that are not group options (state_mode.mixer=..., loop_depth.schedule=..., loop_depth.injection=...,
+exit_gate.eval_rule=...) need nothing of this: the registry imports them when the model is built. A yaml of the
+researcher's own, in a folder added with `hydra.searchpath=[file://my_conf]` (or `pkg://my_pkg.conf`), works as
+any group option does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from looplab.models.registry import BACKBONES, DEPTH_ROUTERS, EXIT_GATES, STATE_UPDATES, Registry
+
+# config group → the registry whose names it selects (the key holding the name is `name`)
+GROUPS: dict[str, Registry] = {"state_mode": STATE_UPDATES, "backbone": BACKBONES, "exit_gate": EXIT_GATES,
+                               "depth_router": DEPTH_ROUTERS}
+
+
+def _values(overrides: Iterable[str]) -> list[tuple[str, str]]:
+    """(group, value) of every `group=value` (or `group=a,b,c` sweep) override naming a dotted variant."""
+    out = []
+    for arg in overrides:
+        key, eq, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not eq or key not in GROUPS:
+            continue
+        for v in value.split(","):
+            v = v.strip()
+            if "." in v or ":" in v:
+                out.append((key, v))
+    return out
+
+
+def register_cli_variants(overrides: Iterable[str]) -> list[str]:
+    """Import the variants the overrides name and store a Hydra node for each (the ones registered in looplab ship
+    yaml files); → the group/name entries stored."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    stored = []
+    for group, name in _values(overrides):
+        cls = GROUPS[group].get(name)  # imports the researcher's module; ConfigError naming the value otherwise
+        node = {"name": name}
+        if group == "state_mode":  # the keys every state mode takes, and its own options, overridable by key
+            node.update({"mixer": None, "d_s": None, "s0": "zeros", "in_output": True})
+            opts = getattr(cls, "Options", None)
+            if opts is not None:
+                node.update({f.name: getattr(opts(), f.name) for f in dataclasses.fields(opts)})
+        cs.store(group=group, name=name, node=node)
+        stored.append(f"{group}/{name}")
+    return stored
