@@ -300,9 +300,10 @@ REGISTRIES = {"backbone": BACKBONES, "layer": LAYERS, "state_update": STATE_UPDA
 TABLE_FEATURES = ("compile", "speculation", "exits", "depthwise", "parallel_loops", "routing", "test_depth", "export")
 
 
-def capability_table() -> str:
-    """The docs' tables of what each registered variant declares: model parts (✓, or ✗ with the reason listed under
-    the table), then exit rules (what they read) and skip handlings (the cache entries they fill)."""
+def capability_table(builtins_only: bool = True) -> str:
+    """The docs' tables of what each registered variant declares (looplab's own by default): model parts (✓, or ✗
+    with the reason listed under the table), then exit rules (what they read) and skip handlings (the cache entries
+    they fill)."""
     head = ["axis", "variant", "cache", *TABLE_FEATURES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
@@ -310,6 +311,8 @@ def capability_table() -> str:
         if reg in (EXIT_RULES, HANDLINGS):
             continue
         for name, cls in reg.items():
+            if builtins_only and not cls.__module__.startswith("looplab."):
+                continue
             sup = cls.supports
             cells = []
             for f in TABLE_FEATURES:
@@ -322,9 +325,11 @@ def capability_table() -> str:
             lines.append(f"| {axis} | `{name}` | {sup.cache or '—'} | " + " | ".join(cells) + " |")
     lines += [""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
     lines += ["", "| exit rule | reads | example thresholds |", "|---|---|---|"]
-    lines += [f"| `{n}` | {c.reads} | {', '.join(f'{t:g}' for t in c.example_thresholds)} |" for n, c in EXIT_RULES.items()]
+    own = (lambda c: c.__module__.startswith("looplab.")) if builtins_only else (lambda c: True)
+    lines += [f"| `{n}` | {c.reads} | {', '.join(f'{t:g}' for t in c.example_thresholds)} |"
+              for n, c in EXIT_RULES.items() if own(c)]
     lines += ["", "| skip handling | fills the cache entries of kind |", "|---|---|"]
-    lines += [f"| `{n}` | {', '.join(sorted(c.fills))} |" for n, c in HANDLINGS.items()]
+    lines += [f"| `{n}` | {', '.join(sorted(c.fills))} |" for n, c in HANDLINGS.items() if own(c)]
     return "\n".join(lines)
 
 
