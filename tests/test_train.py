@@ -122,7 +122,7 @@ def test_stage2_trains_only_the_gate(tiny_overrides, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("state_mode", ["vanilla", "stateloop"])
 def test_vanilla_and_stateloop_both_learn(state_mode, tiny_overrides, tmp_path):
-    """p-hop, 60 steps: the held-out loss falls well below chance for both modes (SPEC §5 tiny setting)."""
+    """p-hop, 60 steps: the held-out loss falls well below chance for both modes (docs/formulations.md#tasks, the tiny setting)."""
     import math
 
     res = run_train(tiny_overrides + [f"state_mode={state_mode}", "loop_depth=1x3", "trainer.max_steps=60",
