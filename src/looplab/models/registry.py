@@ -342,6 +342,7 @@ def _builtins() -> None:
     LAYERS.lazy("M", f"{m}.mamba2:Mamba2Layer")
     for name, cls in (("vanilla", "NoState"), ("stateloop", "SelectiveState"), ("stateloop_reset", "ResetState")):
         STATE_UPDATES.lazy(name, f"{m}.state:{cls}")
+    STATE_UPDATES.lazy("gru", f"{m}.state_gru:GRUState")
     # the two axes' historical names: every committed config, checkpoint and table keeps them
     STATE_UPDATES.alias("stateloop_attn", ("stateloop", "attn"))
     STATE_UPDATES.alias("stateloop_mamba2", ("stateloop", "mamba2"))
