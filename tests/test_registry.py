@@ -167,7 +167,7 @@ def test_a_declared_capability_is_what_every_entry_point_reads(monkeypatch):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2, speculation=Speculation(loops=1))
     cfg = LoopedLMConfig(**BASE, state_mode="stateloop_mamba2", backbone="hybrid")
     reason = cfg.unsupported("compile")
-    assert "backbone=hybrid (Mamba-2 layers)" in reason and "state_mode=stateloop_mamba2 (mixer mamba2)" in reason
+    assert "backbone=hybrid: a Mamba-2 step" in reason and "state_mode=stateloop_mamba2 (mixer mamba2)" in reason
 
 
 def test_registries_hold_every_builtin_and_layers_are_letters():

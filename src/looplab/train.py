@@ -69,11 +69,11 @@ def build_run(cfg: DictConfig) -> RunParts:
     depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop
     eval_loops = eval_loops_from_cfg(cfg)
     use_compile, compile_why = resolve_compile(cfg.get("compile", False), model_cfg.d_model, str(cfg.trainer.accelerator))
-    if use_compile and model_cfg.loop_schedule == "parallel":
+    refused = model_cfg.unsupported("compile_training") if use_compile else None
+    if refused:
         if cfg.get("compile") is True:
-            raise ConfigError("compile=true with loop_depth.schedule=parallel: the parallel schedule trains eagerly "
-                              "(its attention reads another loop's keys through a per-call object); set compile=false")
-        use_compile, compile_why = False, "compile=auto: off under loop_depth.schedule=parallel (trained eagerly)"
+            raise ConfigError(f"compile=true with {refused}")
+        use_compile, compile_why = False, f"compile=auto: off ({refused.split(':')[0]} trains eagerly)"
     dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
     for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
         if hasattr(dm, attr):

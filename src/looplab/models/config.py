@@ -277,7 +277,7 @@ class LoopedLMConfig:
         kinds = self.all_layer_types
         for kind in dict.fromkeys(kinds):
             cls = LAYERS.get(kind)
-            mixed = len(set(kinds)) > 1 or self.backbone == "hybrid"
+            mixed = len(set(kinds)) > 1
             out.append((f"backbone={self.backbone}" + (f" ({cls.title} layers)" if mixed else ""), cls))
         out.append((f"state_mode={self.state_mode}", STATE_UPDATES.get(self.state_update)))
         if self.state_mixer != "none":

@@ -44,7 +44,7 @@ from looplab.models.cache import KVCache, LoopCache, SSMCache
 from looplab.models.exit_gate import logits_at_depth
 from looplab.models.exit_rules import check_rule, get_rule, zero_shot_rules
 from looplab.models.outputs import LoopedLMOutput
-from looplab.models.registry import HANDLINGS, Variant
+from looplab.models.registry import EXIT_GATES, HANDLINGS, Variant
 
 
 class SkipHandling(Variant):
@@ -122,7 +122,7 @@ def skip_compute_unsupported(config, exit_rule: str | None = None, skip_compute:
         for where, kind in config.cache_owners():
             if kind not in cls.fills:
                 return cls.refusal(where, kind)
-    if config.exit_gate == "none" and get_rule(exit_rule).reads == "exit_probs":
+    if not issubclass(EXIT_GATES.get(config.exit_gate), torch.nn.Module) and get_rule(exit_rule).reads == "exit_probs":
         return ("exit_gate.skip_compute needs a model with an exit gate (exit_gate=ouro), "
                 f"or a zero-shot exit_rule ({', '.join(zero_shot_rules())})")
     return None

@@ -339,6 +339,9 @@ def compile_unsupported(config) -> str | None:
 def _check_request(model, input_ids, max_new_tokens, attention_mask, sampling, exits, speculation, compile, R) -> None:
     """Every refusal of a generation request, each naming the option, before anything runs."""
     cfg = model.config
+    from looplab.models.looped import check_inputs
+
+    check_inputs(input_ids, attention_mask, cfg.vocab_size)  # dtype, shape, ids inside the vocabulary: once, here
     if input_ids.shape[1] == 0:
         raise ValueError("generate needs a prompt of at least one token (e.g. BOS)")
     if input_ids.shape[1] + max_new_tokens > cfg.max_seq_len:

@@ -88,7 +88,7 @@ def model_card_text(cfg, num_params: int, source: str | None = None) -> str:
         f"| N⊗R | {n}⊗{r} |",
         *([f"| prelude / coda layers | {cfg.prelude_layers} / {cfg.coda_layers} |"]
           if getattr(cfg, "prelude_layers", 0) or getattr(cfg, "coda_layers", 0) else []),
-        f"| backbone | {cfg.backbone}" + (f" (pattern {cfg.hybrid_pattern})" if cfg.backbone == "hybrid" else "") + " |",
+        f"| backbone | {cfg.backbone}" + (f" (layers {cfg.layer_types})" if len(set(cfg.layer_types)) > 1 else "") + " |",
         f"| state mode | {cfg.state_mode} |",
         f"| exit gate | {cfg.exit_gate} |",
         f"| d_model | {cfg.d_model} |",

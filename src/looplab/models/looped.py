@@ -66,7 +66,27 @@ from looplab.models.rng import draw_init_seed, named_generator
 from looplab.models.router import build_router
 from looplab.models.stream import Stream
 
-__all__ = ["LoopedLM", "LoopedLMOutput", "build_layer"]
+__all__ = ["LoopedLM", "LoopedLMOutput", "build_layer", "check_inputs"]
+
+
+def check_inputs(input_ids, attention_mask=None, vocab_size: int | None = None, *, values: bool = True) -> None:
+    """Refuse, naming the value, token ids that are not a (B, T) integer tensor, ids outside [0, vocab_size) (values:
+    one host sync; an embedding lookup would fail deep inside, or on a GPU assert), and a mask of another shape."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a (B, T) tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids has dtype={input_ids.dtype}: token ids must be integers (torch.long)")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: give (B, T) token ids (one row per sequence)")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has shape "
+                         f"{tuple(input_ids.shape)}: give one mask value per token")
+    if values and vocab_size is not None and input_ids.numel():
+        lo, hi = (int(v) for v in torch.stack([input_ids.min(), input_ids.max()]).tolist())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"input_ids holds token id {bad} outside the vocabulary [0, {vocab_size}) "
+                             f"(vocab_size={vocab_size})")
 
 
 class LoopedLM(nn.Module, LoopedHubMixin):
@@ -212,18 +232,15 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         readout = sum(layer.flops_per_token(seq_len) for layer in self.coda) + 2 * d * cfg.vocab_size
         readout *= R if all_readouts else 1
         inj = self.inject.flops_per_token() if self.inject is not None else 0
-        expert = rt.cfg.name == "expert_choice"
-        aux_on = expert and getattr(rt, "aux_routers", None) is not None and rt.cfg.aux_router_coeff > 0
         loop_f, aux_f = [], []
         for r, f in enumerate(fr):
             keys = (fr[0] if share and r > 0 else f) * seq_len
             block = sum(layer.flops_per_token(keys) for layer in self.block)
             if self.state is not None:
                 block += self.state.flops_per_token(f * seq_len)
-            cand = 1.0 if r == 0 else fr[r - 1]  # expert choice scores the tokens that ran the previous loop
-            router = 2 * d * cand if expert else (2 * d * R if r == 0 else 0)
+            router, aux = rt.loop_flops(r, fr, d)  # the router's own scoring at loop r (models/router.py)
             loop_f.append(f * (block + (inj if r > 0 else 0)) + router)
-            aux_f.append(2 * d * cand if aux_on else 0)
+            aux_f.append(aux)
         fwd = prelude + sum(loop_f) + sum(aux_f) + readout
         if not training:
             return round(fwd)
@@ -291,6 +308,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         depths: torch.Tensor | str | None = None,  # depth_router only: 'inference' or (B, T) given depths (models/router.py)
     ) -> LoopedLMOutput:
         """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
+        # a cached call is a decoder's: its prompt was checked once (generate, Engine.add), its later tokens are the
+        # model's own, so only the shapes are checked here (no host sync in a decoding step)
+        check_inputs(input_ids, attention_mask, self.config.vocab_size, values=cache is None)
         if not self.schedule.sequential:  # its own forward over the sequence (loop_schedule=parallel: models/parallel.py)
             return self.schedule.forward(self, input_ids, attention_mask, cache, n_loops, backprop_loops=backprop_loops,
                                          return_all_loops=return_all_loops, exits=exits, depths=depths)
@@ -438,9 +458,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         Parameters stay shared with the eager layers (same state dict). The prelude and coda layers
         stay eager (not compiled).
         """
-        if self.loop_input is not None:
-            raise ValueError("loop_schedule=parallel trains eagerly (hardware.compile=false): its attention reads "
-                             "another loop's keys through a per-call object that a compiled layer would retrace")
+        refused = self.config.unsupported("compile_training")
+        if refused:
+            raise ValueError(f"compile_block with {refused}")
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.block]
 
     @property

@@ -415,9 +415,9 @@ class Parallel(LoopSchedule):
 
     sequential = False
     supports = Supports(
-        compile="its folded decoding step is not compiled; decode with compile=False (and train with "
-                "hardware.compile=false: its attention reads another loop's keys through a per-call object that a "
-                "compiled layer would retrace)",
+        compile="its folded decoding step is not compiled; decode with compile=False",
+        compile_training="the parallel schedule trains eagerly: its attention reads another loop's keys through a "
+                         "per-call object that a compiled layer would retrace; set compile=false",
         speculation="drafts read a shallower loop of the same token, which the parallel schedule computes at a later "
                     "step",
         exits="exits read a shallower loop of the same token, which the parallel schedule computes at a later step",

@@ -42,6 +42,7 @@ T = TypeVar("T")
 # what a capability means, for messages and the docs' table (docs/extending.md#registries-and-capabilities)
 FEATURES = {
     "compile": "compiled decoding over a static cache (generate(compile=...))",
+    "compile_training": "the block compiled for training (compile=true, LoopedLM.compile_block)",
     "speculation": "self-speculative decoding (generate(speculation=Speculation(...)))",
     "exits": "exits that read a shallower loop of the same token (ExitPolicy)",
     "depthwise": "depth-wise batching (serve.Engine(schedule='depthwise'))",
@@ -67,6 +68,7 @@ class Supports:
 
     cache: str | None = None
     compile: bool | str = True
+    compile_training: bool | str = True
     speculation: bool | str = True
     exits: bool | str = True
     depthwise: bool | str = True

@@ -184,6 +184,11 @@ class DepthRouter(nn.Module, Variant):
     def validate_own(cls, cfg: LoopedLMConfig, need) -> None:
         """The router's own options (capacity, inference rule)."""
 
+    def loop_flops(self, r: int, fractions: list[float], d: int) -> tuple[float, float]:
+        """Forward FLOPs per token of the router's scoring at loop r (0-based) and of its auxiliary router, given
+        the fraction of tokens that runs each loop."""
+        raise NotImplementedError
+
     @classmethod
     def capabilities(cls, config) -> Supports:
         if config.depth_router.kv == "recursion_wise":
@@ -249,6 +254,11 @@ class DepthRouter(nn.Module, Variant):
 @DEPTH_ROUTERS.register("expert_choice")
 class ExpertChoiceRouter(DepthRouter):
     ACTIVATIONS = ("sigmoid", "tanh")
+
+    def loop_flops(self, r, fractions, d):
+        cand = 1.0 if r == 0 else fractions[r - 1]  # loop r scores the tokens that ran the previous loop
+        aux_on = getattr(self, "aux_routers", None) is not None and self.cfg.aux_router_coeff > 0
+        return 2 * d * cand, (2 * d * cand if aux_on else 0)
 
     @classmethod
     def validate_own(cls, cfg, need):
@@ -327,6 +337,9 @@ class ExpertChoiceRouter(DepthRouter):
 @DEPTH_ROUTERS.register("token_choice")
 class TokenChoiceRouter(DepthRouter):
     ACTIVATIONS = ("softmax", "sigmoid")
+
+    def loop_flops(self, r, fractions, d):
+        return (2 * d * self.n_loops if r == 0 else 0), 0  # one score per depth, once, at the first loop
 
     @classmethod
     def validate_own(cls, cfg, need):

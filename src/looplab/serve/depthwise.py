@@ -48,7 +48,7 @@ def unsupported(model, exits) -> str | None:
     variants' declared `depthwise` (and `depthwise_routed` under a depth router)."""
     c = model.config
     reason = c.unsupported("depthwise")
-    if reason is None and c.depth_router.name != "none":
+    if reason is None and getattr(model, "router", None) is not None:
         reason = c.unsupported("depthwise_routed")
         if reason is not None:
             reason = f"depth_router={c.depth_router.name} with {reason}"

@@ -59,10 +59,11 @@ class Request:
     seed: int | None = None  # the seed of that generator (solo_agreement draws again from it)
 
     hit_eos: bool = False
+    error: str | None = None  # why the request failed (it left the engine with the tokens it had; the others went on)
 
     @property
     def done(self) -> bool:
-        return bool(self.tokens) and (len(self.tokens) >= self.max_new_tokens or self.hit_eos)
+        return self.error is not None or (bool(self.tokens) and (len(self.tokens) >= self.max_new_tokens or self.hit_eos))
 
 
 class Engine:
@@ -112,9 +113,18 @@ class Engine:
         """Queue a request. sampling: Sampling(temperature, top_k, top_p) (default greedy); a sampled request draws
         from its own generator seeded with `seed` (default: its id), so that it gets what
         `generate(..., sampling=Sampling(..., generator=torch.Generator().manual_seed(seed)))` gives it alone."""
+        if isinstance(prompt, torch.Tensor) and (prompt.is_floating_point() or prompt.dtype == torch.bool):
+            raise ValueError(f"prompt has dtype={prompt.dtype}: token ids must be integers (torch.long)")
+        if not isinstance(prompt, torch.Tensor) and any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt={list(prompt)!r}: token ids must be integers")
         prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         if prompt.numel() == 0:
             raise ValueError("an empty prompt: give at least one token")
+        V = self.model.config.vocab_size
+        lo, hi = (int(v) for v in torch.stack([prompt.min(), prompt.max()]).tolist())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"prompt holds token id {lo if lo < 0 else hi} outside the vocabulary [0, {V}) "
+                             f"(vocab_size={V})")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if prompt.numel() + max_new_tokens > self.max_len:
@@ -150,8 +160,9 @@ class Engine:
             if req is None:
                 break
             self.waiting.remove(req)
-            self._admit(req, row)
-            if req.done:
+            if not self._alone(req, self._admit, req, row):
+                done.append(req)
+            elif req.done:
                 done.append(self._leave(req))
         if self.depthwise is not None:
             t0 = self._clock()
@@ -174,8 +185,9 @@ class Engine:
             t = self.now()
             for i, b in enumerate(live):
                 req = self.rows[b]
-                self._record(req, logits[i], None if steps is None else steps[i], t)
-                if req.done:
+                if not self._alone(req, self._record, req, logits[i], None if steps is None else steps[i], t):
+                    done.append(req)
+                elif req.done:
                     done.append(self._leave(req))
         self.stats["steps"] += 1
         self.stats["peak_cache_bytes"] = max(self.stats["peak_cache_bytes"], self.cache.nbytes())
@@ -213,8 +225,9 @@ class Engine:
         t = self.now()
         for i, b in enumerate(rows.tolist()):
             req = self.rows[b]
-            self._record(req, logits[i], steps[i] if self.exits is not None else None, t)
-            if req.done:
+            if not self._alone(req, self._record, req, logits[i], steps[i] if self.exits is not None else None, t):
+                done.append(req)
+            elif req.done:
                 done.append(self._leave(req))
             else:
                 self._to_start[b] = req.tokens[-1]
@@ -248,6 +261,23 @@ class Engine:
         self.rows[req.row] = None
         self.finished.append(req)
         return req
+
+    def _alone(self, req: Request, fn, *args) -> bool:
+        """fn(*args) for one request's own work (its prefill, its sampling); if it raises, that request fails alone:
+        it leaves with its error and the tokens it had, its row is freed (the next admission resets it), and the
+        other requests go on as if it had never come. → whether fn succeeded."""
+        try:
+            fn(*args)
+            return True
+        except Exception as e:  # noqa: BLE001 (any failure of one request's own work is that request's)
+            req.error = f"{type(e).__name__}: {e}"
+            if req.row is not None and self.rows[req.row] is req:
+                self.rows[req.row] = None
+                self._to_start.pop(req.row, None)
+                if self.depthwise is not None:
+                    self.depthwise.loop[req.row] = -1  # nothing of it stays in flight
+            self.finished.append(req)
+            return False
 
 
 def _generator(seed: int, device) -> torch.Generator:

@@ -416,7 +416,7 @@ def check_serving(ctx: Context, variant) -> None:
         make = lambda: Engine(model, max_batch=2, max_len=32, exits=exits, schedule=schedule)  # noqa: E731
         if schedule == "depthwise":
             where = _refused("depthwise", _variant_cls(variant), model.config)
-            if where is None and model.config.depth_router.name != "none":
+            if where is None and model.router is not None:
                 where = _refused("depthwise_routed", _variant_cls(variant), model.config)
             if where == "other":
                 continue
