@@ -92,7 +92,7 @@ def test_compiled_step_is_one_graph_that_never_recompiles(monkeypatch):
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # fullgraph: one capture for all 2 × 8 steps
     # decoders are kept per (batch, length bucket, depth, mode, device, dtype), at most MAX_COMPILED per model
-    table = generation._COMPILED[model]
+    table = model._compiled_decoders
     assert len(table) == 1
     for b in range(2, 2 + generation.MAX_COMPILED + 1):
         generation.compiled_decoder(model, b, 16, 3, "default")

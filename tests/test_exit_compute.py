@@ -168,9 +168,9 @@ def test_skip_decoding_computes_only_the_rows_still_running(backbone, state_mode
             logits, steps = decode_one_token(model, ids[:, t:t + 1], cache, exits=policy, skip=skip)
             assert torch.equal(steps, ref.exit_steps[:, t]), t
             torch.testing.assert_close(logits, ref.logits[:, t], atol=ATOL, rtol=1e-4)
-            assert skip.block_rows == [int((steps > r).sum()) for r in range(R)], t
+            assert list(skip.block_rows) == [int((steps > r).sum()) for r in range(R)], t
             assert seen == [(n, 1) for n in rows_per_loop(steps)], t
-            assert max(skip.block_rows[1:]) < B  # row 0 has left after loop 1
+            assert max(list(skip.block_rows)[1:]) < B  # row 0 has left after loop 1
         # generate: every step after the prefill computes only the rows still running
         seen.clear()
         out = generate(model, ids[:, :3], 5, exits=policy, return_logits=True)

@@ -172,3 +172,83 @@ def test_engine_on_the_gpu_equals_solo_decoding(arm, record_property):
     record_property("solo_ties", res["solo_check"]["ties"])
     assert res["requests"] == 32
     assert res["solo_check"]["different"] == 0, f"{arm} on the GPU decoded other tokens than solo decoding: {res}"
+
+
+# ------------------------------------------------------------------ the dtype matrix on the GPU
+# (the CPU's: tests/test_gpu_readiness.py). cuBLAS picks other kernels for a batch than for one row, so bf16 logits
+# differ more than on the CPU: a tie is a solo top-2 margin within 0.25 (bf16's spacing at |logit| 32), fp32's 1e-3.
+GPU_TIE = {"fp32": 1e-3, "bf16": 0.25, "autocast": 0.25}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
+@pytest.mark.parametrize("name", ["plain_gqa_prelude_coda", "exit_readout", "skip_kv_copy", "skip_ssm_skip",
+                                  "skip_ssm_propagate", "speculation", "routed", "parallel_gswa"])
+def test_every_decoder_in_every_dtype_on_the_gpu(name, mode):
+    from looplab.testing import decode_matrix as matrix
+
+    assert matrix.decoder_agrees(name, mode, GPU_TIE[mode], device="cuda", d_model=64) == []
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("schedule", ["lockstep", "depthwise"])
+@pytest.mark.parametrize("name", ["exits_kv_copy", "exits_ssm_skip", "routed", "plain_parallel"])
+def test_both_serving_schedules_in_every_dtype_on_the_gpu(name, schedule, mode):
+    from looplab.testing import decode_matrix as matrix
+
+    got = matrix.engine_agreement(name, schedule, mode, GPU_TIE[mode], device="cuda", d_model=64)
+    if got is not None:
+        assert got["equal"] + got["ties"] == 6, got["differences"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_reduce_overhead_captures_a_cuda_graph(gpu_model, record_property):
+    """compile="reduce-overhead" replays a captured CUDA graph: no cudagraph skip (its step mutates only static
+    addresses, every cache buffer marked), a graph recorded, and plain decoding's tokens."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(0, VOCAB, (2, PROMPT), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    ref = generate(gpu_model, ids, 32)
+    for _ in range(2):
+        assert torch.equal(generate(gpu_model, ids, 32, compile="reduce-overhead"), ref)
+    record_property("cudagraph_skips", counters["inductor"]["cudagraph_skips"])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert "cudagraph_recorded_non_static_inputs" in counters["inductor"], "no CUDA graph was recorded"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flash_attention_2"])
+def test_the_exported_model_on_the_gpu(attn, tmp_path):
+    """The transformers remote-code folder on the GPU in bf16, under each attention implementation: its logits are
+    looplab's, or (flash-attention not installed) the load refuses it naming the implementation."""
+    from transformers import AutoModelForCausalLM
+
+    from looplab.checkpoint import looplab_meta
+    from looplab.convert import to_hf
+    from looplab.testing import decode_matrix as matrix
+
+    model = matrix.make(d_model=64, n_kv_heads=2, state_mode="stateloop_attn", prelude_layers=1, coda_layers=1)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "looplab": looplab_meta(model.config, {})}, ckpt)
+    to_hf(str(ckpt), tmp_path / "hf", log=lambda *a: None)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True, dtype=torch.bfloat16,
+                                                  attn_implementation=attn).to("cuda").eval()
+    except (ImportError, ValueError) as e:
+        assert attn == "flash_attention_2" and "flash" in str(e).lower(), e
+        pytest.skip(f"{attn}: {e}")
+    ids, mask = matrix.padded(matrix.prompts(device="cuda"))
+    model = model.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        got, want = hf(input_ids=ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert float((got[real].float() - want[real].float()).abs().max()) <= 0.25

@@ -113,8 +113,9 @@ class KVCache:
 
     def write(self, rows: torch.Tensor, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """(b, Hkv, T, hd) keys/values at rows (b,) and their columns cols (b, T)."""
-        self.k[rows[:, None], :, cols] = k.transpose(1, 2)  # (b, T, Hkv, hd) at (row, col)
-        self.v[rows[:, None], :, cols] = v.transpose(1, 2)
+        # an indexed write needs the buffer's dtype (a model under autocast hands bf16 keys to an fp32 cache)
+        self.k[rows[:, None], :, cols] = k.transpose(1, 2).to(self.k.dtype)  # (b, T, Hkv, hd) at (row, col)
+        self.v[rows[:, None], :, cols] = v.transpose(1, 2).to(self.v.dtype)
 
     def read_rows_into(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The first keys.shape[2] columns of rows (b,) into keys/values (b, Hkv, L, hd), one copy each."""
@@ -189,7 +190,7 @@ class SSMCache:
         if rows is None:
             self.ssm_state.copy_(state)
         else:
-            self.ssm_state[rows] = state
+            self.ssm_state[rows] = state.to(self.ssm_state.dtype)
 
     def write_last(self, xBC: torch.Tensor, dt_raw: torch.Tensor) -> None:
         """The call's last token's raw conv input and dt (b, conv_dim), (b, nheads)."""
@@ -202,8 +203,8 @@ class SSMCache:
             self.last_xBC.copy_(xBC)
             self.last_dt_raw.copy_(dt_raw)
         else:
-            self.last_xBC[rows] = xBC
-            self.last_dt_raw[rows] = dt_raw
+            self.last_xBC[rows] = xBC.to(self.last_xBC.dtype)
+            self.last_dt_raw[rows] = dt_raw.to(self.last_dt_raw.dtype)
 
     def checkpoint(self) -> None:
         self.trail = []
@@ -239,8 +240,8 @@ class SSMCache:
             self.conv_state.copy_(conv)
             self.ssm_state.copy_(ssm)
         else:
-            self.conv_state[rows] = conv
-            self.ssm_state[rows] = ssm
+            self.conv_state[rows] = conv.to(self.conv_state.dtype)
+            self.ssm_state[rows] = ssm.to(self.ssm_state.dtype)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         self.conv_state[rows] = 0
@@ -263,6 +264,9 @@ class LoopCache:
             entry.owner = self
         self.batch_size, self.max_len, self.n_loops, self.static = batch_size, max_len, n_loops, static
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens written per row
+        # the same per-row lengths on the host (eager caches): every length a call writes is known there already (T
+        # per selected row), so reading how many key columns to attend over never waits for the device
+        self.host_lengths: list[int] = [0] * batch_size
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # each row's next RoPE position
         self.valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)  # False: a padding column
         self.all_rows = torch.arange(batch_size, device=device)
@@ -271,6 +275,7 @@ class LoopCache:
         self.has_padding = False
         self.uniform: int | None = 0  # eager: every row's length when they all agree (Python-side), else None
         self.selected: torch.Tensor | None = None  # select_rows: the rows the next calls write
+        self.selected_host: list[int] | None = None  # the same rows on the host
         self.mark: tuple[torch.Tensor, torch.Tensor] | None = None
         self.check_coda = True  # the coda misuse guard (check_filled) holds while rows agree on their length
 
@@ -283,8 +288,16 @@ class LoopCache:
     def nbytes(self) -> int:
         return sum(e.nbytes() for e in self.entries.values())
 
+    def buffers(self):
+        """Every tensor this cache and its entries hold: what a compiled step reads and mutates in place."""
+        yield from (self.lengths, self.next_pos, self.valid, self.all_rows, *self.carry.values())
+        for entry in self.entries.values():
+            yield from (v for v in vars(entry).values() if isinstance(v, torch.Tensor))
+
     def used_columns(self) -> int:
-        return self.uniform if self.uniform is not None else int(self.lengths.max())
+        if self.static:
+            return int(self.lengths.max())
+        return self.uniform if self.uniform is not None else max(self.host_lengths)
 
     def check_depth(self, n_loops: int) -> None:
         if self.n_loops != n_loops:
@@ -306,6 +319,7 @@ class LoopCache:
             start, end = self.uniform, self.uniform + T
             if end > self.max_len:
                 raise RuntimeError(f"cache full: {end} tokens > max_len={self.max_len}")
+            self.host_lengths = [end] * self.batch_size
             cols = (start + ar).expand(B, T)
             if new_valid is not None:
                 self.valid[:, start:end] = new_valid
@@ -319,7 +333,9 @@ class LoopCache:
         else:
             lens = self.lengths if rows is None else self.lengths[rows]
             cols = lens[:, None] + ar
-            L = int(lens.max()) + T
+            host = self._host_rows(rows)
+            lens_host = [self.host_lengths[r] for r in host]
+            L = max(lens_host) + T
             if L > self.max_len:
                 raise RuntimeError(f"cache full: {L} tokens > max_len={self.max_len}")
             r_idx = self.all_rows if rows is None else rows
@@ -329,7 +345,9 @@ class LoopCache:
             else:
                 self.valid[r_idx[:, None], cols] = True
             self.lengths[r_idx] = lens + T
-            start = int(lens[0]) if bool((lens == lens[0]).all()) else None
+            for r in host:
+                self.host_lengths[r] += T
+            start = lens_host[0] if all(n == lens_host[0] for n in lens_host) else None
             self._refresh_uniform()
             mask = self._mask(self.valid[r_idx, :L], cols, L)
         positions = self._positions(rows, new_valid, T)
@@ -374,10 +392,18 @@ class LoopCache:
         return (((kc <= c) & valid[:, None, :L]) | (kc == c))[:, None]
 
     def _refresh_uniform(self) -> None:
-        lens = self.lengths
-        self.uniform = int(lens[0]) if bool((lens == lens[0]).all()) else None
+        lens = self.host_lengths
+        self.uniform = lens[0] if all(n == lens[0] for n in lens) else None
         if self.uniform is None:
             self.check_coda = False
+
+    def _host_rows(self, rows) -> list[int]:
+        """The selected rows on the host: every row, the list select_rows was given, or (one transfer) the tensor's."""
+        if rows is None:
+            return list(range(self.batch_size))
+        if self.selected_host is not None and rows is self.selected:
+            return self.selected_host
+        return rows.tolist()
 
     def revisit(self, T: int, positions: torch.Tensor) -> None:
         """Make the Step cover each selected row's last T registered columns again (a speculative verify re-runs
@@ -386,8 +412,9 @@ class LoopCache:
         if self.static or self.uniform is None or rows is not None:
             lens = self.lengths if rows is None else self.lengths[rows]
             cols = (lens - T)[:, None] + torch.arange(T, device=lens.device)
-            L = self.max_len if self.static else int(lens.max())
-            start = int(lens[0]) - T if not self.static and bool((lens == lens[0]).all()) else None
+            lens_host = None if self.static else [self.host_lengths[r] for r in self._host_rows(rows)]
+            L = self.max_len if self.static else max(lens_host)
+            start = lens_host[0] - T if not self.static and all(n == lens_host[0] for n in lens_host) else None
             mask = self._mask(self.valid[self.all_rows if rows is None else rows, :L], cols, L)
         else:
             start, L = self.uniform - T, self.uniform
@@ -409,13 +436,15 @@ class LoopCache:
             self.step = full
 
     @contextlib.contextmanager
-    def select_rows(self, rows: torch.Tensor | None):
-        """Calls inside the with-block register and write only these rows (b,) of the batch."""
-        prev, self.selected = self.selected, rows
+    def select_rows(self, rows: torch.Tensor | None, host: list[int] | None = None):
+        """Calls inside the with-block register and write only these rows (b,) of the batch. host: the same rows as a
+        list, when the caller has it (else an eager cache reads the tensor once, a transfer)."""
+        prev = self.selected, self.selected_host
+        self.selected, self.selected_host = rows, (list(host) if host is not None else None)
         try:
             yield
         finally:
-            self.selected = prev
+            self.selected, self.selected_host = prev
 
     def check_filled(self, key, entry) -> None:
         """A coda entry below the last loop is filled only by calls that read per-depth outputs, so one cache
@@ -443,23 +472,30 @@ class LoopCache:
         Only for tokens registered without a new attention mask (decoding steps)."""
         start, next_pos = self.mark
         keep = torch.as_tensor(keep, device=start.device).expand_as(start)
-        if bool((keep < 0).any()) or bool((start + keep > self.lengths).any()):
-            raise ValueError(f"rollback(keep={keep.tolist()}): rows wrote {(self.lengths - start).tolist()} tokens "
-                             "since checkpoint()")
+        # one transfer: which lengths each row keeps (speculation decides it on the device)
+        keep_host, start_host, lens_host = torch.stack([keep, start, self.lengths]).tolist()
+        if any(k < 0 or s + k > n for k, s, n in zip(keep_host, start_host, lens_host)):
+            raise ValueError(f"rollback(keep={keep_host}): rows wrote {[n - s for s, n in zip(start_host, lens_host)]} "
+                             "tokens since checkpoint()")
         for entry in self.entries.values():
             entry.rollback(keep)
         self.lengths = start + keep
         self.next_pos = next_pos + keep
         self.mark = None
         if not self.static:
+            self.host_lengths = [s + k for s, k in zip(start_host, keep_host)]
             self._refresh_uniform()
             if self.uniform is not None:
                 for entry in self.entries.values():
                     if hasattr(entry, "upto"):
                         entry.upto = min(entry.upto, self.uniform)
 
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Empty rows (b,) for new requests: lengths, positions, padding, every entry's state and the carry."""
+    def reset_rows(self, rows: torch.Tensor, host: list[int] | None = None) -> None:
+        """Empty rows (b,) for new requests: lengths, positions, padding, every entry's state and the carry. host: the
+        same rows as a list, when the caller has it."""
+        if not self.static:
+            for r in (host if host is not None else rows.tolist()):
+                self.host_lengths[r] = 0
         self.lengths[rows] = 0
         self.next_pos[rows] = 0
         self.valid[rows] = True
@@ -520,8 +556,8 @@ class RoutedKVCache:
             raise RuntimeError(f"KV cache full: {end} tokens > max_len={self.max_len}; allocate a longer cache")
         rr, js = live.nonzero(as_tuple=True)
         c, at = cols[rr, js], rows[rr]
-        self.k[at, :, c] = k[rr, :, js]
-        self.v[at, :, c] = v[rr, :, js]
+        self.k[at, :, c] = k[rr, :, js].to(self.k.dtype)
+        self.v[at, :, c] = v[rr, :, js].to(self.v.dtype)
         self.valid[at, c] = True if valid is None else valid[rr, js]
         self.lengths[rows] = lens + count
         self.length = max(self.length, end)
@@ -615,7 +651,7 @@ class RoutedSSMCache(SSMCache):
             self.ssm_state.copy_(torch.where(ran, state, self.ssm_state))
             self.lengths += count
         else:
-            self.ssm_state[rows] = torch.where(ran, state, self.ssm_state[rows])
+            self.ssm_state[rows] = torch.where(ran, state, self.ssm_state[rows]).to(self.ssm_state.dtype)
             self.lengths[rows] += count
 
     @property

@@ -38,6 +38,8 @@ ssm_propagate) without running a layer.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from looplab.models.cache import KVCache, LoopCache, SSMCache
@@ -231,17 +233,16 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
                           loop_hidden=loop_hidden, exit_steps=exit_steps)
 
 
-def fill_exited(model, cache: LoopCache, r: int, idx: torch.Tensor, exit_loop: torch.Tensor, handling: str,
-                entries=None) -> None:
-    """Loop r's entries of the call's rows idx (b,), whose token exited after loop exit_loop[idx] (0-based) < r,
-    without running a layer: attention entries take the exit loop's key/values at the token's column (kv_copy —
-    what recomputing from the frozen input gives), Mamba-2 entries its exit-loop conv input, and under
-    ssm_propagate also the state write (Mamba2Mixer.step_from). entries: the ((loop, key), entry) pairs to look at
-    (default: all of the cache's; a caller that fills often passes loop r's)."""
+def fill_exited(model, cache: LoopCache, r: int, groups, handling: str, entries=None) -> None:
+    """Loop r's entries of the call's tokens that exited at an earlier loop, without running a layer. groups: (e, idx)
+    pairs, idx (b,) the call's rows whose token exited after loop e (0-based, e < r). Attention entries take the exit
+    loop's key/values at the token's column (kv_copy — what recomputing from the frozen input gives), Mamba-2 entries
+    its exit-loop conv input, and under ssm_propagate also the state write (Mamba2Mixer.step_from). entries: the
+    ((loop, key), entry) pairs to look at (default: all of the cache's; a caller that fills often passes loop r's).
+    The caller groups the tokens on the host: nothing here reads a device value."""
     st = cache.step
-    exits = exit_loop[idx]
-    for e in exits.unique().tolist():
-        sel = idx[exits == e]
+    write = HANDLINGS.get(handling).ssm_write
+    for e, sel in groups:
         rows = sel if st.rows is None else st.rows[sel]  # the batch rows of these tokens
         cols = st.cols[sel, -1]
         for (rr, key), dst in (cache.entries.items() if entries is None else entries):
@@ -255,10 +256,19 @@ def fill_exited(model, cache: LoopCache, r: int, idx: torch.Tensor, exit_loop: t
                     mixer = model.state.mixer
                 else:
                     mixer = (model.coda[key[1]] if isinstance(key, tuple) else model.block[key]).mixer
-                mixer.step_from(dst, src, rows, write=HANDLINGS.get(handling).ssm_write)
+                mixer.step_from(dst, src, rows, write=write)
             if hasattr(dst, "upto") and hasattr(src, "upto"):
                 # a coda entry's misuse guard (LoopCache.check_filled): the fill covers this token as a run would
                 dst.upto = max(dst.upto, src.upto)
+
+
+def split_sorted(order: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """order (n,) cut into consecutive pieces of the given sizes (known on the host: slicing reads no device value)."""
+    out, a = [], 0
+    for c in counts:
+        out.append(order[a:a + c])
+        a += c
+    return out
 
 
 class SkipDecoding:
@@ -268,12 +278,16 @@ class SkipDecoding:
     loops 1..t (the rule's `stops`); for the gate, p(t) = λ_t S_{t−1} with S_t = S_{t−1}(1 − λ_t) and
     p(R) = S_{R−1}. Loop r runs on the rows still going only (`LoopedLM.run_loops`' rows: gathered, their
     cache entries indexed), and the rows that have exited get loop r's entries filled by the handling
-    (`fill_exited`), which is exactly what the frozen-input reference leaves there. `block_rows` records how
-    many rows each loop's block call received (what a test counts)."""
+    (`fill_exited`), which is exactly what the frozen-input reference leaves there.
+
+    Host syncs: which rows still run must reach the host to gather them, so each loop's decision is one transfer
+    (R − 1 per token at most, none after the last loop); the rows are then split on the device by a stable sort,
+    cut at counts the host already knows. `block_rows` keeps how many rows each of the last loops' block calls
+    received (what a test counts; bounded)."""
 
     def __init__(self, model, policy, n_loops: int):
         self.model, self.policy, self.R = model, policy, n_loops
-        self.block_rows: list[int] = []
+        self.block_rows: deque[int] = deque(maxlen=4096)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, cache: LoopCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,31 +299,39 @@ class SkipDecoding:
         B = input_ids.shape[0]
         positions, valid = model.positions(input_ids, None, cache)
         stream = model.start(input_ids, positions, valid, cache)
-        exit_loop = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)  # 0-based, −1 = running
+        device = input_ids.device
+        exit_loop = torch.full((B,), -1, dtype=torch.long, device=device)  # 0-based, −1 = running
+        exits_host = [-1] * B  # the same, on the host (each loop's decision is transferred once)
         logits = None
         hist: list[torch.Tensor] = []  # what the rule reads, loops 1..t, full-batch rows (exited rows stale)
-        survival = stream.x.new_ones(B)
-        live = {"idx": None}  # None: every row runs (the common case: no mask ops until some row exits)
+        survival = stream.x.new_ones(B, dtype=torch.float32)  # the gate's running product in float32 (exit_gate.py)
+        live = {"idx": None, "host": list(range(B))}  # idx None: every row runs (no index ops until some row exits)
 
         def rows(r, st):
             idx = live["idx"]
-            if idx is not None and idx.numel() < B:
-                gone = (exit_loop >= 0).nonzero().squeeze(1)
-                fill_exited(model, cache, r, gone, exit_loop, handling)
-            self.block_rows.append(B if idx is None else int(idx.numel()))
+            if idx is not None and len(live["host"]) < B:
+                # the exited rows, by exit loop: a stable sort on the device, cut at the host's counts
+                gone = [e for e in exits_host if e >= 0]
+                loops = sorted(set(gone))
+                key = torch.where(exit_loop < 0, R, exit_loop)
+                order = torch.argsort(key, stable=True)
+                parts = split_sorted(order, [gone.count(e) for e in loops])
+                fill_exited(model, cache, r, list(zip(loops, parts)), handling)
+            self.block_rows.append(B if idx is None else len(live["host"]))
             return idx
 
         def after(r, st, idx):
             nonlocal logits, survival
-            if idx is not None and idx.numel() == 0:  # every row has exited: loop r only filled caches
+            if idx is not None and not live["host"]:  # every row has exited: loop r only filled caches
                 return
             sub = st if idx is None else st.select(idx)
             with cache.restrict(idx):
                 readout = model.coda_at(model.readout(sub), r, sub.positions, sub.valid, cache)
             normed = model.final_norm(readout[:, -1])  # (b, d)
             t = r + 1
+            read_logits = None
             if t == R:
-                new = torch.ones(normed.shape[0], dtype=torch.bool, device=normed.device)
+                new_host = [True] * len(live["host"])
             else:
                 if reads == "exit_probs":
                     lam = model.exit_gate(normed)
@@ -317,31 +339,40 @@ class SkipDecoding:
                     hist.append(_put(hist, lam * s_rows, idx, B))
                     survival = (s_rows * (1 - lam)) if idx is None else survival.index_copy(0, idx, s_rows * (1 - lam))
                 else:
-                    hist.append(_put(hist, normed if reads == "hidden" else model.head(normed), idx, B))
-                new = None
-                if t >= pol.min_loops:
-                    full = torch.stack(hist, -1 if reads == "exit_probs" else 0)
-                    if idx is not None:
-                        full = full[idx] if reads == "exit_probs" else full[:, idx]
-                    new = rule_cls.stops(t, q, full)
-            if new is None or not bool(new.any()):
+                    read_logits = None if reads == "hidden" else model.head(normed)
+                    hist.append(_put(hist, normed if reads == "hidden" else read_logits, idx, B))
+                if t < pol.min_loops:
+                    return
+                full = torch.stack(hist, -1 if reads == "exit_probs" else 0)
+                if idx is not None:
+                    full = full[idx] if reads == "exit_probs" else full[:, idx]
+                new = rule_cls.stops(t, q, full)
+                new_host = new.tolist()  # the loop's one transfer: which rows stop here
+            n_new = sum(new_host)
+            if n_new == 0:
                 return
             if t == R and idx is None:  # every row ran every loop
                 logits = model.head(normed)
                 exit_loop.fill_(r)
                 return
-            at = new.nonzero().squeeze(1)  # indices into this loop's rows
-            glob = at if idx is None else idx[at]
-            if reads == "logits" and t < R:
-                step_logits = hist[-1][glob]  # the rule already read this loop's logits
+            b = len(new_host)
+            if t == R:  # every row still running stops at the last loop
+                order = torch.arange(b, device=device)
             else:
-                step_logits = model.head(normed[at])
+                order = torch.argsort((~new).to(torch.int8), stable=True)  # the stopping rows first, in their order
+            at, keep = order[:n_new], order[n_new:]
+            glob = at if idx is None else idx[at]
+            step_logits = read_logits[at] if read_logits is not None else model.head(normed[at])
             if logits is None:
                 logits = step_logits.new_zeros(B, step_logits.shape[-1])
             logits[glob] = step_logits
             exit_loop[glob] = r
-            running = (exit_loop < 0).nonzero().squeeze(1)
-            live["idx"] = running
+            host = live["host"]
+            for i, stop in enumerate(new_host):
+                if stop:
+                    exits_host[host[i]] = r
+            live["host"] = [row for row, stop in zip(host, new_host) if not stop]
+            live["idx"] = (torch.arange(b, device=device) if idx is None else idx)[keep] if b > n_new else keep[:0]
 
         model.run_loops(stream, range(R), cache, rows=rows, after=after)
         return logits, exit_loop + 1

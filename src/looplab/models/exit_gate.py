@@ -40,12 +40,15 @@ class ExitGate(nn.Module, Variant):
         super().__init__()
         self.proj = nn.Linear(d_model, 1, bias=True)
 
+    # λ, the survival S_t and p(t) are float32 in every path (forward, the exit reference, skip decoding, depth-wise
+    # serving): exit depths are a threshold on a running product, and a bf16 product in one path against a float32
+    # one in another picked other depths for a few tokens
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
-        """normed (..., d) → λ (...) in (0, 1)."""
-        return torch.sigmoid(self.proj(normed).squeeze(-1))
+        """normed (..., d) → λ (...) in (0, 1), float32."""
+        return torch.sigmoid(self.logit(normed))
 
     def logit(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.proj(normed).squeeze(-1)
+        return self.proj(normed).squeeze(-1).float()
 
 
 def exit_distribution(lambdas: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ def read_depths(model, readouts: list[torch.Tensor], policy: ExitPolicy | None, 
             raise ValueError("exit_threshold / expected_exit need a model with an exit gate (exit_gate=ouro), "
                              f"or a zero-shot exit_rule ({', '.join(zero_shot_rules())})")
         if policy.expected:
-            out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs, loop_logits)
+            out.logits = torch.einsum("btr,rbtv->btv", out.exit_probs.to(loop_logits.dtype), loop_logits)
             steps = torch.arange(1, R + 1, device=device, dtype=out.exit_probs.dtype)
             out.diagnostics["expected_exit_step"] = [float((out.exit_probs.detach() * steps).sum(-1).mean())]
         else:

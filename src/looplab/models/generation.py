@@ -33,7 +33,8 @@ every draft token, −1 (down to 1) otherwise (the additive schedule of transfor
 
 from __future__ import annotations
 
-import weakref
+import itertools
+import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -46,8 +47,8 @@ from looplab.models.exits import ExitPolicy
 from looplab.models.registry import named_option as _named
 from looplab.models.stream import Stream
 
-__all__ = ["GenerationOutput", "Sampling", "Speculation", "StepOutput", "check_options", "decode_one_token", "generate",
-           "prefill", "speculative_round", "stream"]
+__all__ = ["GenerationOutput", "Sampling", "Speculation", "StepOutput", "check_options", "decode_one_token", "draw",
+           "generate", "prefill", "speculative_round", "stream"]
 
 AUTO_DRAFT = (4, 1, 8)  # draft_tokens="auto": initial γ, smallest, largest
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -95,7 +96,15 @@ class Sampling:
         """(B, V) logits → (B,) tokens."""
         if self.greedy:
             return logits.argmax(-1)
-        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
+        return draw(self.probs(logits), self.generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from (..., V) probabilities: argmax of p / E, E ~ Exponential(1) independently per entry —
+    exactly a draw from p (gpt-fast's multinomial_sample_one_no_sync), with no host sync where torch.multinomial
+    checks its input on the host."""
+    e = torch.empty_like(probs).exponential_(1, generator=generator).clamp_min_(1e-30)
+    return (probs / e).argmax(-1)
 
 
 @dataclass(frozen=True)
@@ -236,7 +245,7 @@ def speculative_round(model, token: torch.Tensor, cache: LoopCache, k: int, gamm
                 tok = lg.argmax(-1, keepdim=True)
             else:
                 q = sampling.probs(lg)
-                tok = torch.multinomial(q, 1, generator=sampling.generator)
+                tok = draw(q, sampling.generator)[:, None]
                 q_probs.append(q)
             drafts.append(tok)
         elif len(model.coda):  # nothing reads this position's draft, but depth k's coda cache must hold it
@@ -271,7 +280,7 @@ def speculative_round(model, token: torch.Tensor, cache: LoopCache, k: int, gamm
         dist = resid.gather(1, at)[:, 0]
         mass = dist.sum(-1, keepdim=True)
         dist = torch.where(mass > 0, dist / mass.clamp_min(1e-30), p.gather(1, at)[:, 0])  # p = q exactly: draw from p
-        extra = torch.multinomial(dist, 1, generator=sampling.generator)  # (b, 1)
+        extra = draw(dist, sampling.generator)[:, None]  # (b, 1)
         out = torch.cat([d, extra], 1).scatter(1, agreed[:, None], extra)
     counts = agreed + 1
     keep = counts if rows is None else torch.zeros_like(cache.lengths).index_copy(0, rows, counts)
@@ -283,7 +292,14 @@ def speculative_round(model, token: torch.Tensor, cache: LoopCache, k: int, gamm
 class CompiledDecoder:
     """Plain decoding steps over a static cache (fixed shapes: whole buffers read under a mask), the step
     compiled by torch.compile; mode "reduce-overhead" captures it in a CUDA graph. Built once per
-    (batch, length bucket, depth, mode, device, dtype) and reused by later calls (`compiled_decoder`)."""
+    (batch, length bucket, depth, mode, device, dtype) and reused by later calls (`compiled_decoder`).
+
+    Each decoder compiles its own copy of the step's code: Dynamo keeps a code object's compiled variants (and counts
+    them against its recompile limit, 8) per code object, so decoders sharing one failed with FailOnRecompileLimitHit
+    at the ninth (batch, length, depth, mode) — and dropping a decoder now drops its variants with its code. The
+    cache's buffers are static addresses (`torch._dynamo.mark_static_address`): the step mutates them in place, and
+    CUDA-graph trees capture a step only when what it mutates stays put; the logits it returns are cloned out of the
+    graph's memory."""
 
     def __init__(self, model, batch_size: int, max_len: int, n_loops: int, mode: str):
         reason = compile_unsupported(model.config)
@@ -291,8 +307,11 @@ class CompiledDecoder:
             raise ValueError(reason)
         self.model, self.R = model, n_loops
         self.cache = model.allocate_cache(batch_size, max_len, n_loops=n_loops, static=True)
+        for t in self.cache.buffers():
+            torch._dynamo.mark_static_address(t)
         options = {"mode": None if mode == "default" else mode} if COMPILE_BACKEND == "inductor" else {}
-        self.step = torch.compile(self._step, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False, **options)
+        step = types.MethodType(_own_code(CompiledDecoder._step), self)
+        self.step = torch.compile(step, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False, **options)
 
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, cache=self.cache, n_loops=self.R).logits[:, -1]
@@ -307,19 +326,26 @@ class CompiledDecoder:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.step(tokens.reshape(-1, 1))
+        return self.step(tokens.reshape(-1, 1)).clone()  # out of the graph's memory, which the next replay reuses
 
 
-_COMPILED: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
+_CODE_IDS = itertools.count()
+
+
+def _own_code(fn):
+    """fn with a code object of its own (the same bytecode under another name)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_CODE_IDS)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def compiled_decoder(model, batch_size: int, max_len: int, n_loops: int, mode: str) -> CompiledDecoder:
     """The model's compiled decoder for what it depends on: batch, length bucket, depth, mode, device, dtype;
-    at most MAX_COMPILED per model, least recently used dropped first."""
+    at most MAX_COMPILED per model, least recently used dropped first. They live on the model (a plain attribute, no
+    state-dict key), so they go when it goes."""
     p = model.head.weight
     length = min(model.config.max_seq_len, -(-max_len // LENGTH_BUCKET) * LENGTH_BUCKET)
     key = (batch_size, length, n_loops, mode, p.device, p.dtype)
-    table = _COMPILED.setdefault(model, OrderedDict())
+    table = model.__dict__.setdefault("_compiled_decoders", OrderedDict())
     if key in table:
         table.move_to_end(key)
     else:
@@ -482,7 +508,7 @@ def _stream_speculative(model, input_ids, attention_mask, max_new_tokens: int, e
                 return
         need = ~finished & (produced < max_new_tokens)  # rows with an empty queue always need more
         rows = None if bool(need.all()) else need.nonzero().squeeze(1)
-        room = max_len - 1 - int(cache.lengths.max())
+        room = max_len - 1 - cache.used_columns()
         gamma = max(0, min(schedule.gamma, room))
         with cache.select_rows(rows):
             tok = last if rows is None else last[rows]
@@ -522,15 +548,23 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    steps = list(stream(model, input_ids, max_new_tokens, attention_mask=attention_mask, eos_token_id=eos_token_id,
-                        sampling=sampling, exits=exits, speculation=speculation, n_loops=n_loops, compile=compile))
+    # only what is returned is kept: each step's (B, V) logits only with return_logits (at a 49k vocabulary, batch 32
+    # and 1,000 tokens they are 6 GB)
+    tokens, logits, exit_steps, last = [], [], [], None
+    for step in stream(model, input_ids, max_new_tokens, attention_mask=attention_mask, eos_token_id=eos_token_id,
+                       sampling=sampling, exits=exits, speculation=speculation, n_loops=n_loops, compile=compile):
+        tokens.append(step.tokens)
+        if return_logits:
+            logits.append(step.logits)
+            if step.exit_steps is not None:
+                exit_steps.append(step.exit_steps)
+        last = step
     B = input_ids.shape[0]
-    new = torch.stack([s.tokens for s in steps], 1) if steps else input_ids.new_zeros(B, 0)
+    new = torch.stack(tokens, 1) if tokens else input_ids.new_zeros(B, 0)
     sequences = torch.cat([input_ids, new.to(input_ids.dtype)], 1)
     if not return_logits:
         return sequences
     V = model.config.vocab_size
-    logits = torch.stack([s.logits for s in steps], 1) if steps else input_ids.new_zeros(B, 0, V, dtype=torch.float)
-    exit_steps = torch.stack([s.exit_steps for s in steps], 1) if steps and steps[0].exit_steps is not None else None
-    speculation_stats = steps[-1].speculation if steps else None
-    return GenerationOutput(sequences, logits, exit_steps, speculation_stats)
+    logits = torch.stack(logits, 1) if logits else input_ids.new_zeros(B, 0, V, dtype=torch.float)
+    return GenerationOutput(sequences, logits, torch.stack(exit_steps, 1) if exit_steps else None,
+                            last.speculation if last is not None else None)

@@ -421,12 +421,12 @@ class Mamba2Mixer(nn.Module):
             _, state = ssd_step(cache.ssm_state[rows], xs.unflatten(-1, (self.nheads, self.headdim)), dt,
                                 -torch.exp(self.A_log.float()), Bm.unflatten(-1, (self.ngroups, self.d_state)),
                                 Cm.unflatten(-1, (self.ngroups, self.d_state)))
-            cache.ssm_state[rows] = state
+            cache.ssm_state[rows] = state.to(cache.ssm_state.dtype)
         if self.d_conv > 1:
             cache.conv_state[rows] = torch.cat([history[..., 1:], xBC[..., None].to(history.dtype)], dim=-1)
         if cache.last_xBC is None:
             cache.last_xBC, cache.last_dt_raw = torch.zeros_like(source.last_xBC), torch.zeros_like(source.last_dt_raw)
-        cache.last_xBC[rows], cache.last_dt_raw[rows] = xBC, source.last_dt_raw[rows]
+        cache.last_xBC[rows], cache.last_dt_raw[rows] = xBC.to(cache.last_xBC.dtype), source.last_dt_raw[rows]
 
     # ------------------------------------------------------------------ cache / cost
     def allocate_cache(self, batch_size: int, max_len: int, device, dtype) -> SSMCache:

@@ -191,8 +191,8 @@ class ParallelKVCache:
             self.k[:, h0:h1, st.start:st.start + T] = k
             self.v[:, h0:h1, st.start:st.start + T] = v
         else:
-            self.k[rows[:, None], h0:h1, st.cols] = k.transpose(1, 2)
-            self.v[rows[:, None], h0:h1, st.cols] = v.transpose(1, 2)
+            self.k[rows[:, None], h0:h1, st.cols] = k.transpose(1, 2).to(self.k.dtype)
+            self.v[rows[:, None], h0:h1, st.cols] = v.transpose(1, 2).to(self.v.dtype)
         return self._read(h0, h1)
 
     def _read(self, h0: int, h1: int):
@@ -238,8 +238,8 @@ class ParallelKVCache:
         out = _sdpa(q, keys, values, mask | own)  # a padding query reads itself: no NaN
         n = min(T, w)
         slots = st.cols[:, T - n:] % w
-        self.ring_k[rows[:, None], h0:h1, slots] = k[:, :, T - n:].transpose(1, 2)
-        self.ring_v[rows[:, None], h0:h1, slots] = v[:, :, T - n:].transpose(1, 2)
+        self.ring_k[rows[:, None], h0:h1, slots] = k[:, :, T - n:].transpose(1, 2).to(self.ring_k.dtype)
+        self.ring_v[rows[:, None], h0:h1, slots] = v[:, :, T - n:].transpose(1, 2).to(self.ring_v.dtype)
         if r == self.R - 1:  # every loop has read the ring's columns before this call: now they move on
             self.ring_cols[rows[:, None], slots] = new_cols[:, T - n:]
         return out
@@ -270,8 +270,8 @@ class ParallelKVCache:
         else:
             col = st.cols[:, 0]  # (b,)
             slot = col % self.w
-            self.ring_k[rows, :, slot] = later_k
-            self.ring_v[rows, :, slot] = later_v
+            self.ring_k[rows, :, slot] = later_k.to(self.ring_k.dtype)
+            self.ring_v[rows, :, slot] = later_v.to(self.ring_v.dtype)
             self.ring_cols[rows, slot] = col
             cols, ring_k, ring_v = self.ring_cols[rows], self.ring_k[rows], self.ring_v[rows]
         # slot s holds the latest token whose column is s mod w, so every slot that holds a real token is inside
@@ -356,7 +356,7 @@ def _keep_carry(model, cache, new: torch.Tensor, rows) -> None:
     if rows is None:
         cache.carry["loop_hidden"].copy_(new)
     else:
-        cache.carry["loop_hidden"][rows] = new
+        cache.carry["loop_hidden"][rows] = new.to(cache.carry["loop_hidden"].dtype)
 
 
 def parallel_forward(model, input_ids, attention_mask=None, cache=None, n_loops=None, *, backprop_loops=None,

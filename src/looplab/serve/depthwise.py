@@ -34,6 +34,7 @@ caches, Mamba-2 layers or a StateLoop state (`unsupported`).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import torch
 
@@ -75,7 +76,8 @@ class _ItemEntries:
     def update(self, k: torch.Tensor, v: torch.Tensor):
         n, Hkv, _, hd = k.shape
         st = self.step
-        keys = k.new_empty(n, Hkv, st.L, hd)
+        first = self.cache[self.groups[0][0], self.key]
+        keys = first.k.new_empty(n, Hkv, st.L, hd)  # the cache's dtype (under autocast k may be bf16, the cache fp32)
         values = torch.empty_like(keys)
         for r, a, b in self.groups:
             entry = self.cache[r, self.key]
@@ -111,14 +113,14 @@ class _ItemSSM:
 
     def write_state(self, state: torch.Tensor, T: int) -> None:
         for e, rows, a, b in self.entries:
-            e.ssm_state[rows] = state[a:b]
+            e.ssm_state[rows] = state[a:b].to(e.ssm_state.dtype)
 
     def write_last(self, xBC: torch.Tensor, dt_raw: torch.Tensor) -> None:
         for e, rows, a, b in self.entries:
             if e.last_xBC is None:
                 B = e.conv_state.shape[0]
                 e.last_xBC, e.last_dt_raw = xBC.new_zeros(B, xBC.shape[-1]), dt_raw.new_zeros(B, dt_raw.shape[-1])
-            e.last_xBC[rows], e.last_dt_raw[rows] = xBC[a:b], dt_raw[a:b]
+            e.last_xBC[rows], e.last_dt_raw[rows] = xBC[a:b].to(e.last_xBC.dtype), dt_raw[a:b].to(e.last_dt_raw.dtype)
 
 
 class _ItemRoutedEntries:
@@ -165,18 +167,23 @@ def _entries(cache, key, groups, step: Step):
     return (_ItemRoutedEntries if isinstance(first, RoutedKVCache) else _ItemEntries)(cache, key, groups, step)
 
 
-def _groups(loops: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:
-    """Sorted loops (n,) → contiguous (loop + offset, start, end) runs."""
-    values, counts = torch.unique_consecutive(loops, return_counts=True)
-    out, a = [], 0
-    for g, c in zip(values.tolist(), counts.tolist()):
-        out.append((g + offset, a, a + c))
-        a += c
+def _groups(loops: list[int], offset: int = 0) -> list[tuple[int, int, int]]:
+    """Sorted loops (a host list) → contiguous (loop + offset, start, end) runs."""
+    out = []
+    for i, g in enumerate(loops):
+        if out and out[-1][0] == g + offset:
+            out[-1] = (out[-1][0], out[-1][1], i + 1)
+        else:
+            out.append((g + offset, i, i + 1))
     return out
 
 
 class DepthwiseDecoder:
-    """The in-flight tokens of a LoopCache's rows and the depth-wise step over them."""
+    """The in-flight tokens of a LoopCache's rows and the depth-wise step over them.
+
+    What decides the schedule lives on the host — each row's next loop and its token's cache column — so a step
+    sends the device one small index tensor (the items, sorted by loop) and reads back one decision (which items
+    leave), whatever the number of rows, loops or cache entries (tests/test_host_syncs.py)."""
 
     def __init__(self, model, cache, n_loops: int, exits=None):
         reason = unsupported(model, exits)
@@ -184,7 +191,8 @@ class DepthwiseDecoder:
             raise ValueError(reason)
         self.model, self.cache, self.R, self.exits = model, cache, n_loops, exits
         B, device = cache.batch_size, cache.lengths.device
-        self.loop = torch.full((B,), -1, dtype=torch.long, device=device)  # the next loop to run; -1: none in flight
+        self.loop = [-1] * B  # each row's next loop to run (host); −1: none in flight
+        self.col_host = [0] * B  # the cache column of each row's in-flight token (host)
         self.col = torch.zeros(B, dtype=torch.long, device=device)
         self.pos = torch.zeros(B, dtype=torch.long, device=device)
         self.survival = torch.ones(B, device=device)
@@ -194,18 +202,20 @@ class DepthwiseDecoder:
         self.route_w = torch.zeros(B, device=device)  # the router's weight of the token's next loop
         self.route_depth = torch.full((B,), n_loops, dtype=torch.long, device=device)  # token choice: its depth
         self.hist: torch.Tensor | None = None  # zero-shot rules: loops 1..t of what the rule reads, (R, B, ·)
-        self.block_calls: list[list[int]] = []  # per block call: its items' loops (1-based), what a test counts
+        self.block_calls: deque[list[int]] = deque(maxlen=4096)  # the last block calls' items' loops (1-based)
         self._entries_of = {r: [(k, e) for k, e in cache.entries.items() if k[0] == r] for r in range(n_loops)}
 
     @property
-    def in_flight(self) -> torch.Tensor:
-        return (self.loop >= 0).nonzero().squeeze(1)
+    def in_flight(self) -> list[int]:
+        return [b for b, r in enumerate(self.loop) if r >= 0]
 
     @torch.no_grad()
-    def start(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Tokens (n,) enter rows (n,): their column is registered, embedding and prelude run; loop 1 comes next."""
+    def start(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """Tokens (n,) enter rows (a host list): their column is registered, embedding and prelude run; loop 1 is
+        next."""
         m, cache = self.model, self.cache
-        with cache.select_rows(rows):
+        rows_t = torch.tensor(rows, device=tokens.device)
+        with cache.select_rows(rows_t, rows):
             positions, valid = m.positions(tokens[:, None], None, cache)
             st = m.start(tokens[:, None], positions, valid, cache)
             cols = cache.step.cols[:, -1]
@@ -214,18 +224,20 @@ class DepthwiseDecoder:
             self.x = st.x.new_zeros(B, 1, st.x.shape[-1])
             self.e = torch.zeros_like(self.x)
             self.s = st.s.new_zeros(B, 1, st.s.shape[-1]) if st.s is not None else None
-        self.x[rows], self.e[rows] = st.x, st.e
+        self.x[rows_t], self.e[rows_t] = st.x.to(self.x.dtype), st.e.to(self.e.dtype)
         if self.s is not None:
-            self.s[rows] = st.s
-        self.col[rows], self.pos[rows] = cols, positions[:, -1]
-        self.loop[rows] = 0
-        self.survival[rows] = 1.0
-        self.probs[rows] = 0.0
+            self.s[rows_t] = st.s.to(self.s.dtype)
+        self.col[rows_t], self.pos[rows_t] = cols, positions[:, -1]
+        for b in rows:
+            self.loop[b] = 0
+            self.col_host[b] = cache.host_lengths[b] - 1
+        self.survival[rows_t] = 1.0
+        self.probs[rows_t] = 0.0
         if self.router is not None:  # loop 1 runs every token (capacity 1 / depth >= 1): its weight, token choice's depth
             w, depth = self._route(0, st.x[:, -1])
-            self.route_w[rows] = w
+            self.route_w[rows_t] = w.to(self.route_w.dtype)
             if depth is not None:
-                self.route_depth[rows] = depth
+                self.route_depth[rows_t] = depth
 
     def _route(self, r: int, x: torch.Tensor):
         """The router at loop r (0-based) for tokens x (n, d) → (weight (n,), token choice's depth (n,) or None;
@@ -240,74 +252,84 @@ class DepthwiseDecoder:
         depth, w = router.choose(router.scores(x)[1])
         return w, depth
 
-    def _step_of(self, items: torch.Tensor) -> Step:
+    def _step_of(self, items: torch.Tensor, items_host: list[int]) -> Step:
         cols = self.col[items]
-        L = int(cols.max()) + 1
+        L = max(self.col_host[b] for b in items_host) + 1
         ar = torch.arange(L, device=cols.device)
         mask = (self.cache.valid[items, :L] & (ar[None] <= cols[:, None]))[:, None, None, :]  # (n, 1, 1, L)
         return Step(self.pos[items][:, None], cols[:, None], items, None, L, mask, 1)
 
     @torch.no_grad()
     def step(self):
-        """One loop of every in-flight token, in one call of each block layer → (rows that left (k,), their
-        logits (k, V), their exit steps (k,), 1-based)."""
+        """One loop of every in-flight token, in one call of each block layer → (rows that left (a host list), their
+        logits (k, V), their exit steps (a host list, 1-based))."""
         m, cache, R = self.model, self.cache, self.R
-        items = self.in_flight
-        r, order = self.loop[items].sort(stable=True)  # items by loop: each loop's items one contiguous slice
-        items = items[order]
-        step = self._step_of(items)
-        groups = _groups(r)
-        self.block_calls.append((r + 1).tolist())
+        items_host = sorted(self.in_flight, key=lambda b: self.loop[b])  # by loop: each loop's items one slice
+        loops = [self.loop[b] for b in items_host]
+        packed = torch.tensor([items_host, loops], device=self.col.device)  # the step's one host-to-device copy
+        items, r = packed[0], packed[1]
+        step = self._step_of(items, items_host)
+        groups = _groups(loops)
+        self.block_calls.append([g + 1 for g in loops])
         positions = step.positions
         x = self.x[items]
-        if m.inject is not None and bool((r > 0).any()):
-            later = (r > 0).nonzero().squeeze(1)
-            x = x.index_copy(0, later, m.inject(x[later], self.e[items][later]))
+        first_later = next((i for i, g in enumerate(loops) if g > 0), len(loops))
+        if m.inject is not None and first_later < len(loops):
+            x = torch.cat([x[:first_later], m.inject(x[first_later:], self.e[items][first_later:])])
         h = x
         for l, layer in enumerate(m.block):
             h = layer(h, positions, None, _entries(cache, l, groups, step))
         if self.router is not None:  # the router's weight multiplies the update (RoutedLoop.loop_step's gate)
-            w = self.route_w[items][:, None, None]
+            w = self.route_w[items][:, None, None].to(x.dtype)  # as routed decoding weighs it, in the stream's dtype
             h = x + w * (h if self.router.cfg.update == "mor" else h - x)
         if m.state is not None:
             s, x, _ = m.state(h, self.s[items], positions, None, None)
-            self.s[items] = s
+            self.s[items] = s.to(self.s.dtype)
         else:
             x = h
-        self.x[items] = x
+        self.x[items] = x.to(self.x.dtype)
         z = x if m.state is not None and m.config.state_in_output else h
         t = r + 1  # loops run, 1-based
+        t_host = [g + 1 for g in loops]
 
-        # which items read a prediction now: every one under exits, the last loop's otherwise
-        read = torch.ones_like(t, dtype=torch.bool) if self.exits is not None else t == R
-        if self.router is not None:  # a routed token stops where the router does not send it on
-            read = read | self._route_stops(items, t, x)
-        sel = read.nonzero().squeeze(1)
-        stop = read if self.router is not None else t == R
-        logits = None
-        if sel.numel():
-            zs, ts = z[sel], t[sel]
-            sub = step.subset(sel)
-            # ts is sorted too (sel keeps the items' order); routed decoding reads every token through depth R's coda
-            sub_groups = _groups(ts, offset=-1) if self.router is None else [(R - 1, 0, int(sel.numel()))]
+        # which items read a prediction now: every one under exits, the last loop's otherwise (a tail: sorted loops)
+        routed = self.router is not None
+        a0 = 0 if self.exits is not None or routed else next((i for i, g in enumerate(t_host) if g == R), len(t_host))
+        stop, stop_host = None, None
+        if routed:  # a routed token stops where the router does not send it on
+            stop = self._route_stops(items, t, x)
+        elif self.exits is None:  # the last loop's items leave: known on the host
+            stop_host = [g == R for g in t_host]
+        read_logits, out_logits = None, None
+        if a0 < len(items_host):
+            zs, ts = z[a0:], t_host[a0:]
+            sub = step.subset(torch.arange(a0, len(items_host), device=items.device))
+            # routed decoding reads every token through depth R's coda
+            sub_groups = _groups(ts, offset=-1) if not routed else [(R - 1, 0, len(ts))]
             for c, layer in enumerate(m.coda):
                 zs = layer(zs, sub.positions, None, _entries(cache, ("coda", c), sub_groups, sub))
             normed = m.final_norm(zs[:, -1])  # (k, d)
-            read_logits = None
             if self.exits is not None:
-                stop = stop.clone()
-                decided, read_logits = self._decide(items[sel], ts, normed)
-                stop[sel] |= decided
-        leave = stop.nonzero().squeeze(1)
-        rows = items[leave]
-        out_logits = None
-        if leave.numel():
-            at = torch.searchsorted(sel, leave)  # leave ⊆ sel: each one's place in sel
-            # the head runs on the leaving items only, unless the rule already read every item's logits
+                decided, read_logits = self._decide(items[a0:], ts, normed)
+                stop = decided | (t[a0:] == R)
+                stop = torch.cat([torch.zeros(a0, dtype=torch.bool, device=stop.device), stop])
+        if stop_host is None:
+            stop_host = stop.tolist()  # the step's one device-to-host transfer: which items leave
+        leave = [i for i, s_ in enumerate(stop_host) if s_]
+        rows_host = [items_host[i] for i in leave]
+        steps_host = [t_host[i] for i in leave]
+        if leave:
+            n = len(leave)
+            if stop is None:  # the tail of the sorted items
+                order = torch.arange(leave[0], leave[0] + n, device=items.device)
+            else:
+                order = torch.argsort((~stop).to(torch.int8), stable=True)[:n]  # the leaving items, in item order
+            at = order - a0  # their places among the read items (every leaving item was read)
             out_logits = read_logits[at] if read_logits is not None else m.head(normed[at])
-            self._fill_deeper(rows, t[leave] - 1)
-        self.loop[items] = torch.where(stop, torch.full_like(t, -1), t)
-        return rows, out_logits, t[leave]
+            self._fill_deeper(items[order], rows_host, [g - 1 for g in steps_host])
+        for b, g, s_ in zip(items_host, t_host, stop_host):
+            self.loop[b] = -1 if s_ else g
+        return rows_host, out_logits, steps_host
 
     def _route_stops(self, items, t, x) -> torch.Tensor:
         """Whether each item's token stops after loop t (1-based): token choice at its depth; expert choice where
@@ -317,34 +339,34 @@ class DepthwiseDecoder:
         if not isinstance(self.router, ExpertChoiceRouter):
             return t >= self.route_depth[items]
         stop = t >= self.R
-        for g, a, b in _groups(t):  # t is sorted: each loop's items one slice
+        for g, a, b in _groups(t.tolist()):  # t is sorted: each loop's items one slice (routed: syncs, not pinned)
             if g >= self.R:
                 continue
             w, depth = self._route(g, x[a:b, -1])
             stop[a:b] = depth == g
-            self.route_w[items[a:b]] = w
+            self.route_w[items[a:b]] = w.to(self.route_w.dtype)
         return stop
 
-    def _decide(self, rows, t, normed):
-        """The exit rule after loop t (1-based) for each item, from loops 1..t, as SkipDecoding decides it → (stop,
-        the logits the rule read, or None when it reads no logits)."""
+    def _decide(self, rows, t: list[int], normed):
+        """The exit rule after loop t (1-based, a host list) for each item, from loops 1..t, as SkipDecoding decides
+        it → (stop (k,) bool, the logits the rule read, or None when it reads no logits)."""
         pol, R = self.exits, self.R
         rule, q = get_rule(pol.rule), pol.threshold
-        not_last = t < R
         read_logits = None
+        n_live = sum(1 for g in t if g < R)  # sorted: the items before the last loop come first
         if rule.reads == "exit_probs":  # p(t) = λ_t S_{t−1}, S_t = S_{t−1}(1 − λ_t); the last loop takes what is left
-            live = not_last.nonzero().squeeze(1)
-            if live.numel():
-                b, lam = rows[live], self.model.exit_gate(normed[live])
-                self.probs[b, t[live] - 1] = lam * self.survival[b]
+            if n_live:
+                b, lam = rows[:n_live], self.model.exit_gate(normed[:n_live])
+                cols = _loop_index(t[:n_live], rows.device)
+                self.probs[b, cols] = lam * self.survival[b]
                 self.survival[b] = self.survival[b] * (1 - lam)
         else:
             value = normed if rule.reads == "hidden" else self.model.head(normed)
             if self.hist is None:
                 self.hist = value.new_zeros(R, self.cache.batch_size, value.shape[-1])
-            self.hist[t - 1, rows] = value
+            self.hist[_loop_index(t, rows.device), rows] = value.to(self.hist.dtype)
             read_logits = value if rule.reads == "logits" else None
-        stop = torch.zeros_like(t, dtype=torch.bool)
+        stop = torch.zeros(len(t), dtype=torch.bool, device=normed.device)
         for g, a, e in _groups(t):  # t is sorted: each loop's items one slice
             if g >= R or g < pol.min_loops:
                 continue
@@ -353,14 +375,26 @@ class DepthwiseDecoder:
             stop[a:e] = rule.stops(g, q, inputs)
         return stop, read_logits
 
-    def _fill_deeper(self, rows: torch.Tensor, exit_loop: torch.Tensor) -> None:
+    def _fill_deeper(self, items: torch.Tensor, rows: list[int], exit_loop: list[int]) -> None:
         """Each leaving token's entries of the loops after its exit loop (0-based), as the skip handling fills them
-        (`exit_compute.fill_exited`, what the frozen-input reference leaves there), before the row's next token."""
-        deeper = exit_loop < self.R - 1
-        if self.exits is None or not bool(deeper.any()):
+        (`exit_compute.fill_exited`, what the frozen-input reference leaves there), before the row's next token.
+        items (k,): the leaving rows on the device, sorted by exit loop (as `rows` and `exit_loop` on the host)."""
+        if self.exits is None:
             return
-        rows, exit_loop = rows[deeper], exit_loop[deeper]
-        with _stepping(self.cache, self.pos[rows][:, None], self.col[rows][:, None], rows):
-            for r in range(int(exit_loop.min()) + 1, self.R):
-                fill_exited(self.model, self.cache, r, (exit_loop < r).nonzero().squeeze(1), exit_loop, self.exits.skip,
-                            self._entries_of[r])
+        deeper = [i for i, e in enumerate(exit_loop) if e < self.R - 1]
+        if not deeper:
+            return
+        a, b = deeper[0], deeper[-1] + 1  # sorted by exit loop: the ones below R − 1 are one slice
+        items, exit_loop = items[a:b], exit_loop[a:b]
+        runs = _groups(exit_loop)
+        with _stepping(self.cache, self.pos[items][:, None], self.col[items][:, None], items):
+            for r in range(exit_loop[0] + 1, self.R):
+                groups = [(e, torch.arange(s, t, device=items.device)) for e, s, t in runs if e < r]
+                fill_exited(self.model, self.cache, r, groups, self.exits.skip, self._entries_of[r])
+
+
+def _loop_index(t: list[int], device) -> torch.Tensor:
+    """t − 1 for a host list of 1-based loops, as a device index, built from device arithmetic on cached aranges (no
+    host-to-device copy): the list is sorted, so it is a concatenation of constant runs."""
+    parts = [torch.full((e - a,), g - 1, dtype=torch.long, device=device) for g, a, e in _groups(t)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -95,10 +95,15 @@ class Engine:
         self.cache = model.allocate_cache(max_batch, self.max_len, n_loops=self.R)
         self.max_batch, self.schedule = max_batch, schedule
         self.depthwise = DepthwiseDecoder(model, self.cache, self.R, exits) if schedule == "depthwise" else None
-        self._to_start: dict[int, int] = {}  # depthwise: row → the token it feeds next (started in the next step)
+        self._to_start: set[int] = set()  # depthwise: the rows whose next token starts in the next step
+        # each row's last chosen token, on the device: a step feeds it without copying host data there
+        self._last = torch.zeros(max_batch, dtype=torch.long, device=self.cache.lengths.device)
+        self._rows_t: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)  # the running rows' index tensor, kept
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: list[Request] = []
         self.finished: list[Request] = []
+        self.failed: list[Request] = []  # failed alone (each with its error); also in finished
+        self._failed_now: list[Request] = []  # failed in the current step (step() returns them with the finished)
         self._next_id = 0
         self._clock, self._t0 = clock, clock()
         self.stats = {"steps": 0, "decode_calls": 0, "decode_rows": 0, "prefills": 0, "peak_cache_bytes": 0,
@@ -150,9 +155,14 @@ class Engine:
     # ------------------------------------------------------------------ one scheduling step
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """Admit into free rows, decode one token for every running row; → the requests that finished."""
+        """Admit into free rows, decode one token for every running row; → the requests that finished.
+
+        Host syncs: a step reads the device once for what the host must know — its admissions' first tokens, then
+        its decoded tokens (with margins and exit depths) — and sends it one index tensor when the running rows
+        change, whatever the number of rows, loops or cache entries (tests/test_host_syncs.py)."""
         done: list[Request] = []
         now = self.now()
+        admitted = []
         for row in range(self.max_batch):
             if self.rows[row] is not None:
                 continue
@@ -160,38 +170,43 @@ class Engine:
             if req is None:
                 break
             self.waiting.remove(req)
-            if not self._alone(req, self._admit, req, row):
-                done.append(req)
-            elif req.done:
-                done.append(self._leave(req))
+            drawn = self._alone(req, self._admit, req, row)
+            if drawn is not None:
+                admitted.append((req, *drawn))
+        done += self._take(admitted)
         if self.depthwise is not None:
-            t0 = self._clock()
             done += self._depthwise_step()
-            self.stats["decode_s"] += self._clock() - t0
-            self.stats["steps"] += 1
-            self.stats["peak_cache_bytes"] = max(self.stats["peak_cache_bytes"], self.cache.nbytes())
-            return done
-        live = [row for row, r in enumerate(self.rows) if r is not None]
-        if live:
-            rows = torch.tensor(live, device=self.cache.lengths.device)
-            last = torch.tensor([self.rows[b].tokens[-1] for b in live], device=rows.device)
-            t0 = self._clock()
-            with self.cache.select_rows(rows):
-                logits, steps = decode_one_token(self.model, last, self.cache, exits=self.read, n_loops=self.R,
-                                                 skip=self.skip)
-            self.stats["decode_s"] += self._clock() - t0
-            self.stats["decode_calls"] += 1
-            self.stats["decode_rows"] += len(live)
-            t = self.now()
-            for i, b in enumerate(live):
-                req = self.rows[b]
-                if not self._alone(req, self._record, req, logits[i], None if steps is None else steps[i], t):
-                    done.append(req)
-                elif req.done:
-                    done.append(self._leave(req))
+        else:
+            live = [row for row, r in enumerate(self.rows) if r is not None]
+            if live:
+                t0 = self._clock()
+                rows = self._rows_tensor(live)
+                with self.cache.select_rows(rows, None if rows is None else live):
+                    logits, steps = decode_one_token(self.model, self._last[live] if rows is not None else self._last,
+                                                     self.cache, exits=self.read, n_loops=self.R, skip=self.skip)
+                drawn = []
+                for i, b in enumerate(live):
+                    req = self.rows[b]
+                    d = self._alone(req, self._draw, req, logits[i], None if steps is None else steps[i])
+                    if d is not None:
+                        drawn.append((req, *d))
+                done += self._take(drawn, t0=t0)
+                self.stats["decode_calls"] += 1
+                self.stats["decode_rows"] += len(live)
         self.stats["steps"] += 1
         self.stats["peak_cache_bytes"] = max(self.stats["peak_cache_bytes"], self.cache.nbytes())
-        return done
+        failed, self._failed_now = self._failed_now, []
+        return failed + done
+
+    def _rows_tensor(self, live: list[int]) -> torch.Tensor | None:
+        """The running rows as an index tensor (None when every row runs, in order: the cache then writes and reads
+        whole buffers, with no gathering copy of every row's key/value prefix); rebuilt only when they change."""
+        if len(live) == self.max_batch:
+            return None
+        key = tuple(live)
+        if self._rows_t[0] != key:
+            self._rows_t = (key, torch.tensor(live, device=self._last.device))
+        return self._rows_t[1]
 
     def run(self, max_steps: int | None = None) -> list[Request]:
         """Step until every request has finished (sleeping until the next arrival when nothing runs); → the
@@ -208,76 +223,102 @@ class Engine:
 
     def _depthwise_step(self) -> list[Request]:
         """Start the rows whose next token is known, then one loop of every in-flight token in one block call."""
-        dec, done = self.depthwise, []
-        device = self.cache.lengths.device
+        dec = self.depthwise
+        t0 = self._clock()
         for row, req in enumerate(self.rows):  # admitted in this step: their first token comes from the prefill
-            if req is not None and row not in self._to_start and int(dec.loop[row]) < 0:
-                self._to_start[row] = req.tokens[-1]
+            if req is not None and dec.loop[row] < 0:
+                self._to_start.add(row)
         if self._to_start:
-            rows = torch.tensor(sorted(self._to_start), device=device)
-            dec.start(rows, torch.tensor([self._to_start[int(b)] for b in rows], device=device))
+            rows = sorted(self._to_start)
+            dec.start(rows, self._last[rows])
             self._to_start.clear()
-        if not bool((dec.loop >= 0).any()):
-            return done
+        if not dec.in_flight:
+            return []
         rows, logits, steps = dec.step()
         self.stats["decode_calls"] += 1
         self.stats["decode_rows"] += len(dec.block_calls[-1])
-        t = self.now()
-        for i, b in enumerate(rows.tolist()):
+        drawn = []
+        for i, b in enumerate(rows):
             req = self.rows[b]
-            if not self._alone(req, self._record, req, logits[i], steps[i] if self.exits is not None else None, t):
-                done.append(req)
-            elif req.done:
-                done.append(self._leave(req))
-            else:
-                self._to_start[b] = req.tokens[-1]
-        return done
+            d = self._alone(req, self._draw, req, logits[i], steps[i] if self.exits is not None else None)
+            if d is not None:
+                drawn.append((req, *d))
+        taken = self._take(drawn, t0=t0)
+        self._to_start.update(req.row for req, *_ in drawn if not req.done)
+        return taken
 
     # ------------------------------------------------------------------ rows
-    def _admit(self, req: Request, row: int) -> None:
-        rows = torch.tensor([row], device=self.cache.lengths.device)
+    def _admit(self, req: Request, row: int):
+        """Prefill the request into its row → what its first token is drawn from (`_draw`)."""
         t0 = self._clock()
-        self.cache.reset_rows(rows)
-        with self.cache.select_rows(rows):
+        rows = torch.tensor([row], device=self.cache.lengths.device)
+        self.cache.reset_rows(rows, [row])
+        with self.cache.select_rows(rows, [row]):
             logits, steps = prefill(self.model, req.prompt[None], None, self.cache, self.R, self.exits)
         self.stats["prefills"] += 1
         self.stats["prefill_s"] += self._clock() - t0
         req.row, req.admitted_at = row, self.now()
         self.rows[row] = req
-        self._record(req, logits[0], None if steps is None else steps[0], self.now())
+        return self._draw(req, logits[0], None if steps is None else steps[0])
 
-    def _record(self, req: Request, logits: torch.Tensor, step, t: float) -> None:
+    def _draw(self, req: Request, logits: torch.Tensor, step):
+        """The request's token from its logits (V,) on the device — greedy, or from its own generator — and the top-2
+        margin; nothing is read on the host here (`_take` reads every row's at once)."""
+        token = logits.argmax() if req.sampling is None else req.sampling.sample(logits[None])[0]
         top = logits.float().topk(2).values if logits.numel() > 1 else logits.float().expand(2)
-        token = int(logits.argmax()) if req.sampling is None else int(req.sampling.sample(logits[None])[0])
-        req.tokens.append(token)
-        req.margins.append(float(top[0] - top[1]))
-        req.token_times.append(t)
-        if step is not None:
-            req.exit_steps.append(int(step))
-        if self.eos is not None and token == self.eos:
-            req.hit_eos = True
+        self._last[req.row] = token
+        return token, top[0] - top[1], step  # step: a device scalar (lockstep), a host int (depth-wise) or None
+
+    def _take(self, drawn: list, t0: float | None = None) -> list[Request]:
+        """Record the drawn tokens of many requests after ONE transfer of their (token, margin, exit step); → the ones
+        that finished. t0: the clock when their decoding call started (its time counts up to this transfer, which
+        waits for the device)."""
+        if not drawn:
+            return []
+        on_device = [isinstance(st, torch.Tensor) for *_, st in drawn]
+        zero = drawn[0][1].new_zeros((), dtype=torch.float64)
+        values = torch.stack([torch.stack([tok.double(), m.double(), st.double() if dev else zero])
+                              for (_, tok, m, st), dev in zip(drawn, on_device)]).tolist()
+        t = self.now()
+        if t0 is not None:
+            self.stats["decode_s"] += self._clock() - t0
+        done = []
+        for (req, _, _, host_step), (token, margin, step), dev in zip(drawn, values, on_device):
+            step = step if dev else host_step
+            token = int(token)
+            req.tokens.append(token)
+            req.margins.append(margin)
+            req.token_times.append(t)
+            if self.exits is not None:
+                req.exit_steps.append(int(step))
+            if self.eos is not None and token == self.eos:
+                req.hit_eos = True
+            if req.done:
+                done.append(self._leave(req))
+        return done
 
     def _leave(self, req: Request) -> Request:
         self.rows[req.row] = None
         self.finished.append(req)
         return req
 
-    def _alone(self, req: Request, fn, *args) -> bool:
+    def _alone(self, req: Request, fn, *args):
         """fn(*args) for one request's own work (its prefill, its sampling); if it raises, that request fails alone:
         it leaves with its error and the tokens it had, its row is freed (the next admission resets it), and the
-        other requests go on as if it had never come. → whether fn succeeded."""
+        other requests go on as if it had never come. → fn's result, or None when it failed."""
         try:
-            fn(*args)
-            return True
+            return fn(*args)
         except Exception as e:  # noqa: BLE001 (any failure of one request's own work is that request's)
             req.error = f"{type(e).__name__}: {e}"
             if req.row is not None and self.rows[req.row] is req:
                 self.rows[req.row] = None
-                self._to_start.pop(req.row, None)
+                self._to_start.discard(req.row)
                 if self.depthwise is not None:
                     self.depthwise.loop[req.row] = -1  # nothing of it stays in flight
+            self.failed.append(req)
             self.finished.append(req)
-            return False
+            self._failed_now.append(req)
+            return None
 
 
 def _generator(seed: int, device) -> torch.Generator:
@@ -285,10 +326,11 @@ def _generator(seed: int, device) -> torch.Generator:
 
 
 def solo_agreement(model, requests: Sequence[Request], *, exits: ExitPolicy | None = None, n_loops: int | None = None,
-                   eos_token_id: int | None = None) -> dict:
+                   eos_token_id: int | None = None, tie_margin: float = TIE_MARGIN) -> dict:
     """Each request against `generate(prompt, max_new_tokens, exits=exits)` alone (batch 1; a sampled request with its
     sampling and a generator seeded as the engine seeded its own): equal, a tie (a greedy request whose first
-    differing token's solo top-2 margin < TIE_MARGIN), or different. Exit depths must agree up to that token."""
+    differing token's solo top-2 margin < tie_margin: fp32's default; bf16 rounds logits by far more), or different.
+    Exit depths must agree up to that token."""
     from looplab.models.generation import generate
 
     equal, ties, differ = 0, 0, []
@@ -307,7 +349,7 @@ def solo_agreement(model, requests: Sequence[Request], *, exits: ExitPolicy | No
             continue
         if first is not None and steps_agree and req.sampling is None:
             top = out.logits[0, first].float().topk(2).values
-            if float(top[0] - top[1]) < TIE_MARGIN:
+            if float(top[0] - top[1]) < tie_margin:
                 ties += 1
                 continue
         differ.append({"id": req.id, "first_difference": first, "engine": req.tokens, "solo": solo,
