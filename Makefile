@@ -16,6 +16,7 @@ TABLES := 1 2 3 4 5 6 7 8 9 10 11 12 13 14
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 	@echo "  tableN / tableN-report: run / only aggregate paper table N (1-14); SCALE=tiny (default, CPU) or SCALE=paper; JOBS=N: tiny sweeps run N jobs at once (default: the cores, at most 4)"
+	@echo "  tableN SEEDS=auto [MAX_SEEDS=K BUDGET_MIN=M]: seeds added in rounds until every finding is decided (sequential intervals)"
 
 # torch first, from the pinned CPU wheel; then everything else under a constraint that keeps it
 $(STAMP): pyproject.toml constraints.txt
@@ -45,8 +46,13 @@ bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/resul
 
 # Explicit rules: GNU make never searches pattern rules (table%:) for .PHONY targets, so
 # `make table3` used to print "Nothing to be done" and run nothing.
+# SEEDS=auto: seeds in rounds until every finding is decided (docs/tables.md#sequential-seeds), at most MAX_SEEDS
+# seeds and BUDGET_MIN minutes; SEEDS=1,2,3: those seeds, today's fixed-n intervals
+SEEDS ?=
+MAX_SEEDS ?=
+BUDGET_MIN ?=
 $(addprefix table,$(TABLES)): table%: $(STAMP)
-	$(PY) -m looplab.tables run $* --scale $(SCALE)$(if $(JOBS), --jobs $(JOBS))
+	$(PY) -m looplab.tables run $* --scale $(SCALE)$(if $(JOBS), --jobs $(JOBS))$(if $(SEEDS), --seeds $(SEEDS))$(if $(MAX_SEEDS), --max-seeds $(MAX_SEEDS))$(if $(BUDGET_MIN), --budget-min $(BUDGET_MIN))
 
 $(addsuffix -report,$(addprefix table,$(TABLES))): table%-report: $(STAMP)
 	$(PY) -m looplab.tables report $* --scale $(SCALE)

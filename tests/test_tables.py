@@ -589,7 +589,7 @@ def test_decode_json_without_repeats_gives_no_interval(tmp_path):
 
 def test_every_table_has_findings_and_the_summary_gathers_them(tmp_path):
     for n, t in spec.TABLES.items():
-        # tables 10, 11 and 14 ask looplab's own questions (issues 16, 27 and 36: a speed target, measured)
+        # tables 10, 11 and 14 ask looplab's own questions (a speed target each, measured)
         assert t.findings or t.kind in ("exitgrid", "speculation", "serving"), n
         for f in t.findings:
             assert f.sign in (-1, 1) and f.claim and f.metric in (
@@ -683,6 +683,13 @@ def test_make_n_table3_prints_the_runner_command():
     proc = subprocess.run(["make", "-n", "table3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "-m looplab.tables run 3 --scale tiny" in proc.stdout
+
+
+def test_make_table_seeds_auto_passes_the_sequential_options():
+    proc = subprocess.run(["make", "-n", "table3", "SEEDS=auto", "MAX_SEEDS=20", "BUDGET_MIN=90"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "-m looplab.tables run 3 --scale tiny --seeds auto --max-seeds 20 --budget-min 90" in proc.stdout
 
 
 def test_make_table4_report_writes_fresh_files(tmp_path):
@@ -874,7 +881,7 @@ def test_retrofit_overrides_are_what_convert_gives_for_the_converted_folder():
 
 
 def test_table12_plans_every_arm_per_seed_then_decoding_and_judges_mor_claims(tmp_path):
-    """Table 12 (issue 28): each seed's command trains its arms in folders of their own; decoding is measured after
+    """Table 12: each seed's command trains its arms in folders of their own; decoding is measured after
     training; the rows and findings read results.json (quality, causal quality, depth, FLOPs, tokens/s) and
     routing.json (decoding tokens/s, KV bytes), pairing arms by seed."""
     cmds = runner.plan(12, "tiny", tmp_path, dry_run=True, jobs=2)

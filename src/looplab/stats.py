@@ -8,6 +8,8 @@ each other for statistics.
   - `sign`     — the paper reports the sign of A − B: reproduced when the interval excludes 0 on
                  the paper's side, contradicted on the other, inconclusive when it straddles 0;
                  `size` (the paper's value), when given, is reported as inside / outside the interval.
+                 With a smallest effect of interest δ (`delta`, the sequential rule only) an interval
+                 that straddles 0 but lies inside (−δ, +δ) is **negligible** (equivalence, TOST).
   - `at_most`  — "A adds at most X": reproduced when hi ≤ X, contradicted when lo > X.
   - `near`     — "A − B is about X" within a stated tolerance δ (an equivalence claim):
                  reproduced when the interval lies inside [X − δ, X + δ], contradicted when it lies
@@ -15,17 +17,24 @@ each other for statistics.
   - `not tested` — an arm missed the finding's precondition; no comparison is made.
 * Each decisive rule has a p-value that agrees with it (p < 0.05 exactly when the plain rule decides),
   and the Holm step-down over a family of verdicts gives the adjusted verdict beside the plain one.
+* Sequential seeds (`SequentialDesign`): repeated confidence intervals that stay valid when seeds are
+  added until a claim is decided — Pocock's constant nominal level α′, set by simulation so that the
+  chance that any look n = 3..K misses the true mean is α (normal paired differences; the t-statistic
+  is pivotal there, so the calibration holds for every mean and variance).
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import statistics
 from dataclasses import dataclass
 
 LEVEL = 0.95  # every interval in the tables
 ALPHA = 1 - LEVEL
-VERDICTS = ("reproduced", "contradicted", "inconclusive", "not tested")
+VERDICTS = ("reproduced", "contradicted", "negligible", "inconclusive", "not tested")
+DECISIVE = ("reproduced", "contradicted", "negligible")  # the verdicts that decide a claim
 KINDS = ("sign", "at_most", "near")
 
 # Two-sided 95% quantiles of Student's t (df 1..30, then 40, 60, 120) for machines without scipy;
@@ -158,12 +167,14 @@ class Rule:
     """How a finding's interval is judged (see the module docstring).
 
     sign: the sign of A − B the paper reports (+1 / −1); size: the paper's value X of A − B (sign: only
-    reported, at_most: the bound, near: the centre); tolerance: δ of a `near` claim."""
+    reported, at_most: the bound, near: the centre); tolerance: δ of a `near` claim; delta: a sign claim's
+    smallest effect of interest δ — an interval inside (−δ, +δ) that does not exclude 0 is negligible."""
 
     kind: str = "sign"
     sign: int = 1
     size: float | None = None
     tolerance: float | None = None
+    delta: float | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -174,6 +185,8 @@ class Rule:
             raise ValueError(f"a {self.kind} rule needs the paper's size")
         if self.kind == "near" and not (self.tolerance and self.tolerance > 0):
             raise ValueError(f"a near rule needs a positive tolerance, got {self.tolerance!r}")
+        if self.delta is not None and (self.kind != "sign" or not self.delta > 0):
+            raise ValueError(f"delta={self.delta!r}: a smallest effect of interest belongs to a sign rule and is > 0")
 
 
 def judge(rule: Rule, lo: float | None, hi: float | None) -> str:
@@ -183,6 +196,8 @@ def judge(rule: Rule, lo: float | None, hi: float | None) -> str:
     if rule.kind == "sign":
         if lo > 0 or hi < 0:
             return "reproduced" if (1 if lo > 0 else -1) == rule.sign else "contradicted"
+        if rule.delta is not None and -rule.delta < lo and hi < rule.delta:
+            return "negligible"
         return "inconclusive"
     if rule.kind == "at_most":
         if hi <= rule.size:
@@ -194,28 +209,37 @@ def judge(rule: Rule, lo: float | None, hi: float | None) -> str:
     return "contradicted" if hi < band_lo or lo > band_hi else "inconclusive"
 
 
-def decisive_p(rule: Rule, mean: float | None, half: float | None, df: int | None) -> float | None:
+def decisive_p(rule: Rule, mean: float | None, half: float | None, df: int | None,
+               quantile: float | None = None) -> float | None:
     """The p-value of the test the rule's verdict rests on, scaled so that p < 1 − LEVEL exactly when the
-    plain rule decides (reproduced or contradicted): two-sided against 0 (sign), against X (at_most), the
-    larger of the two one-sided tests of the band (near, reproduced side) or the one-sided test against
-    the nearer edge (near, contradicted side). The standard error is the one the interval used
-    (se = half / t_quantile(df)), so intervals widened by the examples' sampling noise keep agreeing."""
+    plain rule decides (reproduced, contradicted or negligible): two-sided against 0 (sign), against X
+    (at_most), the larger of the two one-sided tests of the band (near, reproduced side; a sign rule's
+    (−δ, +δ) when it says negligible) or the one-sided test against the nearer edge (near, contradicted
+    side). The standard error is the one the interval used (se = half / quantile, by default
+    t_quantile(df)), so intervals widened by the examples' sampling noise keep agreeing; a sequential
+    interval passes its own critical value and gets the nominal p its design compares with α′."""
     if mean is None or half is None or not df:
         return None
-    se = half / t_quantile(df)
+    se = half / (quantile if quantile is not None else t_quantile(df))
     if se == 0:
         return 0.0
 
     def two_sided(x: float) -> float:
         return min(1.0, 2 * t_sf(abs(mean - x) / se, df))
 
+    def equivalence(lo: float, hi: float) -> float:  # TOST: both one-sided tests, each at 1 − LEVEL / 2
+        return min(1.0, 2 * max(t_sf((mean - lo) / se, df), t_sf((hi - mean) / se, df)))
+
     if rule.kind == "sign":
-        return two_sided(0.0)
+        p = two_sided(0.0)
+        if rule.delta is None or judge(rule, mean - half, mean + half) in ("reproduced", "contradicted"):
+            return p
+        return min(p, equivalence(-rule.delta, rule.delta))
     if rule.kind == "at_most":
         return two_sided(rule.size)
     band_lo, band_hi = rule.size - rule.tolerance, rule.size + rule.tolerance
     if band_lo <= mean <= band_hi:  # equivalence: both one-sided tests must reject (TOST), each at 1 − LEVEL / 2
-        return min(1.0, 2 * max(t_sf((mean - band_lo) / se, df), t_sf((band_hi - mean) / se, df)))
+        return equivalence(band_lo, band_hi)
     return two_sided(band_lo if mean < band_lo else band_hi)
 
 
@@ -231,9 +255,147 @@ def holm(pvalues: list[float | None]) -> list[float | None]:
 
 def adjusted_verdict(plain: str, p_adjusted: float | None, alpha: float = ALPHA) -> str:
     """The plain verdict kept when its adjusted p-value still decides, else inconclusive."""
-    if plain in ("reproduced", "contradicted"):
+    if plain in DECISIVE:
         return plain if p_adjusted is not None and p_adjusted < alpha else "inconclusive"
     return plain
+
+
+# ----------------------------------------------------------------------------- sequential seeds
+SEQUENTIAL_FIRST_LOOK = 3  # the first look that judges: 3 paired seeds, as the fixed-seed tables
+SEQUENTIAL_SIMULATIONS = 200_000  # paths of the calibration (Monte-Carlo error of the error rate ≈ ±0.0005 at α = 0.05)
+SEQUENTIAL_SEED = 49  # the calibration's random stream (numpy's legacy RandomState: the same numbers in every version)
+
+
+@functools.lru_cache(maxsize=8)
+def _min_p_sample(cap: int, first_look: int, simulations: int, seed: int):
+    """Sorted smallest two-sided t-test p-value over the looks n = first_look..cap of `simulations` null paths of
+    i.i.d. standard normal differences (the t-statistic is pivotal: the same for every mean and variance)."""
+    try:
+        import numpy as np
+        from scipy import special
+    except ImportError as e:  # pragma: no cover - numpy comes with torch, scipy with the eval extra
+        raise ImportError("sequential seeds need numpy and scipy (pip install 'looplab[eval]')") from e
+    z = np.random.RandomState(seed).standard_normal((simulations, cap))
+    s1, s2 = np.cumsum(z, axis=1), np.cumsum(z * z, axis=1)
+    low = np.ones(simulations)
+    for n in range(first_look, cap + 1):
+        m = s1[:, n - 1] / n
+        var = np.maximum((s2[:, n - 1] - n * m * m) / (n - 1), 1e-300)
+        low = np.minimum(low, 2 * special.stdtr(n - 1, -np.abs(m) * np.sqrt(n / var)))
+    low.sort()
+    return low
+
+
+@dataclass(frozen=True)
+class SequentialDesign:
+    """Repeated confidence intervals for seeds added in rounds (a group-sequential design, Pocock's boundary).
+
+    At every look with n paired differences (first_look ≤ n ≤ cap) the interval is the ordinary t-interval at
+    the nominal level 1 − α′: mean ± t_{1−α′/2, n−1}·s/√n. α′ is set by simulation so that, for i.i.d. normal
+    differences, the chance that *any* of the looks n = first_look..cap misses the true mean is α: the
+    intervals hold together, so a verdict read at any look — after any data-dependent choice of when to stop
+    (decided, cap, time budget) — is wrong with probability at most α. Looking at fewer n (rounds of several
+    seeds) only lowers that chance. The cap belongs to the design: a build may stop before it, never go
+    past it (a larger cap needs a new design, calibrated for it, before the first look).
+
+    `repeated_p` maps a look's nominal p-value to the design's error scale (the repeated p-value: the smallest
+    α at which this design would decide at that look), so that p < α exactly when the look's interval
+    decides, and Holm can adjust it with the rest of the table."""
+
+    cap: int
+    alpha: float = ALPHA
+    first_look: int = SEQUENTIAL_FIRST_LOOK
+    simulations: int = SEQUENTIAL_SIMULATIONS
+    seed: int = SEQUENTIAL_SEED
+    method: str = "pocock-rci"
+
+    def __post_init__(self):
+        if self.first_look < 2 or self.cap < self.first_look:
+            raise ValueError(f"a sequential design needs 2 <= first_look <= cap; got first_look={self.first_look}, "
+                             f"cap={self.cap}: raise --max-seeds to at least {max(self.first_look, 2)}")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha={self.alpha!r} must lie in (0, 1)")
+
+    def _sample(self):
+        return _min_p_sample(self.cap, self.first_look, self.simulations, self.seed)
+
+    def nominal_level(self, alpha: float | None = None) -> float:
+        """α′: the per-look two-sided level whose looks n = first_look..cap together miss with probability alpha."""
+        sample, a = self._sample(), self.alpha if alpha is None else alpha
+        k = max(1, min(len(sample), math.ceil(a * len(sample))))  # the smallest k with k / P ≥ a, in floating point too,
+        while k < len(sample) and k / len(sample) < a:  # so that repeated_p(p) < a exactly when p < this level
+            k += 1
+        while k > 1 and (k - 1) / len(sample) >= a:
+            k -= 1
+        return float(sample[k - 1])
+
+    @property
+    def nominal(self) -> float:
+        return self.nominal_level()
+
+    def critical(self, n: int) -> float | None:
+        """t_{1−α′/2, n−1}: the half-width of the look's interval in standard errors (None outside the design)."""
+        if n < self.first_look or n > self.cap:
+            return None
+        return _critical(n - 1, self.nominal)
+
+    def interval(self, values: list[float]) -> tuple[float, float] | None:
+        """The repeated confidence interval of the mean of `values` (None before the first look or past the cap)."""
+        c = self.critical(len(values))
+        if c is None:
+            return None
+        m, s = _mean_sd(values)
+        h = c * s / math.sqrt(len(values))
+        return m - h, m + h
+
+    def repeated_p(self, p_nominal: float | None) -> float | None:
+        """The design's p-value of a look whose nominal p-value is p_nominal: the share of null paths whose smallest
+        nominal p over the looks is ≤ p_nominal. p_nominal < α′ exactly when repeated_p < α."""
+        if p_nominal is None:
+            return None
+        sample = self._sample()
+        return bisect.bisect_right(sample, p_nominal) / len(sample)
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "alpha": self.alpha, "cap": self.cap, "first_look": self.first_look,
+                "simulations": self.simulations, "seed": self.seed, "nominal_alpha": self.nominal}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SequentialDesign":
+        if d.get("method", "pocock-rci") != "pocock-rci":
+            raise ValueError(f"unknown sequential design {d.get('method')!r}")
+        return cls(cap=int(d["cap"]), alpha=float(d.get("alpha", ALPHA)), first_look=int(d.get("first_look", SEQUENTIAL_FIRST_LOOK)),
+                   simulations=int(d.get("simulations", SEQUENTIAL_SIMULATIONS)), seed=int(d.get("seed", SEQUENTIAL_SEED)))
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation in floating point (statistics.stdev is exact and slow; the sequential
+    rule is simulated thousands of times in the tests)."""
+    n = len(values)
+    m = math.fsum(values) / n
+    return m, math.sqrt(math.fsum((x - m) ** 2 for x in values) / (n - 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _critical(df: int, nominal: float) -> float:
+    return t_quantile(df, 1 - nominal)
+
+
+def seeds_to_decide(rule: Rule, values: list[float], design: SequentialDesign, extra_half: float = 0.0,
+                    limit: int = 1000) -> int | None:
+    """A projection for an undecided finding: the smallest number of paired seeds N (> len(values)) at which the
+    interval would decide if the observed mean and standard deviation held, at the design's per-look level α′
+    (a larger design's α′ is smaller, so this is a lower bound); extra_half: the examples' fixed half-width,
+    added in quadrature. None when no N ≤ limit decides (e.g. the examples' noise alone exceeds the margin)."""
+    n = len(values)
+    if n < 2:
+        return None
+    m, s = _mean_sd(values)
+    for N in range(n + 1, limit + 1):
+        h = math.sqrt((_critical(N - 1, design.nominal) * s / math.sqrt(N)) ** 2 + extra_half ** 2)
+        if judge(rule, m - h, m + h) in DECISIVE:
+            return N
+    return None
 
 
 # ----------------------------------------------------------------------------- evaluation sizes

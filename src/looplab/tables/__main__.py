@@ -4,8 +4,12 @@
         [--hardware fsdp|slurm|...] [--out-root outputs/tables] [--table-dir experiments/tables]
       every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report;
       seeds default to 1,2,3 at tiny scale (table 2: 1..5; the experiment's own seed at paper scale)
+  run N --seeds auto [--max-seeds 20] [--budget-min M] [--round-seeds 2]
+      sequential seeds: the default seeds, then rounds of more until every finding is decided (intervals valid
+      under that stopping), the cap or the budget; resumes from outputs/tables/tableN/<scale>/sequential.json
   report N [--scale ...] [--seeds 1,2,3]   only aggregate the existing results.json files into
       experiments/tables/tableN.{md,csv,png,findings.json} and regenerate the verdict summary README.md
+      (a sequential build's table when its sequential.json is there and --seeds is not given)
   summary [--table-dir ...] [--rebuild [--scale ...]]   regenerate experiments/tables/README.md (all tables'
       verdicts) from the tableN.findings.json files; --rebuild first re-aggregates all eight tables
   list                        the tables and their experiments at both scales
@@ -24,6 +28,8 @@ from looplab.tables import report, runner, spec
 
 
 def _seeds(s: str | None) -> list[int] | None:
+    if s == "auto":
+        raise SystemExit("--seeds auto: only `run` builds sequentially (`report` reads its sequential.json by itself)")
     return [int(x) for x in s.split(",")] if s else None
 
 
@@ -46,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
     r.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides appended to every command")
     r.add_argument("--seeds", default=None, help="comma-separated seeds (default: 1,2,3 at tiny scale (table 2: 1..5), the experiment's "
-                   "seed at paper scale); rows show mean ± 95%% t-interval over them")
+                   "seed at paper scale); rows show mean ± 95%% t-interval over them; `auto`: sequential seeds (rounds until "
+                   "every finding is decided, docs/tables.md#sequential-seeds)")
+    r.add_argument("--max-seeds", type=int, default=None, help="--seeds auto: the seed cap, fixed in the design at the "
+                   "first round (default 20)")
+    r.add_argument("--budget-min", type=float, default=None, help="--seeds auto: wall-clock minutes of training; no round "
+                   "starts that the last rounds' pace says would pass it")
+    r.add_argument("--round-seeds", type=int, default=None, help="--seeds auto: seeds per round after the first (default 2)")
     r.add_argument("--logger", default=None, help="csv (tiny default), wandb (paper default) or none")
     r.add_argument("--hardware", default=None, help="e.g. slurm on a cluster (default: the experiment's own)")
     r.add_argument("--jobs", type=int, default=None, help="tiny scale: jobs of a sweep run at once (hydra-joblib-launcher), "
@@ -89,7 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     zs.add_argument("--overwrite", action="store_true")
 
     a = p.parse_args(argv)
+    if a.cmd == "run" and a.seeds == "auto":
+        from looplab.tables import sequential
+
+        state = sequential.run(a.number, a.scale, a.out_root, max_seeds=a.max_seeds, budget_min=a.budget_min,
+                               round_seeds=a.round_seeds, logger=a.logger, extra=a.extra, hardware=a.hardware, jobs=a.jobs,
+                               zeroshot=a.zeroshot, table_dir=a.table_dir, dry_run=a.dry_run)
+        return 0 if a.dry_run or not any(r.failed_commands for r in state.rounds) else 1
     if a.cmd == "run":
+        if a.max_seeds is not None or a.budget_min is not None or a.round_seeds is not None:
+            raise SystemExit("--max-seeds, --budget-min and --round-seeds go with --seeds auto")
         records = runner.run(a.number, a.scale, a.out_root, logger=a.logger, extra=a.extra, seeds=_seeds(a.seeds),
                              hardware=a.hardware, decode_json=a.decode_json, dry_run=a.dry_run, zeroshot=a.zeroshot,
                              table_dir=a.table_dir, jobs=a.jobs)
@@ -137,4 +158,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from looplab.cli_errors import run_cli
+
+    sys.exit(run_cli(main, "python -m looplab.tables"))  # bad input: one line on stderr, exit 1 (looplab/cli_errors.py)

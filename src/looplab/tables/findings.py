@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from looplab.stats import Rule, adjusted_verdict, decisive_p, holm, judge, t_interval, z_quantile
+from looplab.stats import Rule, SequentialDesign, adjusted_verdict, decisive_p, holm, judge, t_interval, z_quantile
 from looplab.tables.load import Unit, base_experiment, facet_is, sweep_protocol
 from looplab.tables.spec import Finding, TableSpec
 
@@ -27,7 +27,12 @@ class Verdict:
 
     not_tested: why an arm missed the finding's precondition (then no comparison is judged);
     p / p_holm / family: the p-value the plain verdict rests on (looplab.stats.decisive_p), its Holm
-    adjustment over the table's family of verdicts, and that family's size."""
+    adjustment over the table's family of verdicts, and that family's size.
+    design: set for a sequential build (tables/sequential.py): the interval is the design's repeated confidence
+    interval, the rule adds the negligible verdict (the finding's δ) and p is the design's repeated p-value;
+    h_ex: the examples' half-width added in quadrature; look / status / stop / more_seeds: the round whose
+    look gave this line, whether it decided, why its seeds stopped there, and (undecided) how many seeds its
+    observed mean and sd say would decide it."""
 
     finding: Finding
     stratum: str
@@ -42,14 +47,24 @@ class Verdict:
     p: float | None = None
     p_holm: float | None = None
     family: int | None = None
+    design: SequentialDesign | None = None
+    h_ex: float = 0.0
+    look: int | None = None
+    status: str = ""
+    stop: str = ""
+    more_seeds: int | None = None
 
     @property
     def mean(self) -> float | None:
         return statistics.fmean(self.diffs) if self.diffs else None
 
     @property
+    def rule(self) -> Rule:
+        return self.finding.rule if self.design is None else self.finding.sequential_rule
+
+    @property
     def verdict(self) -> str:
-        return "not tested" if self.not_tested else judge(self.finding.rule, self.lo, self.hi)
+        return "not tested" if self.not_tested else judge(self.rule, self.lo, self.hi)
 
     @property
     def holm_verdict(self) -> str:
@@ -61,17 +76,22 @@ class Verdict:
         return f"{v:+.3f}" if self.finding.metric != "perplexity" or abs(v) < 100 else f"{v:+.1f}"
 
     def size_note(self) -> str:
-        """What the interval says about the paper's size, for claims that state one."""
+        """What the interval says about the paper's size, for claims that state one (and, in a sequential build,
+        the smallest effect of interest δ a sign claim's negligible verdict reads)."""
         fd = self.finding
-        if fd.size is None or self.lo is None:
+        if self.lo is None:
             return ""
+        delta = (f"negligible band ±{self._fmt(fd.delta).lstrip('+')}"
+                 if self.design is not None and fd.kind == "sign" and fd.delta else "")
+        if fd.size is None:
+            return delta
         x = self._fmt(fd.size)
         if fd.kind == "at_most":
             return f"bound: the paper's {x}"
         if fd.kind == "near":
             return f"band: the paper's {x} ± {self._fmt(fd.tolerance).lstrip('+')}"
         inside = self.lo <= fd.size <= self.hi
-        return f"the paper's {x} is {'inside' if inside else 'outside'} the interval"
+        return f"the paper's {x} is {'inside' if inside else 'outside'} the interval" + (f"; {delta}" if delta else "")
 
     def measured(self) -> str:
         if self.mean is None:
@@ -103,8 +123,9 @@ class Verdict:
         return f"{self.holm_verdict} (family {self.family}{p})"
 
     def line(self) -> str:
+        seeds = f" Seeds: {self.stop}." if self.design is not None and self.stop else ""
         return (f"- **{self.verdict}** (Holm: {self.holm_text()}) — {self.title()}. Paper: {self.finding.claim}. "
-                f"Here: {self.measured()}.")
+                f"Here: {self.measured()}.{seeds}")
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.finding.label, "metric": self.finding.metric, "claim": self.finding.claim,
@@ -114,7 +135,11 @@ class Verdict:
                 "diffs": self.diffs, "reps": self.reps, "mean": self.mean, "lo": self.lo, "hi": self.hi,
                 "missing": self.missing, "measured": self.measured(), "not_tested": self.not_tested,
                 "p": self.p, "p_holm": self.p_holm, "family": self.family,
-                "verdict": self.verdict, "holm_verdict": self.holm_verdict}
+                "verdict": self.verdict, "holm_verdict": self.holm_verdict,
+                **({} if self.design is None else {
+                    "delta": self.finding.delta, "delta_why": self.finding.delta_why, "examples_half_width": self.h_ex,
+                    "critical_t": self.design.critical(len(self.diffs)), "look": self.look, "seeds_used": len(self.diffs),
+                    "status": self.status, "stopped": self.stop, "more_seeds": self.more_seeds})}
 
 
 def decide(lo: float | None, hi: float | None, expected_sign: int) -> str:
@@ -246,22 +271,22 @@ def comparisons(fd: Finding, units: list[Unit]):
                 yield stratum, arms, terms
 
 
-def evaluate_finding(fd: Finding, units: list[Unit]) -> list[Verdict]:
+def evaluate_finding(fd: Finding, units: list[Unit], design: SequentialDesign | None = None) -> list[Verdict]:
     filters = [fd.a, fd.b] + (list(fd.minus) if fd.minus else [])
     if not any(_matches(u, f) for u in units for f in filters):
-        return [Verdict(fd, "", "", reason="no runs of these arms")]
+        return [Verdict(fd, "", "", reason="no runs of these arms", design=design)]
     out = []
     for stratum, arms, terms in comparisons(fd, units):
         if isinstance(terms, str):
-            out.append(Verdict(fd, stratum, arms, reason=terms))
+            out.append(Verdict(fd, stratum, arms, reason=terms, design=design))
             continue
-        v = _paired(fd, stratum, arms, terms)
+        v = _paired(fd, stratum, arms, terms, design)
         v.not_tested = check_preconditions(fd, terms)
         out.append(v)
     return out
 
 
-def _paired(fd: Finding, stratum: str, arms: str, terms) -> Verdict:
+def _paired(fd: Finding, stratum: str, arms: str, terms, design: SequentialDesign | None = None) -> Verdict:
     by_rep = [{u.rep: u.value(fd.metric, q) for u in us} for _, us, q in terms]
     all_reps = set().union(*by_rep)
     reps = sorted((r for r in all_reps if all(m.get(r) is not None for m in by_rep)), key=_num_or_str)
@@ -272,11 +297,15 @@ def _paired(fd: Finding, stratum: str, arms: str, terms) -> Verdict:
             diffs.append(by_rep[0][r] / by_rep[1][r] - 1)
         else:
             diffs.append(sum(c * m[r] for (c, _, _), m in zip(terms, by_rep)))
-    v = Verdict(fd, stratum, arms, diffs, reps, missing)
+    v = Verdict(fd, stratum, arms, diffs, reps, missing, design=design)
     if len(diffs) < 2:
         v.reason = f"an interval needs ≥ 2 paired {'repeated timings' if fd.metric == 'latency' else 'seeds'}"
         return v
-    lo, hi = t_interval(diffs)
+    if design is not None and design.interval(diffs) is None:
+        v.reason = (f"the sequential rule looks from {design.first_look} paired seeds" if len(diffs) < design.first_look
+                    else f"{len(diffs)} paired seeds: past the design's cap of {design.cap}")
+        return v
+    lo, hi = t_interval(diffs) if design is None else design.interval(diffs)
     if fd.metric in PROPORTIONS:
         # ⊕ the test examples' sampling noise: each arm's seed-mean proportion p over n examples adds
         # p(1 − p)/n to the variance of the difference (conservative: both arms score the same examples)
@@ -292,15 +321,19 @@ def _paired(fd: Finding, stratum: str, arms: str, terms) -> Verdict:
         h = math.sqrt(h_t ** 2 + h_ex ** 2)
         mid = statistics.fmean(diffs)
         lo, hi = mid - h, mid + h
+        v.h_ex = h_ex
         if not known:
             v.reason = "test-example counts unknown: t over seeds only"
     v.lo, v.hi = lo, hi
     return v
 
 
-def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = None) -> list[Verdict]:
+def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = None,
+                      design: SequentialDesign | None = None) -> list[Verdict]:
     """Every finding of the table; per-experiment findings also get a line for each expected experiment
-    of the table's sweeps that has no runs at all (so a missing sweep is visible among the verdicts)."""
+    of the table's sweeps that has no runs at all (so a missing sweep is visible among the verdicts).
+    design: judge with a sequential design's repeated confidence intervals (one look: tables/sequential.py
+    freezes each line at the look that decided it)."""
     out = []
     expected = []
     if scale is not None:
@@ -310,14 +343,14 @@ def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = No
             if f not in expected:
                 expected.append(f)
     for fd in spec.findings:
-        vs = evaluate_finding(fd, units)
+        vs = evaluate_finding(fd, units, design)
         if "experiment" in fd.per and expected:
             seen = {v.stratum for v in vs}
             for f in expected:
                 known = {k: v for k, v in fd.a if k in f}
                 stratum = f"experiment = {f['experiment']}"
                 if stratum not in seen and all(facet_is(k, f[k], v) for k, v in known.items()):
-                    vs.append(Verdict(fd, stratum, "", reason="no runs of this experiment"))
+                    vs.append(Verdict(fd, stratum, "", reason="no runs of this experiment", design=design))
             vs = [v for v in vs if v.stratum or v.mean is not None or not any(x.stratum for x in vs)]
         out += vs
     adjust_family(out)
@@ -326,10 +359,17 @@ def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = No
 
 def adjust_family(verdicts: list[Verdict]) -> None:
     """Each verdict's decisive p-value and its Holm adjustment over the family: every verdict of the table
-    that was judged (not the ones not tested or without an interval)."""
+    that was judged (not the ones not tested or without an interval). A sequential line's p is its design's
+    repeated p-value (valid at whichever look the line stopped), so Holm adjusts it like any other."""
     for v in verdicts:
         half = None if v.lo is None else (v.hi - v.lo) / 2
-        v.p = None if v.not_tested else decisive_p(v.finding.rule, v.mean, half, len(v.diffs) - 1 if v.diffs else None)
+        df = len(v.diffs) - 1 if v.diffs else None
+        if v.design is None:
+            v.p = None if v.not_tested else decisive_p(v.finding.rule, v.mean, half, df)
+            continue
+        c = v.design.critical(len(v.diffs))
+        v.p = (None if v.not_tested or c is None or half is None else
+               v.design.repeated_p(decisive_p(v.rule, v.mean, half, df, quantile=c)))
     adjusted = holm([v.p for v in verdicts])
     family = sum(p is not None for p in adjusted)
     for v, pa in zip(verdicts, adjusted):

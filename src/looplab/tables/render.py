@@ -38,6 +38,8 @@ class Table:
     seeds: list[int] | None = None  # the seeds every configuration should have (None: whatever ran)
     sizes: str = ""  # the held-out evaluation size per run
     method: str = METHOD
+    units: list = field(default_factory=list, repr=False)  # the runs the findings were judged on (load.Unit)
+    sequential: dict[str, Any] | None = None  # a sequential build's design, rounds and stop (tables/sequential.py)
 
     @property
     def stem(self) -> str:
@@ -45,12 +47,16 @@ class Table:
 
     def setting(self) -> str:
         parts = [self.spec.notes.get(self.scale, "")]
-        if self.spec.kind != "decode":
+        if self.sequential:
+            parts.append("seeds: " + sequential_seeds(self.sequential))
+        elif self.spec.kind != "decode":
             parts.append("seeds: " + (", ".join(map(str, self.seeds)) + " per configuration" if self.seeds
                                       else "the runs found (`seeds` column)"))
         if self.sizes:
             parts.append(f"held-out evaluation per run: {self.sizes}")
         parts.append(self.method)
+        if self.sequential:
+            parts.append(sequential_method(self.sequential))
         return ". ".join(p[0].upper() + p[1:].rstrip(".") for p in parts if p) + "."
 
     def markdown(self) -> str:
@@ -70,14 +76,28 @@ class Table:
         out += ["", f"Failed runs ({len(self.failed)}): " + ("none" if not self.failed else "")]
         out += [f"- {f['config']} — {f['error']} ({f['path']})" for f in self.failed]
         judged = sum(v.family is not None for v in self.verdicts)
-        out += ["", "## Findings", "", "The papers' claims (experiments/README.md), each checked as a paired difference "
-                "A − B with its 95% interval (arms with common random numbers: the same initial values of every shared "
-                "parameter and the same batches). Sign claims: **reproduced** = the interval excludes 0 on the paper's "
-                "side, **contradicted** = on the other side, **inconclusive** = it contains 0 (or could not be computed); "
-                "claims of a size are judged against it (at most X: the whole interval ≤ X; about X ± δ: inside the band); "
-                "**not tested** = an arm missed the finding's precondition (named with its figure). Holm: the verdict "
-                f"after Holm's adjustment over this table's {judged} judged line(s).", ""]
+        if self.sequential:
+            intro = ("The papers' claims (experiments/README.md), each checked as a paired difference A − B (arms with common "
+                     "random numbers) with its repeated confidence interval at the look that decided it, or at the last "
+                     "look (see Sequential seeds below). Sign claims: **reproduced** = the interval excludes 0 on the "
+                     "paper's side, **contradicted** = on the other side, **negligible** = it contains 0 but lies inside "
+                     "(−δ, +δ), δ the claim's smallest effect of interest, **inconclusive** = none of these; claims of a "
+                     "size are judged against it (at most X: the whole interval ≤ X; about X ± δ: inside the band); **not "
+                     "tested** = an arm missed the finding's precondition. A decision is final at the look that made it. "
+                     f"Holm: the verdict after Holm's adjustment of the repeated p-values over this table's {judged} judged "
+                     "line(s).")
+        else:
+            intro = ("The papers' claims (experiments/README.md), each checked as a paired difference "
+                     "A − B with its 95% interval (arms with common random numbers: the same initial values of every shared "
+                     "parameter and the same batches). Sign claims: **reproduced** = the interval excludes 0 on the paper's "
+                     "side, **contradicted** = on the other side, **inconclusive** = it contains 0 (or could not be computed); "
+                     "claims of a size are judged against it (at most X: the whole interval ≤ X; about X ± δ: inside the band); "
+                     "**not tested** = an arm missed the finding's precondition (named with its figure). Holm: the verdict "
+                     f"after Holm's adjustment over this table's {judged} judged line(s).")
+        out += ["", "## Findings", "", intro, ""]
         out += [v.line() for v in self.verdicts] or ["(this table checks no finding)"]
+        if self.sequential:
+            out += ["", *sequential_section(self.sequential, self.verdicts)]
         return "\n".join(out) + "\n"
 
     def csv(self) -> str:
@@ -118,7 +138,49 @@ class Table:
     def findings_json(self) -> dict[str, Any]:
         return {"table": self.spec.number, "title": self.spec.title, "scale": self.scale, "stem": self.stem,
                 "seeds": self.seeds, "sizes": self.sizes, "missing": len(self.missing), "failed": len(self.failed),
-                "findings": [v.as_dict() for v in self.verdicts]}
+                "findings": [v.as_dict() for v in self.verdicts],
+                **({"sequential": self.sequential} if self.sequential else {})}
+
+
+def _ranges(seeds: list[int]) -> str:
+    return f"{seeds[0]}–{seeds[-1]}" if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[-1] + 1)) else ", ".join(map(str, seeds))
+
+
+def sequential_seeds(seq: dict[str, Any]) -> str:
+    """The setting line's seeds of a sequential build: its rounds, its cap and why it stopped."""
+    rounds = seq.get("rounds") or []
+    shown = "; ".join(_ranges(r["seeds"]) + ("" if r.get("finished") else " (unfinished)") for r in rounds) or "none yet"
+    cap = seq["design"]["cap"]
+    return (f"sequential (`--seeds auto`), {len(rounds)} round(s) of seeds {shown}, cap {seq['max_seeds']}"
+            + ("" if seq["max_seeds"] == cap else f" (the design's: {cap})") + f"; {seq['stop_text']}")
+
+
+def sequential_method(seq: dict[str, Any]) -> str:
+    d = seq["design"]
+    return (f"findings of this sequential build: at each round's look the paired differences' interval is the t-interval "
+            f"at the nominal level 1 − α′ with α′ = {d['nominal_alpha']:.4f} (Pocock's repeated confidence intervals for "
+            f"looks at {d['first_look']}..{d['cap']} paired seeds, set by simulation so that all the looks together miss "
+            f"the true mean with probability {d['alpha']:.2f} for normally distributed paired differences), widened for "
+            "accuracies by the examples' noise as above; per-configuration rows keep the plain 95% t-interval over all seeds")
+
+
+def sequential_section(seq: dict[str, Any], verdicts: list[Verdict]) -> list[str]:
+    """The report's Sequential seeds section: the design, each round and its look, and why the build stopped."""
+    d = seq["design"]
+    out = ["## Sequential seeds", "",
+           f"Design: Pocock repeated confidence intervals, looks at {d['first_look']}..{d['cap']} paired seeds, overall "
+           f"α = {d['alpha']:.2f}, nominal α′ = {d['nominal_alpha']:.4f} per look (calibrated on {d['simulations']:,} "
+           f"simulated paths, seed {d['seed']}); rounds of {seq['round_seeds']} seeds after the first; cap "
+           f"{seq['max_seeds']} seeds" + (f"; time budget {seq['budget_min']:g} min" if seq.get("budget_min") is not None
+                                          else "") + f". Training time so far: {seq['elapsed_s'] / 60:.1f} min.", "",
+           "| round | seeds | jobs trained | jobs on disk | minutes | after its look |", "|---|---|---|---|---|---|"]
+    for r in seq.get("rounds") or []:
+        look = ", ".join(f"{n} {k}" for k, n in sorted((r.get("look") or {}).items())) or ("—" if r.get("finished") else "unfinished")
+        out.append(f"| {r['number']} | {_ranges(r['seeds'])} | {r['jobs_run']} | {r['jobs_reused']} | {r['seconds'] / 60:.1f} | {look} |")
+    decided = sum(v.status == "decided" for v in verdicts)
+    out += ["", f"Stopped: {seq['stop_text']}. {decided} of {len(verdicts)} finding line(s) decided; each line above says "
+            "where its seeds stopped and why."]
+    return out
 
 
 def _num(v):
@@ -149,6 +211,8 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
             found[(d["scale"], int(d["table"]))] = d
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    sequential = any("sequential" in d or any(f.get("verdict") == "negligible" for f in d.get("findings") or [])
+                     for d in found.values())
     out = ["# Paper findings: verdicts of every table", "",
            "Generated by `python -m looplab.tables report N` (every report rewrites this file from the "
            "`tableN.findings.json` files next to it; `python -m looplab.tables summary` does it alone): do not edit by hand.",
@@ -159,6 +223,10 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
            "interval is ≤ X; *about X ± δ*: the whole interval lies inside the band.",
            "- **contradicted** — sign: the interval excludes 0 on the other side; at most X: it lies wholly above X; "
            "about X ± δ: it lies wholly outside the band.",
+           *(["- **negligible** — sign claims of a table built with sequential seeds (`--seeds auto`): the interval "
+              "contains 0 but lies inside (−δ, +δ), δ the claim's smallest effect of interest, named in advance. Such a "
+              "table judges each finding with its repeated confidence interval at the look that decided it."]
+             if sequential else []),
            "- **inconclusive** — anything else, or no interval could be computed.",
            "- **not tested** — an arm missed the finding's precondition (e.g. a language model above its unigram "
            "perplexity, a table-9 arm below 0.9 at its trained depth); the row names the arm and its figure, and "
@@ -189,7 +257,7 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
                 counts[f["verdict"]] = counts.get(f["verdict"], 0) + 1
                 holm_counts[hv] = holm_counts.get(hv, 0) + 1
                 rows.append(f"| [{n}]({name}.md) | {f['title']} | {f['claim']} | {f['measured']} | **{f['verdict']}** | {htxt} |")
-        kinds = ("reproduced", "contradicted", "inconclusive", "not tested")
+        kinds = ("reproduced", "contradicted", *(("negligible",) if sequential else ()), "inconclusive", "not tested")
         tally = ", ".join(f"{counts.get(v, 0)} {v}" for v in kinds)
         htally = ", ".join(f"{holm_counts.get(v, 0)} {v}" for v in kinds)
         out += [f"## {scale} scale — {tally}", "", f"Holm-adjusted: {htally}.", "",

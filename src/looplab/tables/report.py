@@ -36,18 +36,34 @@ from looplab.tables.render import DEFAULT_TABLE_DIR, Table, write_summary
 from looplab.tables.spec import DEFAULT_DECODE_JSON, DEFAULT_OUT_ROOT, SCALES, default_seeds, get  # noqa: F401
 
 
-def build(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, seeds: list[int] | None = None,
-          **kwargs) -> Table:
+def build(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, seeds: list[int] | None = None, *,
+          sequential: bool | None = None, state=None, **kwargs) -> Table:
     """Table `number` at `scale` from the results.json files under out_root/tableN/<scale>/.
 
     seeds: the seeds every configuration should have (default: spec.DEFAULT_SEEDS of the scale); the
     seeds missing from a configuration are listed as missing runs.
+    sequential: judge the findings as the sequential build recorded in out_root/tableN/<scale>/sequential.json
+    did (tables/sequential.py: its rounds, design and stop); None (default): when that file exists and no seeds
+    are given; False: never (fixed seeds). state: that build's state, when the caller holds it already.
     """
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is unknown; choose one of {SCALES}")
     spec = get(number)
-    seeds = list(seeds) if seeds else default_seeds(scale, number)
-    return BUILDERS[spec.kind](spec, scale, Path(out_root), seeds=seeds, **kwargs)
+    if state is None and sequential is not False and (sequential or not seeds):
+        from looplab.tables.sequential import SequentialState, state_path
+
+        state = SequentialState.load(state_path(out_root, number, scale))
+        if sequential and state is None:
+            raise FileNotFoundError(f"{state_path(out_root, number, scale)}: no sequential build of table {number} here "
+                                    f"(`python -m looplab.tables run {number} --seeds auto` makes one)")
+    seeds = state.all_seeds() if state is not None else list(seeds) if seeds else default_seeds(scale, number)
+    table = BUILDERS[spec.kind](spec, scale, Path(out_root), seeds=seeds, **kwargs)
+    if state is not None:
+        from looplab.tables.sequential import judge_sequential
+
+        table.verdicts = judge_sequential(spec, table.units, scale, state)
+        table.sequential = state.summary()
+    return table
 
 
 def write(table: Table, table_dir: Path = DEFAULT_TABLE_DIR, plot: bool = True) -> list[Path]:

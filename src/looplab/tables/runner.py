@@ -89,6 +89,36 @@ def train_command(spec: TableSpec, scale: str, sw: Sweep, out_root: Path, *, log
     return Command(argv, sw, seed=seed, parallel=jobs if sw.one_command_per_seed and not hardware else 1)
 
 
+def job_folder(sw: Sweep, index: int, seed: int) -> str:
+    """The folder of one (configuration, seed) job as a sequential round writes it: seed<S> for a sweep of one
+    configuration, seed<S>_<i> for the i-th of its grid, the names a per-seed sweep's jobs get (Hydra numbers a
+    command's jobs in grid order), so fixed and sequential builds of tables 8, 12 and 13 share their folders."""
+    return f"seed{seed}" if len(sw.grid()) == 1 else f"seed{seed}_{index}"
+
+
+def job_command(spec: TableSpec, scale: str, sw: Sweep, index: int, seed: int, out_root: Path, *, logger: str,
+                extra: list[str], hardware: str | None, jobs: int = 1) -> Command:
+    """One (configuration, seed) job of a sweep as a command of its own, in the folder job_folder names: the unit
+    of a sequential round (tables/sequential.py), which trains only the jobs it lacks. Its overrides are the
+    grid entry's, so the job composes the configuration the sweep's multirun gives it."""
+    combo = sw.grid()[index]
+    tags = list(dict.fromkeys([f"table{spec.number}", scale, sw.experiment, *sw.experiment_tags()]))
+    argv = [sys.executable, "-m", "looplab.train", "-m", *sw.combo_overrides(combo), f"+experiment={sw.experiment}",
+            f"group=table{spec.number}-{scale}", f"tags=[{','.join(tags)}]",
+            f"hydra.sweep.dir={sweep_dir(out_root, spec.number, scale, sw)}", f"logger={logger}"]
+    if hardware:
+        argv.append(f"hardware={hardware}")
+        if hardware != "fsdp" and _experiment_hardware(sw) == "fsdp":
+            argv.append("trainer.strategy=fsdp")
+    argv += [a.replace("{out_root}", str(out_root)) for a in sw.fixed]
+    if jobs > 1 and not hardware:  # `jobs` of these run at once: split the cores between them
+        argv.append(f"hardware.num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
+    if sw.init_from is not None:  # stage 2: the predicted path; execute() takes the real one when the run has finished
+        argv.append(f"exit_gate.init_from={resolve_init_from(spec, scale, sw, out_root, seed, [seed], dry_run=True)}")
+    argv += [f"seed={seed}", f"hydra.sweep.subdir={job_folder(sw, index, seed)}", *extra]
+    return Command(argv, sw, seed=seed, parallel=jobs if not hardware else 1)
+
+
 def _experiment_hardware(sw: Sweep) -> str | None:
     """The `override /hardware: X` of the experiment's defaults list."""
     for entry in sw.experiment_config().get("defaults") or []:
@@ -293,8 +323,28 @@ def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: s
     seeds = list(seeds) if seeds else default_seeds(scale, number)
     cmds = plan(number, scale, out_root, logger=logger, extra=extra, seeds=seeds, hardware=hardware,
                 decode_json=decode_json, dry_run=True, zeroshot=zeroshot, jobs=jobs)
+    records = execute(cmds, spec, scale, out_root, seeds, {**os.environ, **(env or {})}, dry_run=dry_run)
+    if not dry_run:
+        log = Path(out_root) / f"table{number}" / scale / "runner.json"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps({"table": number, "scale": scale, "commands": records}, indent=2))
+        from looplab.tables.report import build, write
+
+        kwargs = {"decode_json": decode_json} if spec.kind == "decode" else {}
+        table = build(number, scale, out_root, seeds=seeds, **kwargs)
+        paths = write(table, table_dir) if table_dir else write(table)
+        print(table.markdown(), flush=True)
+        print(f"[table{number}] wrote " + ", ".join(str(p) for p in paths), flush=True)
+    return records
+
+
+def execute(cmds: list[Command], spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None,
+            run_env: dict[str, str], dry_run: bool = False) -> list[dict]:
+    """Run (or print) the commands in their batches: one-seed commands `parallel` at a time, a stage-2 command
+    after taking its earlier run's real checkpoint (skipped when that run has no ok results.json). One record
+    per command: argv, returncode (None when skipped or dry), seconds."""
+    number = spec.number
     records = []
-    run_env = {**os.environ, **(env or {})}
     for batch in _batches(cmds):
         ready = []
         for cmd in batch:
@@ -319,15 +369,4 @@ def run(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: s
                 records += list(pool.map(lambda c: _execute(c, run_env, number), ready))
         else:
             records += [_execute(c, run_env, number) for c in ready]
-    if not dry_run:
-        log = Path(out_root) / f"table{number}" / scale / "runner.json"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(json.dumps({"table": number, "scale": scale, "commands": records}, indent=2))
-        from looplab.tables.report import build, write
-
-        kwargs = {"decode_json": decode_json} if spec.kind == "decode" else {}
-        table = build(number, scale, out_root, seeds=seeds, **kwargs)
-        paths = write(table, table_dir) if table_dir else write(table)
-        print(table.markdown(), flush=True)
-        print(f"[table{number}] wrote " + ", ".join(str(p) for p in paths), flush=True)
     return records

@@ -52,7 +52,8 @@ def _lm(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | None) ->
     else:
         table.notes.append("zero-shot avg: mean accuracy over the suite's tasks (zeroshot.json of each run); "
                            "Wilson interval over the suite's items of one run")
-    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    table.units = units_for(cells)
+    table.verdicts = evaluate_findings(spec, table.units, scale)
     return table, cells
 
 
@@ -79,7 +80,8 @@ def build_task(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | N
                      "params", "FLOPs/token", "steps"]
     table.notes.append("accuracy: exact match of the answer token on the held-out test split; "
                        "acc per loop depth: the same model read out after loop 1, 2, … R (shared final norm + head), seed means")
-    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    table.units = units_for(cells)
+    table.verdicts = evaluate_findings(spec, table.units, scale)
     return table
 
 
@@ -103,7 +105,8 @@ def build_extrapolation(spec: TableSpec, scale: str, out_root: Path, seeds: list
     table.columns = ["arm", "injection", "N⊗R", "trained R", "seeds"] + [f"R′ = {k}" for k in depths] + ["steps"]
     table.notes.append(f"R′ = k: test {metric} of the final model run with k loops (`model(ids, n_loops=k)`), mean ± 95% t "
                        "over seeds; the model was trained at R (fixed) or at a depth drawn per step around R (randomized)")
-    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    table.units = units_for(cells)
+    table.verdicts = evaluate_findings(spec, table.units, scale)
     return table
 
 
@@ -184,7 +187,8 @@ def build_exit(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | N
                        "the gate's own training steps); q: exit at "
                        "the first depth whose cumulative exit probability reaches q (q > 1 never exits early); mean exit "
                        "step: at the answer positions (tasks) or over all target tokens (LM), mean ± 95% t over seeds")
-    table.verdicts = evaluate_findings(spec, units_for(cells, _exit_mode), scale)
+    table.units = units_for(cells, _exit_mode)
+    table.verdicts = evaluate_findings(spec, table.units, scale)
     return table
 
 
@@ -243,7 +247,8 @@ def build_routing(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] 
         "arms of a seed timed round-robin; KV KiB: the cache after decoding (a router's per-depth caches hold only the "
         "tokens that reached their depth)",
     ]
-    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    table.units = units_for(cells)
+    table.verdicts = evaluate_findings(spec, table.units, scale)
     return table
 
 
@@ -327,5 +332,6 @@ def build_plt(spec: TableSpec, scale: str, out_root: Path, seeds: list[int] | No
         "‖h_i^(R−1)‖, KL lens = KL(p^(R) ‖ p^(R−1)), eff. rank of h^(R); gate g: G-SWA's mean weight of loop 1's branch "
         "over loops ≥ 2; every measure at the same position i",
     ]
-    table.verdicts = evaluate_findings(spec, units_for(cells), scale)
+    table.units = units_for(cells)
+    table.verdicts = evaluate_findings(spec, table.units, scale)
     return table
