@@ -183,7 +183,7 @@ class DepthwiseDecoder:
 
     What decides the schedule lives on the host — each row's next loop and its token's cache column — so a step
     sends the device one small index tensor (the items, sorted by loop) and reads back one decision (which items
-    leave), whatever the number of rows, loops or cache entries (tests/test_host_syncs.py)."""
+    leave), whatever the number of rows, loops or cache entries (tests/test_gpu_readiness.py)."""
 
     def __init__(self, model, cache, n_loops: int, exits=None):
         reason = unsupported(model, exits)
@@ -203,6 +203,7 @@ class DepthwiseDecoder:
         self.route_depth = torch.full((B,), n_loops, dtype=torch.long, device=device)  # token choice: its depth
         self.hist: torch.Tensor | None = None  # zero-shot rules: loops 1..t of what the rule reads, (R, B, ·)
         self.block_calls: deque[list[int]] = deque(maxlen=4096)  # the last block calls' items' loops (1-based)
+        self.left: torch.Tensor | None = None  # the rows the last step's leaving tokens came from, on the device
         self._entries_of = {r: [(k, e) for k, e in cache.entries.items() if k[0] == r] for r in range(n_loops)}
 
     @property
@@ -326,7 +327,8 @@ class DepthwiseDecoder:
                 order = torch.argsort((~stop).to(torch.int8), stable=True)[:n]  # the leaving items, in item order
             at = order - a0  # their places among the read items (every leaving item was read)
             out_logits = read_logits[at] if read_logits is not None else m.head(normed[at])
-            self._fill_deeper(items[order], rows_host, [g - 1 for g in steps_host])
+            self.left = items[order]
+            self._fill_deeper(self.left, rows_host, [g - 1 for g in steps_host])
         for b, g, s_ in zip(items_host, t_host, stop_host):
             self.loop[b] = -1 if s_ else g
         return rows_host, out_logits, steps_host

@@ -159,7 +159,7 @@ class Engine:
 
         Host syncs: a step reads the device once for what the host must know — its admissions' first tokens, then
         its decoded tokens (with margins and exit depths) — and sends it one index tensor when the running rows
-        change, whatever the number of rows, loops or cache entries (tests/test_host_syncs.py)."""
+        change, whatever the number of rows, loops or cache entries (tests/test_gpu_readiness.py)."""
         done: list[Request] = []
         now = self.now()
         admitted = []
@@ -184,13 +184,7 @@ class Engine:
                 with self.cache.select_rows(rows, None if rows is None else live):
                     logits, steps = decode_one_token(self.model, self._last[live] if rows is not None else self._last,
                                                      self.cache, exits=self.read, n_loops=self.R, skip=self.skip)
-                drawn = []
-                for i, b in enumerate(live):
-                    req = self.rows[b]
-                    d = self._alone(req, self._draw, req, logits[i], None if steps is None else steps[i])
-                    if d is not None:
-                        drawn.append((req, *d))
-                done += self._take(drawn, t0=t0)
+                done += self._take(self._draw_rows([self.rows[b] for b in live], logits, steps, rows), t0=t0)
                 self.stats["decode_calls"] += 1
                 self.stats["decode_rows"] += len(live)
         self.stats["steps"] += 1
@@ -237,14 +231,11 @@ class Engine:
         rows, logits, steps = dec.step()
         self.stats["decode_calls"] += 1
         self.stats["decode_rows"] += len(dec.block_calls[-1])
-        drawn = []
-        for i, b in enumerate(rows):
-            req = self.rows[b]
-            d = self._alone(req, self._draw, req, logits[i], steps[i] if self.exits is not None else None)
-            if d is not None:
-                drawn.append((req, *d))
-        taken = self._take(drawn, t0=t0)
-        self._to_start.update(req.row for req, *_ in drawn if not req.done)
+        if not rows:
+            return []
+        reqs = [self.rows[b] for b in rows]
+        taken = self._take(self._draw_rows(reqs, logits, steps if self.exits is not None else None, dec.left), t0=t0)
+        self._to_start.update(req.row for req in reqs if not req.done and req.error is None)
         return taken
 
     # ------------------------------------------------------------------ rows
@@ -269,23 +260,60 @@ class Engine:
         self._last[req.row] = token
         return token, top[0] - top[1], step  # step: a device scalar (lockstep), a host int (depth-wise) or None
 
-    def _take(self, drawn: list, t0: float | None = None) -> list[Request]:
+    def _draw_rows(self, reqs: list[Request], logits: torch.Tensor, steps, rows_t: torch.Tensor | None) -> tuple:
+        """The tokens of many requests at once, from logits (b, V): greedy by one argmax over the batch, a sampled
+        request from its own generator (alone: if its sampling fails, it fails alone and leaves the batch); the
+        margins by one top-2. steps: (b,) exit steps on the device, a host list, or None; rows_t: the requests' rows
+        as a device index (None: every row of the batch, in order)."""
+        tokens = logits.argmax(-1)
+        keep = list(range(len(reqs)))
+        for i, req in enumerate(reqs):
+            if req.sampling is not None:
+                tok = self._alone(req, lambda r=req, lg=logits[i]: r.sampling.sample(lg[None])[0])
+                if tok is None:
+                    keep.remove(i)
+                else:
+                    tokens[i] = tok
+        top = logits.float().topk(2, dim=-1).values if logits.shape[-1] > 1 else logits.float().expand(-1, 2)
+        margins = top[:, 0] - top[:, 1]
+        if len(keep) < len(reqs):  # a failed sampling: that request is out (a transfer, on failure only)
+            idx = torch.tensor(keep, device=logits.device)
+            tokens, margins = tokens[idx], margins[idx]
+            rows_t = torch.tensor([reqs[i].row for i in keep], device=logits.device)
+            steps = steps[idx] if isinstance(steps, torch.Tensor) else (None if steps is None else [steps[i] for i in keep])
+            reqs = [reqs[i] for i in keep]
+        if rows_t is None:
+            self._last.copy_(tokens)
+        elif reqs:
+            self._last[rows_t] = tokens
+        return reqs, tokens, margins, steps
+
+    def _take(self, drawn, t0: float | None = None) -> list[Request]:
         """Record the drawn tokens of many requests after ONE transfer of their (token, margin, exit step); → the ones
-        that finished. t0: the clock when their decoding call started (its time counts up to this transfer, which
-        waits for the device)."""
-        if not drawn:
-            return []
-        on_device = [isinstance(st, torch.Tensor) for *_, st in drawn]
-        zero = drawn[0][1].new_zeros((), dtype=torch.float64)
-        values = torch.stack([torch.stack([tok.double(), m.double(), st.double() if dev else zero])
-                              for (_, tok, m, st), dev in zip(drawn, on_device)]).tolist()
+        that finished. drawn: `_draw_rows`' (requests, tokens, margins, steps), or a list of `_draw`'s per-request
+        (request, token, margin, step) (admissions). t0: the clock when their decoding call started (its time counts
+        up to this transfer, which waits for the device)."""
+        if isinstance(drawn, list):
+            if not drawn:
+                return []
+            reqs = [d[0] for d in drawn]
+            tokens, margins = torch.stack([d[1] for d in drawn]), torch.stack([d[2] for d in drawn])
+            given = [d[3] for d in drawn]
+            steps = torch.stack(given) if all(isinstance(x, torch.Tensor) for x in given) else \
+                (None if all(x is None for x in given) else given)
+        else:
+            reqs, tokens, margins, steps = drawn
+            if not reqs:
+                return []
+        cols = [tokens.double(), margins.double()] + ([steps.double()] if isinstance(steps, torch.Tensor) else [])
+        values = torch.stack(cols, 1).tolist()  # the one transfer
         t = self.now()
         if t0 is not None:
             self.stats["decode_s"] += self._clock() - t0
         done = []
-        for (req, _, _, host_step), (token, margin, step), dev in zip(drawn, values, on_device):
-            step = step if dev else host_step
-            token = int(token)
+        for i, (req, row) in enumerate(zip(reqs, values)):
+            token, margin = int(row[0]), row[1]
+            step = row[2] if isinstance(steps, torch.Tensor) else (None if steps is None else steps[i])
             req.tokens.append(token)
             req.margins.append(margin)
             req.token_times.append(t)
