@@ -44,6 +44,7 @@ import torch
 from looplab.models.cache import LoopCache
 from looplab.models.exit_compute import SkipDecoding
 from looplab.models.exits import ExitPolicy
+from looplab.models.inputs import check_inputs
 from looplab.models.registry import named_option as _named
 from looplab.models.stream import Stream
 
@@ -365,8 +366,6 @@ def compile_unsupported(config) -> str | None:
 def _check_request(model, input_ids, max_new_tokens, attention_mask, sampling, exits, speculation, compile, R) -> None:
     """Every refusal of a generation request, each naming the option, before anything runs."""
     cfg = model.config
-    from looplab.models.looped import check_inputs
-
     check_inputs(input_ids, attention_mask, cfg.vocab_size)  # dtype, shape, ids inside the vocabulary: once, here
     if input_ids.shape[1] == 0:
         raise ValueError("generate needs a prompt of at least one token (e.g. BOS)")
