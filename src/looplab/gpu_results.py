@@ -10,10 +10,7 @@ import os
 import platform
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from looplab.gpu_check import Check
+from typing import Any
 
 GPU_MARK = "gpu"  # pyproject.toml's marker of the tests that need CUDA
 STEPS = 20  # training steps per run
@@ -44,7 +41,7 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def parse_train(check: "Check", rc: int, log: str) -> dict[str, Any]:
+def parse_train(check, rc: int, log: str) -> dict[str, Any]:
     res = _read_json(check.output)
     out: dict[str, Any] = {"backbone": check.info.get("backbone"), "compile": check.info.get("compile")}
     counters = _read_json(Path(check.info.get("run_dir", check.output.parent)) / "dynamo_counters.json") or {}
@@ -97,7 +94,7 @@ def conv_verdict(expected: str, calls: dict | None, detail: str | None = None) -
     return None
 
 
-def parse_fsdp(check: "Check", rc: int, log: str) -> dict[str, Any]:
+def parse_fsdp(check, rc: int, log: str) -> dict[str, Any]:
     out = parse_train(check, rc, log)
     if out["status"] == "error":
         return out
@@ -116,7 +113,7 @@ def parse_fsdp(check: "Check", rc: int, log: str) -> dict[str, Any]:
     return out
 
 
-def parse_bench(check: "Check", rc: int, log: str) -> dict[str, Any]:
+def parse_bench(check, rc: int, log: str) -> dict[str, Any]:
     res = _read_json(check.output)
     part = (res or {}).get("train")
     if not part:
@@ -145,7 +142,7 @@ def _test_result(rec: dict) -> dict[str, Any]:
     return out
 
 
-def parse_tests(check: "Check", rc: int | None, log: str) -> dict[str, Any]:
+def parse_tests(check, rc: int | None, log: str) -> dict[str, Any]:
     """The pytest run's report (looplab.testing.pytest_report's JSON lines) → one result per test, in the
     order collected, and the run's status: the worst of its tests', or error when pytest did not finish.
     A test that was running when pytest died is an error; one it never reached is skipped."""
