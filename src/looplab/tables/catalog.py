@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import looplab.tables.retrofit as retrofit  # the module itself: looplab.tables' __init__ imports this one
 from looplab.tables.sweeps import SCALES, Sweep, sweep
 
-if TYPE_CHECKING:
-    from looplab.tables.claims import Finding
 
 DEFAULT_DECODE_JSON = Path("bench/decode.json")  # table 4's decoding benchmark (bench/decode.py), run by the runner, read by the report
 DEFAULT_EXITS_JSON = Path("bench/exits.json")  # table 10's exit grid (bench/exit_grid.py), run by the runner, read by the report
@@ -32,7 +29,7 @@ class TableSpec:
     sweeps: dict[str, tuple[Sweep, ...]]  # scale -> sweeps (empty for table 4)
     metric: str  # 'perplexity' or 'accuracy'
     notes: dict[str, str] = field(default_factory=dict)  # scale -> what differs from the paper
-    findings: tuple[Finding, ...] = ()  # the papers' claims this table checks (experiments/README.md)
+    findings: tuple = ()  # tables.claims.Finding objects: the papers' claims this table checks (experiments/README.md)
 
     def sweeps_for(self, scale: str) -> tuple[Sweep, ...]:
         if scale not in SCALES:

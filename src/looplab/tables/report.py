@@ -50,7 +50,7 @@ def build(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, s
         raise ValueError(f"scale={scale!r} is unknown; choose one of {SCALES}")
     spec = get(number)
     if state is None and sequential is not False and (sequential or not seeds):
-        from looplab.tables.sequential import SequentialState, state_path
+        from looplab.tables.sequential_state import SequentialState, state_path
 
         state = SequentialState.load(state_path(out_root, number, scale))
         if sequential and state is None:
@@ -59,7 +59,7 @@ def build(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, s
     seeds = state.all_seeds() if state is not None else list(seeds) if seeds else default_seeds(scale, number)
     table = BUILDERS[spec.kind](spec, scale, Path(out_root), seeds=seeds, **kwargs)
     if state is not None:
-        from looplab.tables.sequential import judge_sequential
+        from looplab.tables.sequential_state import judge_sequential
 
         table.verdicts = judge_sequential(spec, table.units, scale, state)
         table.sequential = state.summary()
