@@ -10,7 +10,7 @@ export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 
 .DEFAULT_GOAL := help
 TABLES := 1 2 3 4 5 6 7 8 9 10 11 12 13 14
-.PHONY: help install demo test test-fast bench gpu-install gpu-check sync-wandb clean tables \
+.PHONY: help install demo test test-fast test-vllm bench-vllm gpu-install gpu-check sync-wandb clean tables \
         $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
 
 help: ## list the targets
@@ -37,6 +37,16 @@ demo: $(STAMP) ## train a tiny looped model on p-hop on the CPU (a few minutes) 
 TEST_WORKERS ?= 2
 test: $(STAMP) ## the whole CPU test suite (GPU tests are skipped without CUDA)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# the engines looplab's models run in, each in venvs of its own built from nothing on first use (scripts/*): vLLM's CPU
+# build with looplab's plugin (docs/vllm.md), and the exported folders on transformers 4.56 .. newest (docs/interop.md)
+test-vllm: ## vLLM's CPU build + looplab's plugin: builds .venvs/vllm once (scripts/vllm-venv), then tests_engines/vllm
+	scripts/vllm-venv
+	.venvs/vllm/bin/python -m pytest -q tests_engines/vllm --durations=10
+
+bench-vllm: $(STAMP) ## vLLM serving looplab side by side with the Engine and the unrolled Llama -> bench/vllm_serve.json (8-10 min)
+	scripts/vllm-venv
+	.venvs/vllm/bin/python -m looplab.bench.vllm_serve --repeats 3 --out bench/vllm_serve.json
 
 test-fast: $(STAMP) ## the suite without tests marked slow
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"

@@ -1,0 +1,353 @@
+"""looplab's LoopedLM as a native vLLM model (docs/vllm.md). Imported by vLLM only (it imports vLLM).
+
+    e = Prelude(Embed(tokens));  for r = 1..R:  h_r = Block(x_r),  x_1 = e
+        vanilla:    x_{r+1} = h_r
+        StateLoop:  s_r = a_r ⊙ s_{r−1} + (1 − a_r) ⊙ W_u h_r (+ Mixer(Norm(s_r))),  x_{r+1} = h_r + W_o s_r
+        injection:  x_{r+1} ← Inject(x_{r+1}, e)     (r < R; add | concat | diag)
+    hidden_r = FinalNorm(Coda(readout_r)),  readout_r = h_r (+ W_o s_r);  logits = Head(hidden_R)
+
+The reference is looplab's own LoopedLM (looplab/models/looped.py, state.py, injection.py, exit_gate.py); the
+tests (tests_engines/vllm) compare greedy tokens and per-token log-probabilities with it for every configuration
+this model accepts.
+
+Built from vLLM's own layers: QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear /
+ReplicatedLinear, RMSNorm, SiluAndMul, get_rope, VocabParallelEmbedding, ParallelLMHead, LogitsProcessor, and one
+vLLM `Attention` per attention *slot*: an unrolled (loop, layer) call of the shared block, a prelude layer, the
+StateLoop mixer of one loop, or a coda layer at one depth (`config.slot_layout`). Each slot has its own KV cache;
+the block's weights exist once (they are loaded once from the folder's model.safetensors) and serve R slots per
+layer. vLLM's scheduler, paged KV cache, continuous batching and sampler do the rest.
+
+Depth R′ is set at load time (`hf_overrides={"n_loops": R′}`; the slots follow). The exit gate (exit_gate=ouro)
+with `hf_overrides={"exit_threshold": q}` reads each token at the first loop whose exit CDF reaches q: the
+tokens of looplab's `generate(exits=ExitPolicy(threshold=q))`. Design choice: every loop still runs for every
+token (the later loops' keys and values are what later tokens attend to, as in looplab's generate without
+`skip`), so an exit changes which depth is read, not the compute; the coda then runs at every depth (its slots
+per depth), as looplab's does.
+
+What it cannot run exactly is refused when vLLM builds it, naming the field (`config.refusal`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                               RowParallelLinear)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.sequence import IntermediateTensors
+
+from looplab.vllm_plugin.config import refusal, slot_layout
+
+
+class LoopRefused(ValueError):
+    """A looplab configuration the vLLM plugin cannot run exactly (the message names the field)."""
+
+
+def _supported_head_sizes(vllm_config: VllmConfig) -> list[int] | None:
+    """The head sizes of the attention backend vLLM picks on this platform (None: unknown, vLLM checks itself)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            return CPUAttentionBackend.get_supported_head_sizes()
+    except Exception:  # noqa: BLE001 - a layout this version does not have: leave the check to vLLM
+        return None
+    return None
+
+
+GRAPH_FIELDS = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "n_loops", "prelude_layers",
+                "coda_layers", "ffn_hidden", "max_seq_len", "rope_base", "norm_eps", "tie_embeddings", "state_mode",
+                "state_dim", "state_init", "state_in_output", "exit_gate", "injection", "exit_threshold")
+
+
+def _key_compile_cache(vllm_config: VllmConfig, cfg) -> None:
+    """Put the looplab fields that shape the forward into vLLM's compile-cache key.
+
+    vLLM 0.32 keys its torch.compile cache (compilation/decorators.py, caching.py) by VllmConfig.compute_hash(),
+    which leaves out `hf_overrides` and the contents of config.json: without this, a folder served at R = 3 and
+    then with hf_overrides={"n_loops": 5} or {"exit_threshold": q} (or a folder re-exported to the same path)
+    would reload the first graph and run the wrong model (read from vLLM's source; with this key it cannot). The
+    fields go into `additional_config`, which that hash covers and which nothing else here reads."""
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict):
+        extra["looplab"] = {k: getattr(cfg, k, None) for k in GRAPH_FIELDS}
+
+
+# --------------------------------------------------------------------------- layers
+class SlotAttention(nn.Module):
+    """Causal self-attention with RoPE whose keys and values go to the slot it is called with (an `Attention`).
+
+    Weights: qkv_proj (cat(q, k, v), as looplab stores it) and out_proj, looplab's names."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_pos: int, rope_base: float, prefix: str):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.q_size, self.kv_size = n_heads * self.head_dim, n_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(dim, self.head_dim, n_heads, n_kv_heads, bias=False,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.out_proj = RowParallelLinear(n_heads * self.head_dim, dim, bias=False, prefix=f"{prefix}.out_proj")
+        self.rotary_emb = get_rope(self.head_dim, max_position=max_pos, is_neox_style=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": float(rope_base)})
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slot: Attention) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        out, _ = self.out_proj(slot(q, k, v))
+        return out
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(dim, [hidden, hidden], bias=False,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(hidden, dim, bias=False, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()  # silu(first half) · second half: looplab's gate, up order
+
+    def forward(self, x):
+        out, _ = self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """looplab's pre-norm AttentionLayer: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, cfg, prefix: str):
+        super().__init__()
+        d = cfg.d_model
+        self.attn_norm = RMSNorm(d, eps=cfg.norm_eps)
+        self.attn = SlotAttention(d, cfg.n_heads, cfg.n_kv_heads, cfg.max_seq_len, cfg.rope_base, f"{prefix}.attn")
+        self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(d, cfg.ffn_hidden, f"{prefix}.mlp")
+
+    def forward(self, x, positions, slot):
+        x = x + self.attn(self.attn_norm(x), positions, slot)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class StateBranch(nn.Module):
+    """StateLoop's per-token state (looplab/models/state.py): one per model, shared by the loops."""
+
+    def __init__(self, cfg, prefix: str):
+        super().__init__()
+        d, ds = cfg.d_model, cfg.state_dim
+        self.state_dim = ds
+        self.reset_each_loop = cfg.state_mode == "stateloop_reset"
+        self.in_proj = ReplicatedLinear(d, ds, bias=False, prefix=f"{prefix}.in_proj")  # W_u
+        self.dt_proj = ReplicatedLinear(d, ds, bias=True, prefix=f"{prefix}.dt_proj")  # W_Δ, b_Δ
+        self.A_log = nn.Parameter(torch.zeros(ds), requires_grad=False)
+        self.state_out = ReplicatedLinear(ds, d, bias=False, prefix=f"{prefix}.state_out")  # W_o
+        self.s0 = nn.Parameter(torch.zeros(ds), requires_grad=False) if cfg.state_init == "learned" else None
+        self.mixer = self.mixer_norm = None
+        if cfg.state_mode == "stateloop_attn":  # n_heads heads of width d_s / n_heads, no GQA (looplab's mixer)
+            self.mixer = SlotAttention(ds, cfg.n_heads, cfg.n_heads, cfg.max_seq_len, cfg.rope_base, f"{prefix}.mixer")
+            self.mixer_norm = RMSNorm(ds, eps=cfg.norm_eps)
+
+    def initial_state(self, h: torch.Tensor) -> torch.Tensor:
+        if self.s0 is None:
+            return h.new_zeros(h.shape[0], self.state_dim)
+        return self.s0.to(h.dtype).expand(h.shape[0], -1)
+
+    def forward(self, h, s_prev, positions, slot):
+        if self.reset_each_loop:
+            s_prev = self.initial_state(h)
+        dt = F.softplus(self.dt_proj(h)[0])
+        a = torch.exp(-dt * torch.exp(self.A_log))
+        s = a * s_prev + (1 - a) * self.in_proj(h)[0]
+        if self.mixer is not None:
+            s = s + self.mixer(self.mixer_norm(s), positions, slot)
+        return s, h + self.state_out(s)[0]
+
+
+class DiagInjection(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(d), requires_grad=False)
+
+    def forward(self, x, e):
+        return x + torch.tanh(self.gate).to(x.dtype) * e
+
+
+class Injection(nn.Module):
+    """add: x + W_in e;  concat: W_c [x; e] (looplab/models/injection.py); the weight is `inject.weight`."""
+
+    def __init__(self, mode: str, d: int, prefix: str):
+        super().__init__()
+        self.mode = mode
+        self.linear = ReplicatedLinear(2 * d if mode == "concat" else d, d, bias=False, prefix=prefix)
+
+    def forward(self, x, e):
+        if self.mode == "concat":
+            return self.linear(torch.cat([x, e], dim=-1))[0]
+        return x + self.linear(e)[0]
+
+
+# --------------------------------------------------------------------------- the model
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0})
+class LoopedLMModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        cfg = vllm_config.model_config.hf_config
+        reason = refusal(cfg, _supported_head_sizes(vllm_config))
+        if reason:
+            raise LoopRefused(f"looplab's vLLM plugin cannot run this model exactly: {reason} (docs/vllm.md)")
+        cache_config = vllm_config.cache_config
+        _key_compile_cache(vllm_config, cfg)
+        self.cfg = cfg
+        self.layout = at = slot_layout(cfg)
+        cfg.num_hidden_layers = at["total"]
+        d, H, Hkv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, d, prefix=f"{prefix}.embed")
+        self.prelude = nn.ModuleList(DecoderLayer(cfg, f"{prefix}.prelude.{i}") for i in range(cfg.prelude_layers))
+        self.block = nn.ModuleList(DecoderLayer(cfg, f"{prefix}.block.{i}") for i in range(cfg.n_layers))
+        self.coda = nn.ModuleList(DecoderLayer(cfg, f"{prefix}.coda.{i}") for i in range(cfg.coda_layers))
+        self.state = StateBranch(cfg, f"{prefix}.state") if cfg.state_mode != "vanilla" else None
+        self.inject = None
+        if cfg.injection == "diag":
+            self.inject = DiagInjection(d)
+        elif cfg.injection != "none":
+            self.inject = Injection(cfg.injection, d, f"{prefix}.inject")
+        self.exit_gate = None
+        if cfg.exit_gate != "none":
+            self.exit_gate = nn.Module()
+            self.exit_gate.proj = ReplicatedLinear(d, 1, bias=True, prefix=f"{prefix}.exit_gate.proj")
+        self.final_norm = RMSNorm(d, eps=cfg.norm_eps)
+        self.exit_threshold = getattr(cfg, "exit_threshold", None)
+        # one vLLM Attention (own KV cache) per slot; the mixer's slots have the mixer's heads
+        hd, mixer_heads = d // H, (H, H, cfg.state_dim // H)
+
+        def slot(i):
+            heads, kv_heads, width = mixer_heads if at["state"] <= i < at["coda"] else (H, Hkv, hd)
+            return Attention(heads, width, width ** -0.5, num_kv_heads=kv_heads, cache_config=cache_config,
+                             prefix=f"{prefix}.slots.{i}")
+
+        self.slots = nn.ModuleList(slot(i) for i in range(at["total"]))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        cfg, at, slots = self.cfg, self.layout, self.slots
+        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        for p, layer in enumerate(self.prelude):
+            x = layer(x, positions, slots[at["prelude"] + p])
+        e = x
+        s = self.state.initial_state(x) if self.state is not None else None
+        N, R = cfg.n_layers, cfg.n_loops
+        every_depth = self.exit_threshold is not None
+        exit_state = None
+        hidden = None
+        for r in range(R):
+            if self.inject is not None and r > 0:
+                x = self.inject(x, e)
+            h = x
+            for l, layer in enumerate(self.block):
+                h = layer(h, positions, slots[at["block"] + r * N + l])
+            if self.state is not None:
+                mixer_slot = slots[at["state"] + r] if self.state.mixer is not None else None
+                s, x = self.state(h, s, positions, mixer_slot)
+                readout = x if cfg.state_in_output else h
+            else:
+                x = readout = h
+            if every_depth:  # this depth's FinalNorm(Coda(readout)) and the exit rule, before the next loop runs
+                exit_state = self._exit_step(r, self._head_input(readout, positions, r), exit_state)
+            elif r == R - 1:
+                hidden = self._head_input(readout, positions, 0)
+        return exit_state[0] if every_depth else hidden
+
+    def _head_input(self, z, positions, depth: int):
+        """FinalNorm(Coda(z)) with depth `depth`'s coda slots."""
+        C, start = self.cfg.coda_layers, self.layout["coda"]
+        for c, layer in enumerate(self.coda):
+            z = layer(z, positions, self.slots[start + depth * C + c])
+        return self.final_norm(z)
+
+    def _exit_step(self, r: int, hidden: torch.Tensor, state):
+        """Ouro's exit rule, one depth at a time (looplab/models/exit_gate.py's exit_distribution and
+        threshold_exit_steps in the same arithmetic order): λ_r = σ(gate(hidden_r)); p(r) = λ_r·S_{r−1} (r < R),
+        p(R) = S_{R−1}; a token is read at the first depth whose CDF Σ p reaches q, else at R. state: (the hidden
+        read so far (T, d), S_{r−1} (T,), CDF (T,), exited (T,) bool)."""
+        R, q = self.cfg.n_loops, float(self.exit_threshold)
+        if state is None:
+            ones = hidden.new_ones(hidden.shape[0])
+            state = (hidden, ones, torch.zeros_like(ones), torch.zeros_like(ones, dtype=torch.bool))
+        chosen, survival, cdf, exited = state
+        if r < R - 1:
+            lam = torch.sigmoid(self.exit_gate.proj(hidden)[0].squeeze(-1))
+            p = lam * survival
+            survival = survival * (1 - lam)
+        else:
+            p = survival
+        cdf = cdf + p
+        now = ~exited & ((cdf >= q) | (r == R - 1))
+        chosen = torch.where(now[:, None], hidden, chosen)
+        return chosen, survival, cdf, exited | now
+
+
+class LoopedLMForCausalLM(nn.Module):
+    """vLLM's entry point for `architectures: ["LoopedLMForCausalLM"]` (registered by looplab.vllm_plugin)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        cfg = vllm_config.model_config.hf_config
+        self.config = cfg
+        self.model = LoopedLMModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.d_model, prefix=_join(prefix, "lm_head"))
+        if cfg.tie_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The folder's tensors (looplab's names under `model.` and `lm_head`), each loaded once; the shared block's
+        weights serve all of its slots. Every parameter must be given, and every tensor must have a parameter."""
+        params = dict(self.named_parameters())
+        renames = {}
+        if isinstance(self.model.inject, Injection):
+            renames["model.inject.weight"] = "model.inject.linear.weight"
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = renames.get(name, name)
+            if name not in params:
+                raise LoopRefused(f"weight {name!r} in the folder has no place in the vLLM model (a looplab feature "
+                                  "the plugin does not build; docs/vllm.md)")
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+        if self.config.tie_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise LoopRefused(f"the folder has no weights for {missing}")
+        return loaded
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
