@@ -10,7 +10,7 @@ export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 
 .DEFAULT_GOAL := help
 TABLES := 1 2 3 4 5 6 7 8 9 10 11 12 13 14
-.PHONY: help install demo test test-fast test-vllm bench-vllm gpu-install gpu-check sync-wandb clean tables \
+.PHONY: help install demo test test-fast test-vllm test-transformers bench-vllm gpu-install gpu-check sync-wandb clean tables \
         $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
 
 help: ## list the targets
@@ -43,6 +43,9 @@ test: $(STAMP) ## the whole CPU test suite (GPU tests are skipped without CUDA)
 test-vllm: ## vLLM's CPU build + looplab's plugin: builds .venvs/vllm once (scripts/vllm-venv), then tests_engines/vllm
 	scripts/vllm-venv
 	.venvs/vllm/bin/python -m pytest -q tests_engines/vllm --durations=10
+
+test-transformers: $(STAMP) ## the exported remote-code folder on transformers 4.56 .. 5.25: clean venvs .venvs/transformers-* (scripts/transformers-matrix), tests_engines/transformers in each
+	scripts/transformers-matrix
 
 bench-vllm: $(STAMP) ## vLLM serving looplab side by side with the Engine and the unrolled Llama -> bench/vllm_serve.json (8-10 min)
 	scripts/vllm-venv

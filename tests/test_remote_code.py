@@ -178,11 +178,11 @@ def test_folder_stores_the_block_once_and_reads_back(tmp_path):
 
 
 @pytest.mark.parametrize("field,kw", [
-    ("backbone='mamba2'", dict(backbone="mamba2", d_model=32, headdim=16, d_state=16, n_heads=2)),
-    ("backbone='hybrid'", dict(backbone="hybrid", d_model=32, headdim=16, d_state=16, n_heads=2, n_layers=4)),
-    ("state_mode='stateloop_mamba2'", dict(state_mode="stateloop_mamba2", headdim=16, d_state=16)),
-    ("loop_schedule='parallel'", dict(loop_schedule="parallel", loop_kv="gswa", loop_window=4)),
-    ("depth_router='expert_choice'", dict(depth_router={"name": "expert_choice"})),
+    ("backbone=mamba2", dict(backbone="mamba2", d_model=32, headdim=16, d_state=16, n_heads=2)),
+    ("backbone=hybrid", dict(backbone="hybrid", d_model=32, headdim=16, d_state=16, n_heads=2, n_layers=4)),
+    ("state_mode=stateloop_mamba2", dict(state_mode="stateloop_mamba2", headdim=16, d_state=16)),
+    ("loop_schedule=parallel", dict(loop_schedule="parallel", loop_kv="gswa", loop_window=4)),
+    ("depth_router=expert_choice", dict(depth_router={"name": "expert_choice"})),
 ])
 def test_export_refuses_what_the_exported_code_cannot_run(field, kw, tmp_path):
     m = looped(**kw)
@@ -191,10 +191,12 @@ def test_export_refuses_what_the_exported_code_cannot_run(field, kw, tmp_path):
 
     torch.save({"state_dict": {f"model.{k}": v for k, v in m.state_dict().items()}, "looplab": looplab_meta(m.config, {})},
                ckpt)
-    with pytest.raises(convert.ConversionError, match=rf"{field}.*--looplab"):
+    name, value = field.split("=")
+    named = rf"{name}=['\"]?{value}\b"  # the field and its value, quoted or not
+    with pytest.raises(convert.ConversionError, match=rf"{named}.*--looplab"):
         convert.to_hf(str(ckpt), tmp_path / "out", log=lambda *_: None)
     assert not (tmp_path / "out" / "config.json").exists()
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=named):
         write_folder(m, tmp_path / "direct")
 
 
@@ -210,56 +212,95 @@ def test_exported_code_refuses_an_edited_config(tmp_path):
         AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True)
 
 
-def test_meets_vllm_transformers_backend_requirements(tmp_path):
-    """What vLLM's Transformers backend (vllm/model_executor/models/transformers/) needs of a remote-code model,
-    read off the loaded class and exercised the way the backend calls it: `is_backend_compatible()`; AutoModel in
-    auto_map (it builds the base model); one attention instance per `num_hidden_layers`, looked up by
-    `module.layer_idx`, each with config.head_dim and the model's head counts; `attention_instances` and the other
-    kwargs reach the attention function; the base model called as `model(input_ids=ids[None], position_ids=...,
-    use_cache=False, attention_instances=..., return_dict=False)[0]` on one flattened sequence; weights under
-    `model.` and `lm_head`; RMSNorm-named modules carry `weight` and `variance_epsilon` (the backend swaps them
-    for its own RMSNorm, x·rsqrt(mean x² + eps)·weight)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def test_loaded_weights_survive_initialization_and_the_head_stays_tied(tmp_path):
+    """Guards that differ between transformers releases (tests_engines/transformers checks them on each): 5.x calls
+    _init_weights after loading and marks what it loaded `_is_hf_initialized` (5.0.0 overwrote every loaded weight),
+    and 5.3.0 skips tying a remote-code model's head when the checkpoint omits it."""
+    import torch.nn as nn
 
-    m = looped(state_mode="stateloop_attn", prelude_layers=1, coda_layers=1)  # mixer heads: d_s = d, H heads
+    m = looped(injection="concat", state_mode="stateloop", tie_embeddings=True)
     hf = export(m, tmp_path)
-    cfg = hf.config
-    assert type(hf).is_backend_compatible() and hf._supports_attention_backend
-    assert "AutoModel" in json.loads((tmp_path / "config.json").read_text())["auto_map"]
-
-    seen = []
-
-    def probe(module, query, key, value, attention_mask, scaling=None, attention_instances=None, **kwargs):
-        assert attention_instances is not None and attention_instances[module.layer_idx] == module.layer_idx
-        assert query.shape[1] == cfg.num_attention_heads and key.shape[1] == cfg.num_key_value_heads
-        assert query.shape[-1] == cfg.head_dim and scaling == pytest.approx(cfg.head_dim ** -0.5)
-        seen.append(module.layer_idx)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, is_causal=True,
-                                      **kwargs)
-
-    AttentionInterface.register("looplab_probe", probe)
-    hf.set_attn_implementation("looplab_probe")
-    ids = torch.randint(1, V, (9,))
-    instances = {i: i for i in range(cfg.num_hidden_layers)}
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    for p in hf.parameters():
+        p._is_hf_initialized = True
+    hf.apply(hf._init_weights)  # what 5.x's initialize_weights does after loading
+    assert all(torch.equal(v, before[k]) for k, v in hf.state_dict().items())
+    assert hf.lm_head.weight is hf.model.embed.weight
+    hf.lm_head.weight = nn.Parameter(torch.empty_like(hf.lm_head.weight))  # as 5.3.0 leaves it
+    hf.tie_weights()
+    assert hf.lm_head.weight is hf.model.embed.weight
+    ids, mask = padded_batch()
     with torch.no_grad():
-        hidden = hf.model(input_ids=ids[None], position_ids=torch.arange(9)[None], use_cache=False,
-                          attention_instances=instances, return_dict=False)[0][0]
-        want = m(ids[None], return_all_loops=True).loop_hidden[-1, 0]
-    # every slot once (distinct layer_idx), except the coda's slots for depths whose output is not read (they are
-    # there for exits: one KV slot per depth the coda may run at; vLLM allocates and never fills them)
-    coda, R = hf.model.slots_at["coda"], cfg.n_loops
-    unread = set(range(coda, coda + (R - 1) * cfg.coda_layers))
-    assert sorted(seen) == sorted(set(range(cfg.num_hidden_layers)) - unread) and len(unread) == 2
-    assert rel_diff(hf.lm_head(hidden), m.head(want)) <= TOL
-    names = [k for k, _ in hf.named_parameters()]
-    assert all(k.startswith(("model.", "lm_head.")) for k in names)
-    norms = [mod for n, mod in hf.named_modules() if type(mod).__name__.endswith("RMSNorm")]
-    assert norms and all(hasattr(n, "weight") and isinstance(n.variance_epsilon, float) for n in norms)
-    x = torch.randn(3, 32)
-    n = norms[0]
-    assert torch.allclose(n(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + n.variance_epsilon) * n.weight,
-                          atol=1e-6)
+        assert rel_diff(hf(input_ids=ids, attention_mask=mask).logits, m(ids, attention_mask=mask).logits,
+                        mask.bool()) <= TOL
+
+
+def _flash_stub():
+    """tests_engines/transformers/flash_stub.py: transformers' real flash path with CPU stand-ins for the kernels."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tests_engines" / "transformers" / "flash_stub.py"
+    spec = importlib.util.spec_from_file_location("looplab_flash_stub", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flash_attention_runs_through_transformers_flash_path(tmp_path):
+    """attn_implementation="flash_attention_2": transformers' flash_attention_forward reads module.config and takes a
+    (B, L) padding mask. Run through transformers' own flash path (its unpadding included) with CPU stand-ins for
+    the kernels: fp16 logits within fp16 rounding of sdpa's and of looplab's, greedy tokens equal to sdpa's on a
+    left-padded batch (the varlen kernel) and at batch 1 (the dense one). An fp32 model and a 4-D mask are refused
+    by name; transformers itself refuses flash_attention_2 at load where flash_attn is not installed."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    stub = _flash_stub()
+    m = looped(state_mode="stateloop_attn", prelude_layers=1, coda_layers=1, n_kv_heads=2)  # every kind of slot
+    write_folder(m, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True, dtype=torch.float16,
+                                              attn_implementation="sdpa").eval()
+    ids, mask = padded_batch(pad=(0, 4, 2))
+    prompt, pmask = padded_batch(T=7, pad=(0, 3), seed=2)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        sdpa = hf(input_ids=ids, attention_mask=mask).logits
+        ours = m(ids, attention_mask=mask).logits
+    sdpa_pad, sdpa_one = hf.generate(prompt, attention_mask=pmask, **kw), hf.generate(prompt[:1], **kw)
+    stub.use_flash(hf)
+    with stub.stub_flash_attn() as calls, torch.no_grad():
+        flash = hf(input_ids=ids, attention_mask=mask).logits
+        assert calls["varlen"] > 0 and calls["dense"] == 0
+        assert torch.equal(hf.generate(prompt, attention_mask=pmask, **kw), sdpa_pad)
+        calls.update(dense=0, varlen=0)
+        assert torch.equal(hf.generate(prompt[:1], **kw), sdpa_one)
+        assert calls["dense"] > 0 and calls["varlen"] == 0
+        real = mask.bool()
+        assert rel_diff(flash.float(), sdpa.float(), real) <= 3e-2 and rel_diff(flash.float(), ours, real) <= 3e-2
+        with pytest.raises(ValueError, match="takes a 2-D"):
+            hf(input_ids=ids, attention_mask=real[:, None, None, :].expand(-1, 1, ids.shape[1], -1))
+        fp32 = export(m, tmp_path)
+        stub.use_flash(fp32)
+        with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' runs in float16 or bfloat16"):
+            fp32(input_ids=ids, attention_mask=mask)
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises((ImportError, ValueError), match="(?i)flash"):
+            export(m, tmp_path, attn_implementation="flash_attention_2")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_attention_implementations(attn, tmp_path):
+    """sdpa and eager give looplab's logits (flex_attention is refused by transformers: the mask is a boolean tensor)."""
+    m = looped(state_mode="stateloop_attn", coda_layers=1, n_kv_heads=2)
+    hf = export(m, tmp_path, attn_implementation=attn)
+    assert hf.config._attn_implementation == attn
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert rel_diff(hf(input_ids=ids, attention_mask=mask).logits, m(ids, attention_mask=mask).logits,
+                        mask.bool()) <= TOL
+    with pytest.raises(ValueError, match="(?i)flex"):
+        export(m, tmp_path, attn_implementation="flex_attention")
 
 
 # ------------------------------------------------- a trained checkpoint, without looplab, and through lm_eval's CLI

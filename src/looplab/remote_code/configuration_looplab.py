@@ -10,10 +10,13 @@ The looplab fields keep looplab's names (n_layers, n_loops, state_mode, ...: Loo
 `LoopedLM.from_pretrained(folder)` reads the same config.json; the transformers names
 (hidden_size, num_attention_heads, ...) are derived from them. `num_hidden_layers` is the number of
 key/value slots, one per unrolled attention call (see `attention_slots`), not the number of
-distinct layers: the stock DynamicCache and vLLM's Transformers backend size their caches by it.
+distinct layers: the stock DynamicCache sizes itself by it.
 """
 
-from transformers import PretrainedConfig
+try:
+    from transformers import PreTrainedConfig  # transformers 5.x's name
+except ImportError:  # 4.x
+    from transformers import PretrainedConfig as PreTrainedConfig
 
 
 def attention_slots(config) -> dict:
@@ -31,7 +34,7 @@ def attention_slots(config) -> dict:
             "total": P + R * N + R * M + R * C}
 
 
-class LoopedLMHFConfig(PretrainedConfig):
+class LoopedLMHFConfig(PreTrainedConfig):
     model_type = "looplab"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 

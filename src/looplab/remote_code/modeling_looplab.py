@@ -13,20 +13,39 @@ looplab's tests compare it with looplab's own LoopedLM for every configuration i
 
 The block's weights are stored once and applied R times. Every attention call keeps its keys and
 values in its own slot of the stock `DynamicCache` (slot = its place in the unrolled order,
-`attention_slots`), so transformers' generation, lm-eval's `hf` model and vLLM's Transformers
-backend (which calls `ALL_ATTENTION_FUNCTIONS[...]` with `module.layer_idx` as the slot) run it
-without a cache class of its own. A shared layer has one module per slot (`AttentionSlot`, no
-parameters) that carries the slot index to the attention function.
+`attention_slots`), so transformers' generation and lm-eval's `hf` model run it without a cache
+class of its own. A shared layer has one module per slot (`AttentionSlot`, no parameters) that
+carries the slot index (`layer_idx`) and the config to the attention function. vLLM runs these
+folders through looplab's native plugin (docs/vllm.md), not through its Transformers backend: that
+backend builds one attention layer per attention *module*, and one looped block serves R slots.
 
 Depth is set at load time: `from_pretrained(folder, trust_remote_code=True, n_loops=R′)` (the slot
 count follows). With an exit gate (exit_gate=ouro) the forward returns the exit distribution over
 the R loops when asked (`output_exit_probs=True`), and `generate(..., exit_threshold=q)` reads each
 token's prediction at the first loop whose exit CDF reaches q (every loop still runs).
+
+It runs on transformers 4.56 through 5.x (tested: scripts/transformers-matrix, docs/interop.md#tested-versions).
+What differs between those releases is detected, never read off a version string:
+- the attention lookup: `ALL_ATTENTION_FUNCTIONS.get_interface(name, default)` where it exists (5.1 on:
+  it also validates the name), else the mapping itself (`attention_function`);
+- the cache's name in model outputs: `cache` where ModelOutput maps the old `past_key_values` onto it
+  (a `past_key_values` property; such a ModelOutput refuses an output given both), else `past_key_values`,
+  the name older generation loops read (`CACHE_FIELD`); the forwards accept both names;
+- flash attention (`attn_implementation="flash_attention_2"` and other "flash" kernels): transformers'
+  flash path reads `module.config` and takes a (B, L) padding mask, not the 4-D boolean mask the other
+  implementations get (`LoopContext`); it runs in fp16/bf16 only, and an fp32 model is refused by name;
+- initialization: 5.x loads the weights first and then calls `_init_weights` on the whole model, marking
+  what it loaded `_is_hf_initialized`; 4.x initializes first and loads over it. `init_` skips marked
+  tensors, so neither order overwrites a loaded weight;
+- tying: with `tie_word_embeddings` the head is the embedding after transformers' `tie_weights`, checked and
+  done where transformers skipped it (5.3.0 does, for remote code whose checkpoint omits the tied head).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -76,18 +95,37 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, **k
     return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
 
 
+def attention_function(name: str | None) -> Callable:
+    """The attention function registered under `name` (config._attn_implementation); ours for "eager"."""
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.1 on: it also refuses an unknown name
+        return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention)
+    if name is None or name == "eager":  # 4.x, 5.0: a plain mapping of the registered names ("eager" is not one)
+        return eager_attention
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        raise KeyError(f"`{name}` is not a valid attention implementation registered in the `AttentionInterface`")
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def is_flash_attention(name: str | None) -> bool:
+    """transformers' own test for a flash kernel (flash_attention_2/3/4, hub flash kernels): "flash" in the name.
+    Those take a (B, L) padding mask (or None) and read `module.config._attn_implementation`."""
+    return name is not None and "flash" in name
+
+
 class AttentionSlot(nn.Module):
     """What an attention function sees as `module` for one unrolled attention call: its slot
-    (`layer_idx`, vLLM's key into its attention instances) and the head grouping; no parameters."""
+    (`layer_idx`), the head grouping and the model's config
+    (transformers' flash path reads `module.config._attn_implementation`); no parameters."""
 
     is_causal = True
 
-    def __init__(self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int):
+    def __init__(self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int, config=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_key_value_groups = n_heads // n_kv_heads
         self.head_dim = head_dim
         self.scaling = head_dim ** -0.5
+        self.config = config  # the model's own config object (not a copy): set_attn_implementation reaches it
 
 
 class LoopedAttention(nn.Module):
@@ -107,9 +145,8 @@ class LoopedAttention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         if ctx.cache is not None:
             k, v = ctx.cache.update(k, v, slot.layer_idx)
-        # the functional attention interface: transformers' set_attn_implementation, lm-eval and vLLM pick the kernel
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention)
-        y, _ = attend(slot, q, k, v, ctx.mask, dropout=0.0, scaling=slot.scaling, **ctx.kwargs)
+        # the functional attention interface: from_pretrained(attn_implementation=...) / set_attn_implementation pick it
+        y, _ = ctx.attend(slot, q, k, v, ctx.mask, dropout=0.0, scaling=slot.scaling, **ctx.kwargs)
         return self.out_proj(y.reshape(B, T, H * hd))
 
 
@@ -237,29 +274,35 @@ def threshold_exit_steps(exit_probs, q: float):
 @dataclass
 class LoopContext:
     positions: torch.Tensor  # (B|1, T) RoPE positions
-    mask: torch.Tensor | None  # (B, 1, T, L) bool: what each query reads; None = causal
+    mask: torch.Tensor | None  # (B, 1, T, L) bool: what each query reads, None = causal; flash: (B, L) padding mask
     cache: Cache | None
-    attn_implementation: str
-    kwargs: dict  # handed to the attention function (vLLM's attention instances)
+    attend: Callable  # the attention function of config._attn_implementation
+    kwargs: dict  # the forward's further keyword arguments, handed to the attention function
 
 
-@dataclass
-class LoopedLMModelOutput(ModelOutput):
-    last_hidden_state: torch.Tensor | None = None  # FinalNorm(Coda(readout_R))
-    cache: Cache | None = None
-    loop_hidden: torch.Tensor | None = None  # (R, B, T, d): every depth's, when asked
-    past_key_values: Cache | None = None  # the same cache, under transformers' pre-5.2x name
+# The name under which model outputs carry the cache. transformers >= 5.24 calls it `cache`: its ModelOutput has a
+# `past_key_values` property that reads `cache`, renames a `past_key_values=` argument and refuses an output given
+# both. Older releases (4.56 ... 5.23) have no such property, and their generation reads `past_key_values`.
+CACHE_FIELD = "cache" if isinstance(getattr(ModelOutput, "past_key_values", None), property) else "past_key_values"
 
 
-@dataclass
-class LoopedLMCausalLMOutput(ModelOutput):
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    cache: Cache | None = None
-    exit_probs: torch.Tensor | None = None  # (B, T, R): the exit gate's distribution over the loops
-    exit_steps: torch.Tensor | None = None  # (B, T) 1-based: the depth each token's logits come from
-    loop_logits: torch.Tensor | None = None  # (R, B, T, V)
-    past_key_values: Cache | None = None
+def output_class(name: str, doc: str, fields: list[str]) -> type:
+    """A ModelOutput dataclass with `fields` (all default None); "CACHE" stands for the cache, named CACHE_FIELD."""
+    return dataclasses.make_dataclass(
+        name, [(CACHE_FIELD if f == "CACHE" else f, Any, dataclasses.field(default=None)) for f in fields],
+        bases=(ModelOutput,), namespace={"__doc__": doc, "__module__": __name__})
+
+
+LoopedLMModelOutput = output_class(
+    "LoopedLMModelOutput",
+    "last_hidden_state: FinalNorm(Coda(readout_R)); the cache (CACHE_FIELD); loop_hidden: (R, B, T, d), every "
+    "depth's, when asked.",
+    ["last_hidden_state", "CACHE", "loop_hidden"])
+LoopedLMCausalLMOutput = output_class(
+    "LoopedLMCausalLMOutput",
+    "loss, logits, the cache (CACHE_FIELD); with the exit gate: exit_probs (B, T, R), the gate's distribution over "
+    "the loops; exit_steps (B, T), 1-based, the depth each token's logits come from; loop_logits (R, B, T, V).",
+    ["loss", "logits", "CACHE", "exit_probs", "exit_steps", "loop_logits"])
 
 
 class LoopedLMPreTrainedModel(PreTrainedModel):
@@ -269,28 +312,38 @@ class LoopedLMPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = False  # the padding mask is a boolean tensor, not a block mask
-    _supports_attention_backend = True  # vLLM's Transformers backend: attention through ALL_ATTENTION_FUNCTIONS
+    # vLLM's Transformers backend builds one attention layer per attention module; a looped block is one module
+    # serving R slots, so that backend can never run this model: say so (vLLM then refuses it by name) and serve it
+    # with looplab's native vLLM plugin (docs/vllm.md)
+    _supports_attention_backend = False
 
     @torch.no_grad()
     def _init_weights(self, module):
         std = getattr(self.config, "initializer_range", 0.02)
         if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
+            init_(module.weight, lambda w: w.normal_(0.0, std))
             if module.bias is not None:
-                module.bias.zero_()
+                init_(module.bias, torch.Tensor.zero_)
         elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+            init_(module.weight, lambda w: w.normal_(0.0, std))
         elif isinstance(module, LoopedRMSNorm):
-            module.weight.fill_(1.0)
+            init_(module.weight, lambda w: w.fill_(1.0))
         if isinstance(module, StateBranch):
-            module.A_log.zero_()
-            module.state_out.weight.zero_()
+            init_(module.A_log, torch.Tensor.zero_)
+            init_(module.state_out.weight, torch.Tensor.zero_)
         elif isinstance(module, (AddInjection, DiagInjection)):
-            next(module.parameters()).zero_()
+            init_(next(module.parameters()), torch.Tensor.zero_)
         elif isinstance(module, ConcatInjection):
             d = module.weight.shape[0]
-            module.weight.zero_()
-            module.weight[:, :d].copy_(torch.eye(d))
+            init_(module.weight, lambda w: w.zero_()[:, :d].copy_(torch.eye(d)))
+
+
+def init_(tensor: torch.Tensor, fill: Callable) -> None:
+    """Initialize `tensor` in place unless transformers loaded it: 5.x marks every tensor it loaded
+    `_is_hf_initialized` and then initializes the model (its own `transformers.initialization` functions skip
+    those); 4.x initializes first and loads over it."""
+    if not getattr(tensor, "_is_hf_initialized", False):
+        fill(tensor)
 
 
 def check_config(config) -> None:
@@ -325,11 +378,11 @@ class LoopedLMModel(LoopedLMPreTrainedModel):
         self.coda = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.coda_layers))
         self.state = StateBranch(config) if config.state_mode != "vanilla" else None
         self.inject = INJECTION_CLASSES[config.injection](d) if config.injection != "none" else None
-        self.exit_gate = ExitGate(d) if config.exit_gate != "none" else None  # here so vLLM loads (and ignores) it
+        self.exit_gate = ExitGate(d) if config.exit_gate != "none" else None  # model.exit_gate.*: with the base model
         self.final_norm = LoopedRMSNorm(d, config.norm_eps)
         state_heads = (H, H, config.state_dim // H)
         self.attention_slots = nn.ModuleList(
-            AttentionSlot(i, *(state_heads if slots["state"] <= i < slots["coda"] else (H, Hkv, d // H)))
+            AttentionSlot(i, *(state_heads if slots["state"] <= i < slots["coda"] else (H, Hkv, d // H)), config=config)
             for i in range(slots["total"]))
         self.post_init()
 
@@ -339,10 +392,14 @@ class LoopedLMModel(LoopedLMPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed = value
 
-    def _context(self, input_ids, attention_mask, position_ids, cache, kwargs) -> LoopContext:
-        B, T = input_ids.shape[:2]
+    def _context(self, embeds, attention_mask, position_ids, cache, kwargs) -> LoopContext:
+        B, T = embeds.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
-        device = input_ids.device
+        device = embeds.device
+        name = self.config._attn_implementation or "sdpa"
+        attend = attention_function(name)
+        if is_flash_attention(name):
+            return self._flash_context(name, attend, embeds, attention_mask, position_ids, past, cache, kwargs)
         mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
             valid = attention_mask.to(torch.bool)  # (B, past + T): 1 = real token, 0 = (left) padding
@@ -361,8 +418,29 @@ class LoopedLMModel(LoopedLMPreTrainedModel):
         if mask is None and T > 1 and past > 0:
             L = past + T
             mask = torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)[None, None]
-        attn = self.config._attn_implementation or "sdpa"
-        return LoopContext(position_ids, mask, cache, attn, kwargs)
+        return LoopContext(position_ids, mask, cache, attend, kwargs)
+
+    def _flash_context(self, name, attend, embeds, attention_mask, position_ids, past, cache, kwargs) -> LoopContext:
+        """Flash kernels take the (B, past + T) padding mask, None without padding (transformers' flash path unpads
+        by it and applies the causal rule itself, aligned bottom-right), and run in fp16/bf16 only."""
+        T = embeds.shape[1]
+        if embeds.dtype == torch.float32 and not torch.is_autocast_enabled(embeds.device.type):
+            raise ValueError(f"attn_implementation={name!r} runs in float16 or bfloat16, and this model computes in "
+                             "float32: load it with dtype=torch.bfloat16 (or float16), run it under torch.autocast, or "
+                             "use attn_implementation='sdpa'")
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(f"attn_implementation={name!r} takes a 2-D (batch, length) padding mask, got "
+                                 f"{attention_mask.dim()}-D: give the 2-D mask, or use attn_implementation='sdpa'")
+            valid = attention_mask.to(torch.bool)
+            if position_ids is None:
+                position_ids = (valid.long().cumsum(1) - 1).clamp_min(0)[:, -T:]
+            if not bool(valid.all()):
+                mask = valid
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=embeds.device)[None]
+        return LoopContext(position_ids, mask, cache, attend, kwargs)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, output_loop_states: bool = False, return_dict=None, past_key_values=None, **kwargs):
@@ -376,8 +454,7 @@ class LoopedLMModel(LoopedLMPreTrainedModel):
             cache = None
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
-        ids_like = inputs_embeds[..., 0]
-        ctx = self._context(ids_like, attention_mask, position_ids, cache, kwargs)
+        ctx = self._context(inputs_embeds, attention_mask, position_ids, cache, kwargs)
         at, cfg = self.slots_at, self.config
         x = inputs_embeds
         for p, layer in enumerate(self.prelude):
@@ -409,8 +486,8 @@ class LoopedLMModel(LoopedLMPreTrainedModel):
             for c, layer in enumerate(self.coda):
                 z = layer(z, ctx, self.attention_slots[at["coda"] + r * C + c])
             hidden.append(self.final_norm(z))
-        out = LoopedLMModelOutput(last_hidden_state=hidden[-1], cache=cache, past_key_values=cache,
-                                  loop_hidden=torch.stack(hidden) if every_depth else None)
+        out = LoopedLMModelOutput(last_hidden_state=hidden[-1], loop_hidden=torch.stack(hidden) if every_depth else None,
+                                  **{CACHE_FIELD: cache})
         return out if return_dict is not False else (out.last_hidden_state,)
 
 
@@ -435,6 +512,20 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def tie_weights(self, *args, **kwargs):
+        """transformers' tying (its signature differs between releases), then a check that it happened: with
+        tie_word_embeddings the head must be the embedding. 5.3 skips the tie for a remote-code model whose checkpoint
+        omits the tied head (it marks the head as loaded, then finds it "present"), leaving lm_head unloaded."""
+        out = super().tie_weights(*args, **kwargs)
+        embed = self.model.embed.weight
+        if getattr(self.config, "tie_word_embeddings", False) and self.lm_head.weight is not embed \
+                and embed.device.type != "meta":  # meta: while from_pretrained builds the model, before loading
+            self.lm_head.weight = embed
+            tied = getattr(self, "all_tied_weights_keys", None)  # 5.x's record of what is tied (save_pretrained)
+            if isinstance(tied, dict):
+                tied.update(self._tied_weights_keys)
+        return out
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, output_exit_probs: bool = False, exit_threshold: float | None = None,
                 return_dict=None, past_key_values=None, **kwargs):
@@ -450,7 +541,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_loop_states=every_depth, **kwargs)
-        result = LoopedLMCausalLMOutput(cache=out.cache, past_key_values=out.cache)
+        result = LoopedLMCausalLMOutput(**{CACHE_FIELD: getattr(out, CACHE_FIELD)})
         if every_depth:
             loop_logits = self.lm_head(out.loop_hidden)  # (R, B, T, V)
             result.exit_probs = exit_distribution(torch.sigmoid(gate(out.loop_hidden).permute(1, 2, 0)))
