@@ -79,7 +79,7 @@ def test_notebook_fresh_clone_shows_committed_tables(tmp_path, monkeypatch):
         assert n_rows == rows > 0, (n, text)
         assert n_findings == len(verdicts), n
     all_verdicts = [v for _, vs in expected.values() for v in vs]
-    kinds = ("reproduced", "contradicted", "inconclusive", "not tested")
+    from looplab.stats import VERDICTS as kinds  # reproduced, contradicted, negligible, inconclusive, not tested
     assert len(all_verdicts) > 0
     assert (f"verdicts shown: {len(all_verdicts)} finding(s) — "
             + ", ".join(f"{all_verdicts.count(v)} {v}" for v in kinds)) in text
