@@ -68,13 +68,18 @@ class GateRule(ExitRule):
         return inputs[..., :t].sum(-1) >= threshold
 
 
-@EXIT_RULES.register("kl")
-class KLRule(ExitRule):
-    example_thresholds = (0.001, 0.01, 0.05, 0.2, 1.0)
+class NonNegativeThreshold(ExitRule):
+    """A rule whose threshold is a divergence, an entropy or a relative distance: any number >= 0."""
+
     @classmethod
     def check_threshold(cls, threshold):
         if threshold < 0:
-            raise ValueError(f"exit_threshold={threshold!r}: rule 'kl' takes a threshold >= 0")
+            raise ValueError(f"exit_threshold={threshold!r}: rule {cls.name!r} takes a threshold >= 0")
+
+
+@EXIT_RULES.register("kl")
+class KLRule(NonNegativeThreshold):
+    example_thresholds = (0.001, 0.01, 0.05, 0.2, 1.0)
 
     @classmethod
     def stops(cls, t, threshold, inputs):
@@ -86,12 +91,8 @@ class KLRule(ExitRule):
 
 
 @EXIT_RULES.register("entropy")
-class EntropyRule(ExitRule):
+class EntropyRule(NonNegativeThreshold):
     example_thresholds = (1.0, 2.0, 3.0, 3.5, 4.0, 4.1)
-    @classmethod
-    def check_threshold(cls, threshold):
-        if threshold < 0:
-            raise ValueError(f"exit_threshold={threshold!r}: rule 'entropy' takes a threshold >= 0")
 
     @classmethod
     def stops(cls, t, threshold, inputs):
@@ -100,14 +101,9 @@ class EntropyRule(ExitRule):
 
 
 @EXIT_RULES.register("hidden_delta")
-class HiddenDeltaRule(ExitRule):
+class HiddenDeltaRule(NonNegativeThreshold):
     reads = "hidden"
     example_thresholds = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
-
-    @classmethod
-    def check_threshold(cls, threshold):
-        if threshold < 0:
-            raise ValueError(f"exit_threshold={threshold!r}: rule 'hidden_delta' takes a threshold >= 0")
 
     @classmethod
     def stops(cls, t, threshold, inputs):
@@ -120,6 +116,7 @@ class HiddenDeltaRule(ExitRule):
 @EXIT_RULES.register("argmax_stable")
 class ArgmaxStableRule(ExitRule):
     example_thresholds = (1, 2)
+
     @classmethod
     def check_threshold(cls, threshold):
         if threshold < 1 or threshold != int(threshold):
