@@ -70,7 +70,6 @@ with the option named: kv=share_first without an attention layer in the block, t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
