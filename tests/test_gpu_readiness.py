@@ -11,6 +11,7 @@ bookkeeping that grew for an engine's life.
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -144,7 +145,8 @@ def test_a_long_generate_keeps_only_the_tokens():
         m.generate(ids, 400)
         print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
     """)
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip()) < 100, f"peak resident memory grew by {out.stdout.strip()} MB"
