@@ -272,6 +272,32 @@ def test_the_decode_timer_stops_after_the_step_reads_the_device():
     assert "clock" in events[last_sync:], events
 
 
+def test_depthwise_decode_timer_counts_every_step():
+    """A depth-wise step in which no token leaves (it ran a loop of tokens still in flight) is decoding time too:
+    with a clock that ticks once per read, decode_s grows at every step that ran a block call."""
+    model = make(exit_gate="ouro")
+    ticks = [0.0]
+
+    def clock():
+        ticks[0] += 1.0
+        return ticks[0]
+
+    engine = Engine(model, max_batch=2, max_len=32, exits=ExitPolicy(threshold=1.1, skip="kv_copy"),
+                    schedule="depthwise", clock=clock)  # threshold > 1: every token runs every loop
+    for p in prompts((3, 5)):
+        engine.add(p, 3)
+    engine.step()  # admission and the first loop
+    loops_only = 0  # steps whose block call ran and no token left (every token runs all R loops: most steps)
+    while engine.depthwise.in_flight:
+        before, calls = engine.stats["decode_s"], engine.stats["decode_calls"]
+        starting = sum(engine.depthwise.loop[b] < 0 for b in range(2))
+        engine.step()
+        if engine.stats["decode_calls"] > calls:
+            assert engine.stats["decode_s"] > before
+            loops_only += starting == 0 and all(engine.depthwise.loop[b] > 0 for b in range(2))
+    assert loops_only > 0  # the case under test happened
+
+
 def test_engine_bookkeeping_is_bounded():
     model = make(exit_gate="ouro")
     engine = Engine(model, max_batch=2, max_len=32, exits=ExitPolicy(threshold=0.5, skip="kv_copy"),

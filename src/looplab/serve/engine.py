@@ -231,7 +231,8 @@ class Engine:
         rows, logits, steps = dec.step()
         self.stats["decode_calls"] += 1
         self.stats["decode_rows"] += len(dec.block_calls[-1])
-        if not rows:
+        if not rows:  # no token left this loop: the step's time still counts (dec.step read its decision, a sync)
+            self.stats["decode_s"] += self._clock() - t0
             return []
         reqs = [self.rows[b] for b in rows]
         taken = self._take(self._draw_rows(reqs, logits, steps if self.exits is not None else None, dec.left), t0=t0)
