@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from looplab.models.registry import STATE_UPDATES
+from looplab.models.state import SelectiveState
 from looplab.testing.conformance import builtin_variants, checks, parametrize_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread (conftest)
@@ -18,7 +20,27 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one th
 
 @parametrize_checks(*builtin_variants())
 def test_builtin_variant_conforms(check):
-    check()
+    check()  # the kit's own assertions (logits, tokens, refusals) raise on a variant that does not conform
+
+
+class LeaksTheFuture(SelectiveState):
+    """A broken update: each token's state reads the mean of the whole sequence, which a full forward sees and a
+    cached step (one token) does not."""
+
+    def update(self, h, s_prev):
+        return super().update(h + h.mean(dim=-2, keepdim=True), s_prev)
+
+
+def test_the_kit_fails_a_variant_whose_cached_decoding_differs(monkeypatch):
+    # registered for this test only: modules collected after this one build their parameter lists from the registry
+    monkeypatch.setattr(STATE_UPDATES, "_classes", dict(STATE_UPDATES._classes))
+    monkeypatch.setattr(STATE_UPDATES, "_order", list(STATE_UPDATES._order))
+    STATE_UPDATES.register("conformance_test.leaks_the_future")(LeaksTheFuture)
+    found = checks("state_update", "conformance_test.leaks_the_future", only=("cached_decoding",))
+    assert found
+    for check in found:
+        with pytest.raises(AssertionError, match="not close"):
+            check()
 
 
 def test_every_registered_axis_has_builtins_and_every_check_is_generated():
