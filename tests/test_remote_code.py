@@ -408,24 +408,14 @@ def test_lm_eval_cli_equals_looplab_eval(trained_export, tmp_path):
     # per-choice log-likelihoods from lm_eval's samples against the model's own (an independent forward pass)
     from looplab.checkpoint import load_model
     from looplab.data.tokenizer import load_tokenizer
+    from looplab.testing.lm_eval_samples import logged_loglikelihoods
 
     model, meta = load_model(str(ckpt))
     model.eval()
-    tok = load_tokenizer(meta["dataset"]["tokenizer"])
     checked = 0
     L = 32  # the max_length both sides score with: a longer request keeps its last L + 1 tokens
-    for f in (tmp_path / "out").rglob("samples_looplab_tiny_*.jsonl"):
-        for line in f.read_text().splitlines():
-            s = json.loads(line)
-            for args, resp in zip(s["arguments"].values(), s["resps"]):
-                ctx, cont = args["arg_0"], args["arg_1"]
-                full, head = tok.encode(ctx + cont), tok.encode(ctx)
-                n = len(full) - len(head)
-                ids = torch.tensor([full[-(L + 1):]])
-                with torch.no_grad():
-                    lp = torch.log_softmax(model(ids[:, :-1]).logits[0].double(), -1)
-                own = float(lp[-n:].gather(-1, ids[0, -n:, None]).sum())
-                ll = float(resp[0][0])
-                assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (f.name, ctx[-30:], cont, ll, own)
-                checked += 1
+    tok = load_tokenizer(meta["dataset"]["tokenizer"])
+    for where, ll, own in logged_loglikelihoods(tmp_path / "out", tok, model, L):
+        assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (*where, ll, own)
+        checked += 1
     assert checked >= 3 * limit * 2  # three tasks, >= 2 choices per document

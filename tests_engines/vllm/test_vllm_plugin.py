@@ -402,22 +402,12 @@ def test_lm_eval_vllm_equals_looplab_eval(text_export, tmp_path):
         assert theirs[t]["acc,none"] == pytest.approx(ours["results"][t]["acc"], abs=1e-12), t
 
     from looplab.data.tokenizer import load_tokenizer
+    from looplab.testing.lm_eval_samples import logged_loglikelihoods
 
-    tok = load_tokenizer(TOK)
     checked, worst = 0, 0.0
-    for f in (tmp_path / "out").rglob("samples_looplab_tiny_*.jsonl"):
-        for line in f.read_text().splitlines():
-            s = json.loads(line)
-            for args, resp in zip(s["arguments"].values(), s["resps"]):
-                ctx, cont = args["arg_0"], args["arg_1"]
-                full, head = tok.encode(ctx + cont), tok.encode(ctx)
-                n = len(full) - len(head)
-                ids = torch.tensor([full[-(SEQ_LEN + 1):]])
-                with torch.no_grad():
-                    lp = torch.log_softmax(m(ids[:, :-1]).logits[0].double(), -1)
-                own = float(lp[-n:].gather(-1, ids[0, -n:, None]).sum())
-                worst = max(worst, abs(float(resp[0][0]) - own))
-                assert abs(float(resp[0][0]) - own) <= 1e-4 * max(1.0, abs(own)), (f.name, ctx[-30:], cont)
-                checked += 1
+    for where, ll, own in logged_loglikelihoods(tmp_path / "out", load_tokenizer(TOK), m, SEQ_LEN):
+        worst = max(worst, abs(ll - own))
+        assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (*where, ll, own)
+        checked += 1
     assert checked >= 3 * limit * 2  # three tasks, >= 2 choices per document
     RESULTS["lm_eval looplab_tiny"] = {"tokens_equal": [True], "max_dlogprob": worst, "n_logprobs": checked}
