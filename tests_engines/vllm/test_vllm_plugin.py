@@ -69,13 +69,14 @@ def prompts(seed=1) -> list[list[int]]:
     return [torch.randint(1, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def check(llm, model, batch, n_loops=None, exits=None) -> dict:
+def check(llm, model, batch, n_loops=None, exits=None, prompt_logprobs: bool = True) -> dict:
     """vLLM's greedy tokens and log-probabilities against looplab's. Returns {'tokens_equal': [per prompt],
-    'max_dlogprob': over every prompt and generated token, 'n_logprobs': how many were compared}."""
+    'max_dlogprob': over every prompt and generated token, 'n_logprobs': how many were compared, 'cached_tokens':
+    the prompt tokens vLLM's prefix cache served (0 with prompt_logprobs, which vLLM computes afresh)}."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=1, prompt_logprobs=1, detokenize=False,
-                        ignore_eos=True)
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=1, prompt_logprobs=1 if prompt_logprobs else None,
+                        detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
     equal, deltas = [], []
     for p, out in zip(batch, outs):
@@ -85,11 +86,12 @@ def check(llm, model, batch, n_loops=None, exits=None) -> dict:
         full = torch.tensor([p + got])
         with torch.no_grad():
             lp = torch.log_softmax(model(full, n_loops=n_loops, exits=exits).logits[0].double(), -1)
-        for j in range(1, len(p)):  # prompt_logprobs[0] is None: nothing predicts the first token
+        for j in range(1, len(p) if prompt_logprobs else 0):  # [0] is None: nothing predicts the first token
             deltas.append(abs(out.prompt_logprobs[j][p[j]].logprob - float(lp[j - 1, p[j]])))
         for i, tok in enumerate(got):
             deltas.append(abs(out.outputs[0].logprobs[i][tok].logprob - float(lp[len(p) + i - 1, tok])))
-    return {"tokens_equal": equal, "max_dlogprob": max(deltas), "n_logprobs": len(deltas)}
+    return {"tokens_equal": equal, "max_dlogprob": max(deltas), "n_logprobs": len(deltas),
+            "cached_tokens": sum(out.num_cached_tokens or 0 for out in outs)}
 
 
 def passes(res: dict) -> bool:
@@ -107,7 +109,16 @@ CASES = {
     "stateloop_attn_prelude_coda_gqa": dict(d_model=128, n_heads=4, n_kv_heads=2, state_mode="stateloop_attn",
                                             prelude_layers=1, coda_layers=1),
     "stateloop_attn_wide_state": dict(state_mode="stateloop_attn", state_dim=128),  # mixer head 64, block head 32
+    # parallel loops (loop r reads loop r − 1 one token back; the decoded tokens read the per-request carry)
+    "parallel_own_prelude_coda_gqa": dict(loop_schedule="parallel", d_model=128, n_heads=4, n_kv_heads=2,
+                                          prelude_layers=1, coda_layers=1),
+    "parallel_share_first": dict(loop_schedule="parallel", loop_kv="share_first"),
+    "parallel_gswa_query_window4": dict(loop_schedule="parallel", loop_kv="gswa", loop_window=4),
+    "parallel_gswa_residual_R4_norm_learned_mix": dict(loop_schedule="parallel", loop_kv="gswa", loop_gate="residual",
+                                                       loop_window=3, n_loops=4, loop_norm=True, loop_mix=(0.5, 2.0),
+                                                       loop_mix_learned=True),
 }
+PARALLEL = dict(loop_schedule="parallel", loop_kv="gswa", loop_window=4)
 RESULTS: dict[str, dict] = {}  # the measured figures, printed at the end (pytest -s) and in docs/vllm.md
 
 
@@ -123,7 +134,7 @@ def _report():
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_and_logprobs_equal_looplab(case, tmp_path):
     m = looped(**CASES[case])
-    write_folder(m, tmp_path)
+    write_folder(m, tmp_path, engine="vllm")
     llm = engine(tmp_path)
     try:
         res = RESULTS[case] = check(llm, m, prompts())
@@ -174,6 +185,47 @@ def test_exit_threshold_gives_looplab_exit_tokens(tmp_path):
         assert passes(res), (q, res)
 
 
+def test_parallel_carry_across_prompt_chunks_and_prefix_cache_hits(tmp_path):
+    """Parallel loops carry N(H^(1..R−1)) of a request's last token from one forward to the next. That carry is also
+    what a prompt split into chunks (chunked prefill, 8 tokens a step) and a prompt whose prefix vLLM's cache serves
+    (its state copied at a block boundary, mamba_cache_mode=align) must continue from. Both equal looplab."""
+    m = looped(**PARALLEL)
+    write_folder(m, tmp_path, engine="vllm")
+    llm = engine(tmp_path, enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4)
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 8
+        res = RESULTS["parallel: prompts in chunks of 8"] = check(llm, m, prompts())
+    finally:
+        close(llm)
+    assert passes(res), res
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(1, V, (70,), generator=g).tolist()
+    llm = engine(tmp_path, block_size=16)
+    try:
+        check(llm, m, [base[:50]], prompt_logprobs=False)  # fills the prefix cache
+        res = RESULTS["parallel: prefix-cache hits"] = check(llm, m, [base[:60], base[:45] + [3, 4, 5, 6, 7]],
+                                                             prompt_logprobs=False)
+    finally:
+        close(llm)
+    assert res["cached_tokens"] > 0, res  # the cache served a prefix: the carry came from a copied state
+    assert passes(res), res
+
+
+@pytest.mark.parametrize("r", [5, 1])
+def test_parallel_test_time_depth_set_at_load_in_vllms_default_mode(r, tmp_path):
+    """hf_overrides={"n_loops": R′} under parallel loops: the slots and the carry's shape follow. Loaded as vLLM
+    loads by default (no enforce_eager): the plugin runs parallel loops eagerly (model._compiled; compiled, they
+    differed from looplab)."""
+    m = looped(**PARALLEL)
+    write_folder(m, tmp_path, engine="vllm")
+    llm = engine(tmp_path, hf_overrides={"n_loops": r}, enforce_eager=False)
+    try:
+        res = RESULTS[f"parallel: depth R'={r}, vLLM's default mode"] = check(llm, m, prompts(), n_loops=r)
+    finally:
+        close(llm)
+    assert passes(res), res
+
+
 # ------------------------------------------------------------------ mutations: the check must catch a broken plugin
 def _alias_loop_slots(monkeypatch):
     """A slot mapping that forgets the loop: block layer l of every loop uses loop 1's slot (one KV cache)."""
@@ -204,13 +256,27 @@ def _drop_state_branch(monkeypatch):
     monkeypatch.setattr(plugin.StateBranch, "forward", lambda self, h, s_prev, positions, slot: (s_prev, h))
 
 
+def _drop_carry(monkeypatch):
+    """Parallel loops without the carry: a decoded token's loops 2..R read zeros instead of the previous token's."""
+    from looplab.vllm_plugin import parallel
+
+    read = parallel.LoopCarry.read
+
+    def mutated(self, like):
+        carried, first = read(self, like)
+        return carried.zero_(), first
+
+    monkeypatch.setattr(parallel.LoopCarry, "read", mutated)
+
+
 @pytest.mark.parametrize("mutation,kw", [
     (_alias_loop_slots, dict(state_mode="stateloop", prelude_layers=1)),
     (_drop_state_branch, dict(state_mode="stateloop", prelude_layers=1)),
+    (_drop_carry, PARALLEL),
 ])
 def test_mutations_fail_the_check(mutation, kw, tmp_path, monkeypatch):
     m = looped(**kw)
-    write_folder(m, tmp_path)
+    write_folder(m, tmp_path, engine="vllm")
     mutation(monkeypatch)
     llm = engine(tmp_path)
     try:
@@ -234,7 +300,8 @@ def _edited_folder(tmp_path, **fields) -> Path:
 
 
 @pytest.mark.parametrize("fields,named", [
-    (dict(loop_schedule="parallel", loop_kv="gswa"), "loop_schedule='parallel'"),
+    (dict(loop_schedule="parallel", loop_kv="ring"), "loop_kv='ring'"),
+    (dict(loop_schedule="parallel", injection="add"), "injection='add'"),
     (dict(backbone="mamba2"), "backbone='mamba2'"),
     (dict(backbone="hybrid"), "backbone='hybrid'"),
     (dict(state_mode="stateloop_mamba2"), "state_mode='stateloop_mamba2'"),

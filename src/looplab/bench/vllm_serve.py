@@ -14,6 +14,10 @@ requests outstanding; a finished one is replaced by the next at once). Arms, all
     vllm_exit_plain / vllm_exit_q
                        an exit-gated copy of the model in vLLM, read at the last loop / at each token's exit
                        depth (hf_overrides exit_threshold=q): what the exit costs in vLLM, where every loop runs
+    looplab_engine_parallel / vllm_parallel  (--arms; not in the default set)
+                       the same weights under loop_schedule=parallel (loop_kv=own: the same compute per token), in
+                       looplab.serve.Engine (its folded step: the R loops of a token in one block call) and in vLLM
+                       (the plugin runs the loops one after another, eagerly: docs/vllm.md#parallel-loops)
 
 Reported per run: output tokens/s, wall time, and for vLLM the engine's start-up time; with --repeats K each arm
 runs each concurrency K times (the engine started once) and the ratios use the best of the K (other processes
@@ -65,6 +69,14 @@ def bench_models(d_model: int = 512, n_layers: int = 2, n_loops: int = 4, vocab_
         gated.exit_gate.proj.weight.copy_(torch.randn(gated.exit_gate.proj.weight.shape, generator=g) / d_model ** 0.5)
         gated.exit_gate.proj.bias.fill_(-0.5)
     return plain, gated
+
+
+def parallel_copy(plain: LoopedLM) -> LoopedLM:
+    """The same weights under loop_schedule=parallel, loop_kv=own (a different model: loop r reads loop r − 1 one
+    token back)."""
+    par = LoopedLM(LoopedLMConfig(**{**plain.config.architecture_dict(), "loop_schedule": "parallel"})).eval()
+    par.load_state_dict(plain.state_dict(), strict=True)
+    return par
 
 
 def vllm_closed_loop(llm, trace: list[dict], concurrency: int) -> dict[str, Any]:
@@ -126,11 +138,14 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
     trace = make_trace(requests, plain.config.vocab_size, prompt_len, new_tokens, seed=seed)
     work = Path(work or tempfile.mkdtemp(prefix="looplab-vllm-bench-"))
     runs: list[dict] = []
-    if "looplab_engine" in arms:
+    par = parallel_copy(plain) if {"looplab_engine_parallel", "vllm_parallel"} & set(arms) else None
+    for arm, model in (("looplab_engine", plain), ("looplab_engine_parallel", par)):
+        if arm not in arms:
+            continue
         for c in concurrency:
             for k in range(repeats):
-                r = run_arm(plain, trace, "plain", c, None, open_loop=False, check=False, progress=False)
-                runs.append({"arm": "looplab_engine", "concurrency": c, "repeat": k, "wall_s": r["wall_s"],
+                r = run_arm(model, trace, "plain", c, None, open_loop=False, check=False, progress=False)
+                runs.append({"arm": arm, "concurrency": c, "repeat": k, "wall_s": r["wall_s"],
                              "output_tokens_per_s": r["output_tokens_per_s"], "output_tokens": r["output_tokens"]})
     # looplab's own greedy tokens per request (the Engine's equal decoding alone: looplab.serve.solo_agreement)
     from looplab.models.generation import generate
@@ -144,6 +159,12 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
     startup = {}
     exits = {}
     plans = [(arm, folders[arm], None, want) for arm in ("vllm_looped", "vllm_unrolled") if arm in arms]
+    if "vllm_parallel" in arms:
+        folders["vllm_parallel"] = work / "parallel"
+        write_folder(par, folders["vllm_parallel"], engine="vllm")
+        want_par = [generate(par, torch.tensor([r["prompt"]]), r["max_new_tokens"])[0, len(r["prompt"]):].tolist()
+                    for r in trace]
+        plans.append(("vllm_parallel", folders["vllm_parallel"], None, want_par))
     if "vllm_exit" in arms:
         pol = ExitPolicy(threshold=exit_threshold)
         want_plain = [generate(gated, torch.tensor([r["prompt"]]), r["max_new_tokens"])[0, len(r["prompt"]):].tolist()
@@ -190,7 +211,9 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
     summary = {}
     for c in concurrency:
         for a, b in (("vllm_looped", "looplab_engine"), ("vllm_looped", "vllm_unrolled"),
-                     ("vllm_exit_q", "vllm_exit_plain"), ("vllm_exit_plain", "vllm_looped")):
+                     ("vllm_exit_q", "vllm_exit_plain"), ("vllm_exit_plain", "vllm_looped"),
+                     ("vllm_parallel", "looplab_engine_parallel"), ("vllm_parallel", "vllm_looped"),
+                     ("looplab_engine_parallel", "looplab_engine")):
             if (a, c) in best and (b, c) in best:
                 summary[f"{a}_vs_{b}_c{c}"] = best[(a, c)] / best[(b, c)]
     cfg = plain.config

@@ -426,7 +426,8 @@ class Parallel(LoopSchedule):
                        "loop_depth.sampler=fixed, backprop_loops=null",
         parallel_loops=True,
         routing="routing's kv=share_first and per-token depths are a different scheme; use depth_router=none",
-        export="parallel loops (cross-loop shift, shared/windowed KV) are not in the exported code")
+        export="parallel loops (cross-loop shift, shared/windowed KV) are not in the exported transformers code; "
+               "`to-hf --vllm` writes them for vLLM (docs/vllm.md)")
 
     @classmethod
     def validate(cls, cfg):

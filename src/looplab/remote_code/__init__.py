@@ -29,10 +29,24 @@ AUTO_MAP = {
 CODE_FILES = ("configuration_looplab.py", "modeling_looplab.py")
 
 
-def unsupported(cfg) -> str | None:
-    """Why the exported code cannot run this LoopedLMConfig (the field and its value), or None: the variants'
-    declared `export` (models/registry.py; a researcher's variant is refused until it declares how it exports)."""
-    return cfg.unsupported("export")
+ENGINES = ("transformers", "vllm")
+
+
+def unsupported(cfg, engine: str = "transformers") -> str | None:
+    """Why the folder's engine cannot run this LoopedLMConfig (the field and its value), or None.
+    transformers: the exported remote code, as the variants declare it (`export`, models/registry.py; a
+    researcher's variant is refused until it declares how it exports). vllm: looplab's vLLM plugin
+    (`looplab.vllm_plugin.config.refusal`, read on the config.json the folder would hold; it runs parallel loops,
+    which the remote code does not)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: choose one of {ENGINES}")
+    if engine == "transformers":
+        return cfg.unsupported("export")
+    from looplab.vllm_plugin.config import LoopedLMVLLMConfig, refusal
+
+    d = hf_config_dict(cfg)
+    d.pop("extra", None)
+    return refusal(LoopedLMVLLMConfig(**d))
 
 
 def hf_config_dict(cfg, *, bos_token_id=None, eos_token_id=None) -> dict:
@@ -57,15 +71,17 @@ def tokenizer_config(tokenizer_json: Path, eos_token: str | None, max_len: int) 
     return cfg
 
 
-def write_folder(model, out, tokenizer=None, eos_token: str | None = None) -> Path:
+def write_folder(model, out, tokenizer=None, eos_token: str | None = None, engine: str = "transformers") -> Path:
     """Write `model` (a LoopedLM) as a remote-code transformers folder at `out`; returns the folder.
-    tokenizer: a tokenizer.json file or a folder holding one (copied, and given a tokenizer_config.json)."""
+    tokenizer: a tokenizer.json file or a folder holding one (copied, and given a tokenizer_config.json).
+    engine: the engine that must run it (`unsupported`). A folder written for vllm that the remote code cannot run
+    (parallel loops) is the same folder; transformers refuses it at load, naming the field."""
     from safetensors.torch import save_file
 
     cfg = model.config
-    reason = unsupported(cfg)
+    reason = unsupported(cfg, engine)
     if reason:
-        raise ValueError(f"cannot export to transformers remote code: {reason}")
+        raise ValueError(f"cannot export for {engine}: {reason}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     here = Path(__file__).parent

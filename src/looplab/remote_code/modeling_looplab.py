@@ -357,7 +357,9 @@ def check_config(config) -> None:
     for name, default in (("loop_schedule", "sequential"), ("depth_router", None)):
         value = getattr(config, name, default)
         if value not in (default, None) and not (name == "depth_router" and (value or {}).get("name", "none") == "none"):
-            raise ValueError(f"{name}={value!r}: the exported code runs sequential loops without a depth router")
+            hint = ("; vLLM runs parallel loops with looplab's plugin (pip install 'looplab[vllm]'), and looplab "
+                    "reads the folder (LoopedLM.from_pretrained)") if name == "loop_schedule" else ""
+            raise ValueError(f"{name}={value!r}: the exported code runs sequential loops without a depth router{hint}")
     if not isinstance(config.n_loops, int) or config.n_loops < 1:
         raise ValueError(f"n_loops={config.n_loops!r} must be an integer >= 1")
 

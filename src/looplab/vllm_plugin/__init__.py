@@ -9,15 +9,20 @@ a `python -m looplab.convert to-hf` folder loads with no `trust_remote_code` and
 
 from __future__ import annotations
 
+ARCHITECTURES = {  # the parallel schedule's class keeps a carry per request (a state layer): its own architecture
+    "LoopedLMForCausalLM": "looplab.vllm_plugin.model:LoopedLMForCausalLM",
+    "LoopedLMParallelForCausalLM": "looplab.vllm_plugin.model:LoopedLMParallelForCausalLM",
+}
 ARCHITECTURE = "LoopedLMForCausalLM"
-MODEL_PATH = "looplab.vllm_plugin.model:LoopedLMForCausalLM"
+MODEL_PATH = ARCHITECTURES[ARCHITECTURE]
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, MODEL_PATH)
+    for arch, path in ARCHITECTURES.items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, path)
     register_config()
 
 

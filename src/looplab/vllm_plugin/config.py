@@ -20,10 +20,14 @@ from transformers import PretrainedConfig
 
 MODEL_TYPE = "looplab"
 
-# what the plugin runs (sequential schedule, llama blocks); anything else is refused by name
+# what the plugin runs (llama blocks, sequential or parallel loops); anything else is refused by name
 STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_reset")
 INJECTIONS = ("none", "add", "concat", "diag")
 EXIT_GATES = ("none", "ouro")
+LOOP_SCHEDULES = ("sequential", "parallel")
+LOOP_KV = ("own", "share_first", "gswa")  # parallel loops: what loop r >= 2 attends to (looplab/models/parallel.py)
+LOOP_GATES = ("query", "residual")
+PARALLEL_ARCHITECTURE = "LoopedLMParallelForCausalLM"  # the same folder under parallel loops: a model with a carry
 
 
 def slot_layout(cfg) -> dict:
@@ -38,8 +42,15 @@ def slot_layout(cfg) -> dict:
     P, N, C, R = cfg.prelude_layers, cfg.n_layers, cfg.coda_layers, cfg.n_loops
     M = 1 if cfg.state_mode == "stateloop_attn" else 0
     coda_depths = R if getattr(cfg, "exit_threshold", None) is not None else 1
-    return {"prelude": 0, "block": P, "state": P + R * N, "coda": P + R * N + R * M,
-            "total": P + R * N + R * M + coda_depths * C, "coda_depths": coda_depths}
+    B = R * N  # parallel loops with share_first: loop 1's slots only (loops 2..R read them and keep no keys)
+    if schedule(cfg) == "parallel" and getattr(cfg, "loop_kv", "own") == "share_first":
+        B = N
+    return {"prelude": 0, "block": P, "state": P + B, "coda": P + B + R * M,
+            "total": P + B + R * M + coda_depths * C, "coda_depths": coda_depths}
+
+
+def schedule(cfg) -> str:
+    return getattr(cfg, "loop_schedule", "sequential") or "sequential"
 
 
 def refusal(cfg, supported_head_sizes=None) -> str | None:
@@ -57,11 +68,20 @@ def refusal(cfg, supported_head_sizes=None) -> str | None:
         return bad("injection", f"the plugin runs {', '.join(INJECTIONS)}")
     if cfg.exit_gate not in EXIT_GATES:
         return bad("exit_gate", f"the plugin runs {', '.join(EXIT_GATES)}")
-    sched = getattr(cfg, "loop_schedule", "sequential") or "sequential"
-    if sched != "sequential":
-        return bad("loop_schedule", "parallel loops carry R−1 hidden vectors per request from one decoding step to "
-                   "the next, and vLLM 0.32's model interface has no per-request state for them outside Mamba-style "
-                   "state layers; the plugin runs sequential loops")
+    sched = schedule(cfg)
+    if sched not in LOOP_SCHEDULES:
+        return bad("loop_schedule", f"the plugin runs {', '.join(LOOP_SCHEDULES)}")
+    if sched == "parallel":
+        if getattr(cfg, "loop_kv", "own") not in LOOP_KV:
+            return bad("loop_kv", f"the plugin runs {', '.join(LOOP_KV)}")
+        if getattr(cfg, "loop_gate", "query") not in LOOP_GATES:
+            return bad("loop_gate", f"the plugin runs {', '.join(LOOP_GATES)}")
+        for field, ok in (("state_mode", "vanilla"), ("injection", "none"), ("exit_gate", "none")):
+            if getattr(cfg, field) != ok:
+                return bad(field, f"looplab runs parallel loops with {field}={ok} only")
+        if getattr(cfg, "exit_threshold", None) is not None:
+            return bad("exit_threshold", "exits pick a loop of the same token, which parallel loops compute at a "
+                       "later step")
     router = getattr(cfg, "depth_router", None)
     if router not in (None, "none") and not (isinstance(router, dict) and router.get("name", "none") == "none"):
         return bad("depth_router", "routed depth runs each loop on a subset of the tokens, which vLLM's attention "
@@ -127,6 +147,8 @@ class LoopedLMVLLMConfig(PretrainedConfig):
             kwargs.pop(k, None)  # derived from the looplab fields (`_derive`)
         kwargs["tie_word_embeddings"] = bool(tie_embeddings)
         kwargs.pop("auto_map", None)  # the folder's remote code is not used: the plugin's classes are
+        if kwargs.get("loop_schedule") == "parallel":  # vLLM gives a model with per-request state its own class
+            kwargs["architectures"] = [PARALLEL_ARCHITECTURE]
         super().__init__(**kwargs)
         self._derive()
 

@@ -24,7 +24,9 @@ token (the later loops' keys and values are what later tokens attend to, as in l
 `skip`), so an exit changes which depth is read, not the compute; the coda then runs at every depth (its slots
 per depth), as looplab's does.
 
-What it cannot run exactly is refused when vLLM builds it, naming the field (`config.refusal`).
+Parallel loops (loop_schedule=parallel) keep a per-request carry in a Mamba-style state layer and run eagerly
+(looplab/vllm_plugin/parallel.py). What it cannot run exactly is refused when vLLM builds it, naming the field
+(`config.refusal`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.sequence import IntermediateTensors
 
-from looplab.vllm_plugin.config import refusal, slot_layout
+from looplab.vllm_plugin.config import refusal, schedule, slot_layout
 
 
 class LoopRefused(ValueError):
@@ -70,7 +73,8 @@ def _supported_head_sizes(vllm_config: VllmConfig) -> list[int] | None:
 
 GRAPH_FIELDS = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "n_loops", "prelude_layers",
                 "coda_layers", "ffn_hidden", "max_seq_len", "rope_base", "norm_eps", "tie_embeddings", "state_mode",
-                "state_dim", "state_init", "state_in_output", "exit_gate", "injection", "exit_threshold")
+                "state_dim", "state_init", "state_in_output", "exit_gate", "injection", "exit_threshold",
+                "loop_schedule", "loop_kv", "loop_window", "loop_gate", "loop_mix", "loop_mix_learned", "loop_norm")
 
 
 def _key_compile_cache(vllm_config: VllmConfig, cfg) -> None:
@@ -99,14 +103,17 @@ class SlotAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(dim, self.head_dim, n_heads, n_kv_heads, bias=False,
                                           prefix=f"{prefix}.qkv_proj")
         self.out_proj = RowParallelLinear(n_heads * self.head_dim, dim, bias=False, prefix=f"{prefix}.out_proj")
+        self.loop_gate = None  # parallel loops with loop_kv=gswa: this layer's gate (set by the model)
         self.rotary_emb = get_rope(self.head_dim, max_position=max_pos, is_neox_style=True,
                                    rope_parameters={"rope_type": "default", "rope_theta": float(rope_base)})
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slot: Attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slot, residual=None) -> torch.Tensor:
+        """slot: an `Attention`, or a parallel loop's reads (`LoopReads`: which slots loop r >= 2 attends to)."""
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        out, _ = self.out_proj(slot(q, k, v))
+        y = slot(q, k, v) if isinstance(slot, Attention) else slot(q, k, v, residual, self.loop_gate)
+        out, _ = self.out_proj(y)
         return out
 
 
@@ -135,8 +142,27 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(d, cfg.ffn_hidden, f"{prefix}.mlp")
 
     def forward(self, x, positions, slot):
-        x = x + self.attn(self.attn_norm(x), positions, slot)
+        x = x + self.attn(self.attn_norm(x), positions, slot, residual=x)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class LoopReads:
+    """What loop r >= 2's attention reads under parallel loops (looplab/vllm_plugin/parallel.py): `kv` own (its
+    slot), share_first (loop 1's slot, read only) or gswa (g·loop 1's slot + (1 − g)·its own windowed slot)."""
+
+    def __init__(self, kv: str, first: Attention, own: Attention | None, n_heads: int):
+        self.kv, self.first, self.own, self.H = kv, first, own, n_heads
+
+    def __call__(self, q, k, v, residual, gate):
+        if self.kv == "own":
+            return self.own(q, k, v)
+        glob = self.first(q, None, None)
+        if self.kv == "share_first":
+            return glob
+        local = self.own(q, k, v)
+        T = q.shape[0]
+        g = gate(q.view(T, self.H, -1), residual)  # (T, H, 1)
+        return (g * glob.view(T, self.H, -1) + (1 - g) * local.view(T, self.H, -1)).view(T, -1)
 
 
 class StateBranch(nn.Module):
@@ -197,8 +223,15 @@ class Injection(nn.Module):
 
 
 # --------------------------------------------------------------------------- the model
+def _compiled(vllm_config: VllmConfig) -> bool:
+    """Parallel loops run eagerly. Measured on vLLM 0.32 CPU: compiled with the carry's two custom ops, the prompt's
+    log-probabilities differed from the eager forward (and from looplab) from the second token on, already in loop
+    1, though each op alone compiled exactly; not diagnosed further (docs/vllm.md#parallel-loops)."""
+    return schedule(vllm_config.model_config.hf_config) != "parallel"
+
+
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
-                                         "inputs_embeds": 0})
+                                         "inputs_embeds": 0}, enable_if=_compiled)
 class LoopedLMModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -231,12 +264,43 @@ class LoopedLMModel(nn.Module):
         # one vLLM Attention (own KV cache) per slot; the mixer's slots have the mixer's heads
         hd, mixer_heads = d // H, (H, H, cfg.state_dim // H)
 
+        self.parallel = schedule(cfg) == "parallel"
+        window = None
+        if self.parallel and cfg.loop_kv == "gswa":  # loops 2..R's own keys: a sliding window of w tokens
+            window = {at["block"] + r * cfg.n_layers + l for r in range(1, cfg.n_loops) for l in range(cfg.n_layers)}
+
         def slot(i):
             heads, kv_heads, width = mixer_heads if at["state"] <= i < at["coda"] else (H, Hkv, hd)
+            extra = {"per_layer_sliding_window": cfg.loop_window} if window and i in window else {}
             return Attention(heads, width, width ** -0.5, num_kv_heads=kv_heads, cache_config=cache_config,
-                             prefix=f"{prefix}.slots.{i}")
+                             prefix=f"{prefix}.slots.{i}", **extra)
 
         self.slots = nn.ModuleList(slot(i) for i in range(at["total"]))
+        self.carry = self.loop_input = None
+        if self.parallel:
+            self._build_parallel(cfg, prefix)
+
+    def _build_parallel(self, cfg, prefix: str) -> None:
+        """Parallel loops: a·E + b·prev (`loop_input`, parameters with loop_mix_learned), the per-request carry,
+        each block layer's G-SWA gate, and which slots loop r >= 2 reads."""
+        from looplab.vllm_plugin.parallel import LoopCarry, LoopGate
+
+        a, b = (float(v) for v in cfg.loop_mix)
+        self.loop_input = nn.Module()
+        if getattr(cfg, "loop_mix_learned", False):
+            self.loop_input.a = nn.Parameter(torch.tensor(a), requires_grad=False)
+            self.loop_input.b = nn.Parameter(torch.tensor(b), requires_grad=False)
+        else:
+            self.loop_input.a, self.loop_input.b = a, b
+        # at R = 1 too: vLLM built this class for a model with a state layer (it reads nothing from it then)
+        self.carry = LoopCarry(cfg, f"{prefix}.carry.{self.layout['total']}")  # one integer in a layer's name
+        N, first = cfg.n_layers, self.layout["block"]
+        for layer in self.block:
+            layer.attn.loop_gate = LoopGate(cfg) if cfg.loop_kv == "gswa" else None
+        self.reads = [[None] * N] + [
+            [LoopReads(cfg.loop_kv, self.slots[first + l],
+                       None if cfg.loop_kv == "share_first" else self.slots[first + r * N + l], cfg.n_heads)
+             for l in range(N)] for r in range(1, cfg.n_loops)]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
@@ -248,6 +312,8 @@ class LoopedLMModel(nn.Module):
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         for p, layer in enumerate(self.prelude):
             x = layer(x, positions, slots[at["prelude"] + p])
+        if self.parallel:
+            return self._forward_parallel(x, positions)
         e = x
         s = self.state.initial_state(x) if self.state is not None else None
         N, R = cfg.n_layers, cfg.n_loops
@@ -271,6 +337,29 @@ class LoopedLMModel(nn.Module):
             elif r == R - 1:
                 hidden = self._head_input(readout, positions, 0)
         return exit_state[0] if every_depth else hidden
+
+    def _forward_parallel(self, e: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """loop 1: H^(1) = Block(E);  loop r >= 2: H^(r) = Block(a·E + b·shift(N(H^(r−1)))), loop by loop over the
+        forward's tokens; the carry gives each request's first token the previous forward's N(H^(1..R−1))."""
+        from looplab.vllm_plugin.parallel import carried_in, keep_carry, shift
+
+        cfg, R, N, first_slot = self.cfg, self.cfg.n_loops, self.cfg.n_layers, self.layout["block"]
+        norm = self.final_norm if getattr(cfg, "loop_norm", False) else None
+        carried, first = carried_in(self.carry, e) if R > 1 else (None, None)
+        kept, h = [], e
+        for r in range(R):
+            x = e
+            if r > 0:
+                prev = shift(kept[-1], carried[:, r - 1], first, positions)
+                a, b = self.loop_input.a, self.loop_input.b
+                x = e + prev if isinstance(a, float) and (a, b) == (1.0, 1.0) else a * e + b * prev
+            h = x
+            for l, layer in enumerate(self.block):
+                h = layer(h, positions, self.slots[first_slot + l] if r == 0 else self.reads[r][l])
+            if r < R - 1:
+                kept.append(norm(h) if norm is not None else h)
+        out = self._head_input(h, positions, 0)
+        return keep_carry(self.carry, kept, out) if R > 1 else out
 
     def _head_input(self, z, positions, depth: int):
         """FinalNorm(Coda(z)) with depth `depth`'s coda slots."""
@@ -347,6 +436,29 @@ class LoopedLMForCausalLM(nn.Module):
         if missing:
             raise LoopRefused(f"the folder has no weights for {missing}")
         return loaded
+
+
+class LoopedLMParallelForCausalLM(LoopedLMForCausalLM, HasInnerState, IsHybrid):
+    """The same model under loop_schedule=parallel: vLLM keeps its per-request carry (`LoopCarry`) as it keeps a
+    Mamba layer's state, so the class declares the state's shape and dtype (vLLM sizes its cache from them)."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        from looplab.vllm_plugin.parallel import carry_shape
+
+        return (carry_shape(vllm_config.model_config.hf_config),)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        from looplab.vllm_plugin.parallel import carry_dtype
+
+        return (carry_dtype(vllm_config),)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        from looplab.vllm_plugin.parallel import copy_whole_state
+
+        return (copy_whole_state,)
 
 
 def _join(prefix: str, name: str) -> str:
