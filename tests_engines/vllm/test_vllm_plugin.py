@@ -214,8 +214,8 @@ def test_parallel_carry_across_prompt_chunks_and_prefix_cache_hits(tmp_path):
 @pytest.mark.parametrize("r", [5, 1])
 def test_parallel_test_time_depth_set_at_load_in_vllms_default_mode(r, tmp_path):
     """hf_overrides={"n_loops": R′} under parallel loops: the slots and the carry's shape follow. Loaded as vLLM
-    loads by default (no enforce_eager): the plugin runs parallel loops eagerly (model._compiled; compiled, they
-    differed from looplab)."""
+    loads by default (no enforce_eager), so compiled: the carry's ops in a compiled graph (with the loops stacked
+    by torch.stack in the graph, the compiled forward differed from looplab; vllm_plugin/parallel.py)."""
     m = looped(**PARALLEL)
     write_folder(m, tmp_path, engine="vllm")
     llm = engine(tmp_path, hf_overrides={"n_loops": r}, enforce_eager=False)

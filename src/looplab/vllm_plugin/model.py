@@ -24,7 +24,7 @@ token (the later loops' keys and values are what later tokens attend to, as in l
 `skip`), so an exit changes which depth is read, not the compute; the coda then runs at every depth (its slots
 per depth), as looplab's does.
 
-Parallel loops (loop_schedule=parallel) keep a per-request carry in a Mamba-style state layer and run eagerly
+Parallel loops (loop_schedule=parallel) keep a per-request carry in a Mamba-style state layer
 (looplab/vllm_plugin/parallel.py). What it cannot run exactly is refused when vLLM builds it, naming the field
 (`config.refusal`).
 """
@@ -223,15 +223,8 @@ class Injection(nn.Module):
 
 
 # --------------------------------------------------------------------------- the model
-def _compiled(vllm_config: VllmConfig) -> bool:
-    """Parallel loops run eagerly. Measured on vLLM 0.32 CPU: compiled with the carry's two custom ops, the prompt's
-    log-probabilities differed from the eager forward (and from looplab) from the second token on, already in loop
-    1, though each op alone compiled exactly; not diagnosed further (docs/vllm.md#parallel-loops)."""
-    return schedule(vllm_config.model_config.hf_config) != "parallel"
-
-
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
-                                         "inputs_embeds": 0}, enable_if=_compiled)
+                                         "inputs_embeds": 0})
 class LoopedLMModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

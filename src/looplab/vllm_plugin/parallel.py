@@ -133,19 +133,20 @@ def _carry_read_fake(like: torch.Tensor, depth: int, layer_name: str) -> tuple[t
     return like.new_empty(like.shape[0], depth, like.shape[1]), like.new_empty(like.shape[0])
 
 
-def looplab_carry_write(last_loops: torch.Tensor, out: torch.Tensor, layer_name: str) -> torch.Tensor:
-    _layer(layer_name).write(last_loops)
+def looplab_carry_write(loops: list[torch.Tensor], out: torch.Tensor, layer_name: str) -> torch.Tensor:
+    _layer(layer_name).write(torch.stack(loops, 1))
     return out.clone()
 
 
-def _carry_write_fake(last_loops: torch.Tensor, out: torch.Tensor, layer_name: str) -> torch.Tensor:
+def _carry_write_fake(loops: list[torch.Tensor], out: torch.Tensor, layer_name: str) -> torch.Tensor:
     return torch.empty_like(out)
 
 
-# Custom ops, as vLLM's own Mamba layers have them, so that a graph keeps them as opaque calls. Both are functional:
-# the read returns new tensors and the write returns the forward's output (so it runs before the output is used,
-# and is never dropped). The model still runs eagerly (model._compiled): compiled, with these ops or with a mutating
-# read, the forward differed from the eager one (docs/vllm.md#parallel-loops).
+# Custom ops, as vLLM's own Mamba layers have them, so that a compiled graph keeps them as opaque calls. Both are
+# functional: the read returns new tensors, the write returns the forward's output (so it runs before the output is
+# used, and is never dropped). The write takes the loops' outputs as a list and stacks them itself. Measured: with
+# torch.stack in the graph, feeding the op, vLLM's compiled forward computed loop 1's output wrong (exact in eager
+# mode, and with either op alone); probably inductor writing the loops' outputs in place into the stack's buffer.
 direct_register_custom_op(op_name="looplab_carry_read", op_func=looplab_carry_read, fake_impl=_carry_read_fake)
 direct_register_custom_op(op_name="looplab_carry_write", op_func=looplab_carry_write, fake_impl=_carry_write_fake)
 
@@ -166,8 +167,9 @@ def shift(h: torch.Tensor, carried_r: torch.Tensor, first: torch.Tensor, positio
 
 
 def keep_carry(carry: LoopCarry, loops: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """loops: N(H^(r)) (T, d) of r = 1..R−1 → each request's last token's rows become its carry; returns `out`."""
-    return torch.ops.vllm.looplab_carry_write(torch.stack(loops, 1), out, carry.prefix)
+    """loops: N(H^(r)) (T, d) of r = 1..R−1 → each request's last token's rows become its carry; returns `out`
+    (passed as a list: see the note above the ops)."""
+    return torch.ops.vllm.looplab_carry_write(loops, out, carry.prefix)
 
 
 class LoopGate(nn.Module):
