@@ -336,7 +336,7 @@ class LoopedLMModel(nn.Module):
         forward's tokens; the carry gives each request's first token the previous forward's N(H^(1..R−1))."""
         from looplab.vllm_plugin.parallel import carried_in, keep_carry, shift
 
-        cfg, R, N, first_slot = self.cfg, self.cfg.n_loops, self.cfg.n_layers, self.layout["block"]
+        cfg, R, first_slot = self.cfg, self.cfg.n_loops, self.layout["block"]
         norm = self.final_norm if getattr(cfg, "loop_norm", False) else None
         carried, first = carried_in(self.carry, e) if R > 1 else (None, None)
         kept, h = [], e
