@@ -17,7 +17,7 @@ requests outstanding; a finished one is replaced by the next at once). Arms, all
     looplab_engine_parallel / vllm_parallel  (--arms; not in the default set)
                        the same weights under loop_schedule=parallel (loop_kv=own: the same compute per token), in
                        looplab.serve.Engine (its folded step: the R loops of a token in one block call) and in vLLM
-                       (the plugin runs the loops one after another, eagerly: docs/vllm.md#parallel-loops)
+                       (the plugin runs the loops one after another: docs/vllm.md#parallel-loops)
 
 Reported per run: output tokens/s, wall time, and for vLLM the engine's start-up time; with --repeats K each arm
 runs each concurrency K times (the engine started once) and the ratios use the best of the K (other processes
