@@ -20,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one th
 
 @parametrize_checks(*builtin_variants())
 def test_builtin_variant_conforms(check):
-    check()  # the kit's own assertions (logits, tokens, refusals) raise on a variant that does not conform
+    verified = check()  # the kit's own comparisons (logits, tokens, refusals) raise on a variant that does not conform
+    assert verified > 0, f"{check!r} passed without comparing or refusing anything"
 
 
 class LeaksTheFuture(SelectiveState):
@@ -41,6 +42,15 @@ def test_the_kit_fails_a_variant_whose_cached_decoding_differs(monkeypatch):
     for check in found:
         with pytest.raises(AssertionError, match="not close"):
             check()
+
+
+def test_a_check_that_compares_nothing_reports_zero():
+    """What makes test_builtin_variant_conforms fail on a check that returns early: it verified nothing."""
+    from dataclasses import replace
+
+    real = checks("injection", "add", only=("cached_decoding",))[0]
+    assert real() > 0
+    assert replace(real, fn=lambda ctx, variant: None)() == 0
 
 
 def test_every_registered_axis_has_builtins_and_every_check_is_generated():

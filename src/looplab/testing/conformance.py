@@ -6,7 +6,7 @@ A researcher points it at their own variant, registered in their own module:
 
     @parametrize_checks(("state_update", "my_pkg.gru"), ("exit_rule", "my_pkg.rules.margin"))
     def test_my_variants(check):
-        check()
+        assert check() > 0  # how many comparisons and refusals it verified
 
 and looplab's own tests run every built-in variant through the same checks (tests/test_conformance.py:
 `parametrize_checks(*builtin_variants())`), so a built-in is tested exactly as a user's would be.
@@ -225,13 +225,30 @@ class Skip(Exception):
     """This check does not apply to this variant in this context (pytest reports it as skipped)."""
 
 
+# How many comparisons and refusals the running check verified: Check() returns it, so a check that passes having
+# compared nothing (an early return in a kit function) shows as 0 rather than as a pass.
+_verified = [0]
+
+
+def _require(ok, msg=None) -> None:
+    """The kit's assertion (counted; unlike `assert`, not stripped by python -O)."""
+    _verified[0] += 1
+    if not ok:
+        raise AssertionError(msg if msg is not None else "conformance check failed")
+
+
+def _close(got, want, **tolerance) -> None:
+    """torch.testing.assert_close, counted."""
+    _verified[0] += 1
+    torch.testing.assert_close(got, want, **tolerance)
+
+
 def _expect_refusal(fn: Callable, where: str, exc=(ValueError,)) -> None:
     """fn must raise, naming the variant (the `where` label of LoopedLMConfig.variants())."""
     try:
         fn()
     except exc as e:
-        if where.split(":")[0] not in str(e):
-            raise AssertionError(f"refused, but without naming {where.split(':')[0]!r}: {e}") from e
+        _require(where.split(":")[0] in str(e), f"refused, but without naming {where.split(':')[0]!r}: {e}")
         return
     raise AssertionError(f"expected a refusal naming {where.split(':')[0]!r}; nothing was refused")
 
@@ -252,11 +269,11 @@ def check_init_equivalence(ctx: Context, variant) -> None:
     base = LoopedLM(LoopedLMConfig(**{**ctx.config, **neutral})).eval()
     # a checkpoint without the variant warm-starts it: the missing keys are exactly the variant's own parameters
     missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
-    assert not unexpected, f"the model without {axis}={name} has parameters this one lacks: {unexpected}"
-    assert missing and all(k.startswith(prefix) for k in missing), (prefix, missing)
+    _require(not unexpected, f"the model without {axis}={name} has parameters this one lacks: {unexpected}")
+    _require(missing and all(k.startswith(prefix) for k in missing), (prefix, missing))
     got = model(ids, attention_mask=mask, return_all_loops=True)
     want = base(ids, attention_mask=mask, return_all_loops=True)
-    torch.testing.assert_close(got.loop_logits, want.loop_logits, atol=1e-5, rtol=1e-5)
+    _close(got.loop_logits, want.loop_logits, atol=1e-5, rtol=1e-5)
 
 
 # the axes whose variants start out computing the model without them: (the neutral choice, the state-dict prefix of
@@ -292,8 +309,8 @@ def check_cached_decoding(ctx: Context, variant, n_loops: int | None = None) -> 
         for i, p in enumerate(prompts):
             new = out.sequences[i, T:]
             want = _recompute(model, p[None], new, exits=exits, n_loops=n_loops)
-            torch.testing.assert_close(out.logits[i], want, atol=ATOL, rtol=RTOL)
-            assert torch.equal(new, want.argmax(-1)), f"row {i}: cached tokens differ from the recomputed argmax"
+            _close(out.logits[i], want, atol=ATOL, rtol=RTOL)
+            _require(torch.equal(new, want.argmax(-1)), f"row {i}: cached tokens differ from the recomputed argmax")
 
 
 @torch.no_grad()
@@ -308,13 +325,13 @@ def check_prefill(ctx: Context, variant) -> None:
     full = model(ids, return_all_loops=True, **kw)
     cache = model.allocate_cache(2, T + k)
     pre = model(ids[:, :T], cache=cache, return_all_loops=True)
-    torch.testing.assert_close(pre.loop_logits, full.loop_logits[:, :, :T], atol=ATOL, rtol=RTOL)
+    _close(pre.loop_logits, full.loop_logits[:, :, :T], atol=ATOL, rtol=RTOL)
     for i in range(k):
         step = model(ids[:, T + i:T + i + 1], cache=cache, return_all_loops=True)
-        torch.testing.assert_close(step.loop_logits[:, :, 0], full.loop_logits[:, :, T + i], atol=ATOL, rtol=RTOL)
+        _close(step.loop_logits[:, :, 0], full.loop_logits[:, :, T + i], atol=ATOL, rtol=RTOL)
         if full.exit_probs is not None:
-            torch.testing.assert_close(step.exit_probs[:, 0], full.exit_probs[:, T + i], atol=ATOL, rtol=RTOL)
-    assert cache.lengths.tolist() == [T + k] * 2
+            _close(step.exit_probs[:, 0], full.exit_probs[:, T + i], atol=ATOL, rtol=RTOL)
+    _require(cache.lengths.tolist() == [T + k] * 2)
 
 
 def check_test_time_depth(ctx: Context, variant) -> None:
@@ -331,8 +348,8 @@ def check_test_time_depth(ctx: Context, variant) -> None:
     model = ctx.build()
     ids = torch.randint(1, V, (1, 5), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():  # and it really is another depth
-        assert not torch.allclose(model(ids, **_forward_kwargs(model)).logits,
-                                  model(ids, n_loops=cfg.n_loops + 1, **_forward_kwargs(model)).logits, atol=1e-4)
+        _require(not torch.allclose(model(ids, **_forward_kwargs(model)).logits,
+                                    model(ids, n_loops=cfg.n_loops + 1, **_forward_kwargs(model)).logits, atol=1e-4))
 
 
 def _applicable_handlings(cfg) -> list[str]:
@@ -358,8 +375,8 @@ def check_skip(ctx: Context, variant, handling: str) -> None:
         raise Skip(f"exits refused here ({where})")
     exits = _exits(ctx, model, ids, skip=handling)
     out = generate(model, ids, 8, attention_mask=mask, return_logits=True, exits=exits)
-    assert bool((out.exit_steps < R).any()) and len(out.exit_steps.unique()) > 1, \
-        f"exits were meant to be mixed (threshold {exits.threshold}): {out.exit_steps.tolist()}"
+    _require(bool((out.exit_steps < R).any()) and len(out.exit_steps.unique()) > 1,
+             f"exits were meant to be mixed (threshold {exits.threshold}): {out.exit_steps.tolist()}")
     n = out.logits.shape[1]
     fed = out.sequences[:, :T + n - 1]
     full = torch.full((B, T), R, dtype=torch.long)
@@ -367,7 +384,7 @@ def check_skip(ctx: Context, variant, handling: str) -> None:
     readout = torch.cat([full[:, :-1], out.exit_steps], 1)  # the prompt's last token reads out at its exit
     m = torch.cat([mask, torch.ones(B, n - 1, dtype=mask.dtype)], 1)
     ref = forward_with_exits(model, fed, compute, handling, attention_mask=m)
-    torch.testing.assert_close(out.logits, logits_at_depth(ref.loop_logits, readout)[:, T - 1:], atol=ATOL, rtol=RTOL)
+    _close(out.logits, logits_at_depth(ref.loop_logits, readout)[:, T - 1:], atol=ATOL, rtol=RTOL)
 
 
 @torch.no_grad()
@@ -388,12 +405,12 @@ def check_speculation(ctx: Context, variant) -> None:
     accepted = 0
     for spec in (Speculation(loops=1, draft_tokens=2), Speculation(loops=model.config.n_loops - 1, draft_tokens="auto")):
         out = generate(model, ids, 8, attention_mask=mask, speculation=spec, return_logits=True)
-        assert torch.equal(out.sequences, plain.sequences), f"{spec} changed the greedy tokens"
-        torch.testing.assert_close(out.logits, plain.logits, atol=ATOL, rtol=RTOL)
+        _require(torch.equal(out.sequences, plain.sequences), f"{spec} changed the greedy tokens")
+        _close(out.logits, plain.logits, atol=ATOL, rtol=RTOL)
         accepted += out.speculation.accepted
         alone = generate(model, ids[1:2], 8, speculation=spec)  # batch 1: the longest prompt, no padding
-        assert torch.equal(alone, plain.sequences[1:2])
-    assert accepted > 0, "no draft token was ever accepted: the accepting paths went untested"
+        _require(torch.equal(alone, plain.sequences[1:2]))
+    _require(accepted > 0, "no draft token was ever accepted: the accepting paths went untested")
 
 
 @torch.no_grad()
@@ -424,7 +441,7 @@ def check_serving(ctx: Context, variant) -> None:
         reqs = [engine.add(p, n) for p, n in zip(prompts, (4, 6, 5))]
         engine.run()
         agree = solo_agreement(model, reqs, exits=exits)
-        assert agree["equal"] + agree["ties"] == len(reqs), f"{schedule}: {agree['differences']}"
+        _require(agree["equal"] + agree["ties"] == len(reqs), f"{schedule}: {agree['differences']}")
 
 
 @torch.no_grad()
@@ -435,7 +452,7 @@ def check_checkpoint(ctx: Context, variant) -> None:
 
     model = ctx.build()
     cfg = model.config
-    assert LoopedLMConfig.from_dict(cfg.to_dict()) == cfg
+    _require(LoopedLMConfig.from_dict(cfg.to_dict()) == cfg)
     ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(5))
     want = model(ids, **_forward_kwargs(model)).logits
     with tempfile.TemporaryDirectory() as tmp:
@@ -443,12 +460,12 @@ def check_checkpoint(ctx: Context, variant) -> None:
         torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
                     "looplab": looplab_meta(cfg, {})}, path)
         back, meta = load_model(path)
-        assert meta["architecture_hash"] == architecture_hash(back.config) == architecture_hash(cfg)
-        assert torch.equal(back.eval()(ids, **_forward_kwargs(back)).logits, want)
+        _require(meta["architecture_hash"] == architecture_hash(back.config) == architecture_hash(cfg))
+        _require(torch.equal(back.eval()(ids, **_forward_kwargs(back)).logits, want))
         model.save_pretrained(Path(tmp) / "folder")
         folder = LoopedLM.from_pretrained(str(Path(tmp) / "folder")).eval()
-        assert folder.config.architecture_dict() == cfg.architecture_dict()
-        assert torch.equal(folder(ids, **_forward_kwargs(folder)).logits, want)
+        _require(folder.config.architecture_dict() == cfg.architecture_dict())
+        _require(torch.equal(folder(ids, **_forward_kwargs(folder)).logits, want))
 
 
 @torch.no_grad()
@@ -479,7 +496,7 @@ def check_export(ctx: Context, variant) -> None:
         got = hf(input_ids=ids, attention_mask=mask).logits
         want = model(ids, attention_mask=mask).logits
         real = mask.bool()
-        torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+        _close(got[real], want[real], atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()
@@ -503,7 +520,7 @@ def check_compile(ctx: Context, variant) -> None:
     finally:
         generation.COMPILE_BACKEND = old
         torch._dynamo.reset()
-    assert torch.equal(got, generation.generate(model, ids, 4))
+    _require(torch.equal(got, generation.generate(model, ids, 4)))
 
 
 def _in_context(feature: str, change: dict) -> Callable:
@@ -552,7 +569,9 @@ class Check:
         axis, name = self.variant
         return f"{axis}={name}-{self.check}-{self.context.name}"
 
-    def __call__(self) -> None:
+    def __call__(self) -> int:
+        """Run it; returns how many comparisons and refusals it verified (raises AssertionError on the first that
+        fails, Skip when it does not apply)."""
         from looplab.models import LoopedLMConfig
         from looplab.models.registry import ConfigError
 
@@ -561,7 +580,9 @@ class Check:
                 LoopedLMConfig(**self.context.config)
             except ConfigError as e:
                 raise AssertionError(f"{self.id}: the context's model cannot be built: {e}") from e
+            _verified[0] = 0
             self.fn(self.context, self.variant, *self.args)
+            return _verified[0]
 
 
 @contextlib.contextmanager
@@ -645,11 +666,11 @@ class _Runner:
     def __init__(self, check: Check):
         self.check = check
 
-    def __call__(self) -> None:
+    def __call__(self) -> int:
         import pytest
 
         try:
-            self.check()
+            return self.check()
         except Skip as e:
             pytest.skip(str(e))
 
