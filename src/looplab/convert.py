@@ -524,7 +524,7 @@ def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    readback = engine == "vllm" and unsupported(model.config) is not None
+    refused_by_transformers = unsupported(model.config) if engine == "vllm" else None
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
         write_folder(model, staging, tokenizer=tokenizer, eos_token=eos_token, engine=engine)
         card = model_card_text(model.config, sum(p.numel() for p in model.parameters()))
@@ -534,8 +534,8 @@ def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_
             "model = AutoModelForCausalLM.from_pretrained(PATH_OR_HUB_ID, trust_remote_code=True)\n"
             "# or, with looplab: from looplab.models import LoopedLM; LoopedLM.from_pretrained(PATH_OR_HUB_ID)"))
         diff = None
-        if check and readback:
-            log(f"note: transformers' remote code refuses this model ({unsupported(model.config)}); the folder is "
+        if check and refused_by_transformers:
+            log(f"note: transformers' remote code refuses this model ({refused_by_transformers}); the folder is "
                 "for vLLM with looplab's plugin (pip install 'looplab[vllm]'; docs/vllm.md)")
             back = LoopedLM.from_pretrained(staging).float().eval()
             diff = max_relative_logit_diff(model.float(), lambda input_ids, attention_mask=None, use_cache=False:

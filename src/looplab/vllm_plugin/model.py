@@ -161,8 +161,9 @@ class LoopReads:
             return glob
         local = self.own(q, k, v)
         T = q.shape[0]
-        g = gate(q.view(T, self.H, -1), residual)  # (T, H, 1)
-        return (g * glob.view(T, self.H, -1) + (1 - g) * local.view(T, self.H, -1)).view(T, -1)
+        # looplab's own gate (models/parallel.py), on its layout: q (1, H, T, hd), residual (1, T, d) → (1, H, T, 1)
+        g = gate(q.view(T, self.H, -1).transpose(0, 1)[None], residual[None])[0].transpose(0, 1)  # (T, H, 1)
+        return (g * glob.view(T, self.H, -1) + (1 - g) * local.view(T, self.H, -1)).reshape(T, -1)
 
 
 class StateBranch(nn.Module):
@@ -275,16 +276,12 @@ class LoopedLMModel(nn.Module):
 
     def _build_parallel(self, cfg, prefix: str) -> None:
         """Parallel loops: a·E + b·prev (`loop_input`, parameters with loop_mix_learned), the per-request carry,
-        each block layer's G-SWA gate, and which slots loop r >= 2 reads."""
-        from looplab.vllm_plugin.parallel import LoopCarry, LoopGate
+        each block layer's G-SWA gate, and which slots loop r >= 2 reads. The mix and the gate are looplab's own
+        modules (models/parallel.py: the same parameter names and arithmetic as the reference)."""
+        from looplab.models.parallel import LoopGate, LoopInput
+        from looplab.vllm_plugin.parallel import LoopCarry
 
-        a, b = (float(v) for v in cfg.loop_mix)
-        self.loop_input = nn.Module()
-        if getattr(cfg, "loop_mix_learned", False):
-            self.loop_input.a = nn.Parameter(torch.tensor(a), requires_grad=False)
-            self.loop_input.b = nn.Parameter(torch.tensor(b), requires_grad=False)
-        else:
-            self.loop_input.a, self.loop_input.b = a, b
+        self.loop_input = LoopInput(cfg)
         # at R = 1 too: vLLM built this class for a model with a state layer (it reads nothing from it then)
         self.carry = LoopCarry(cfg, f"{prefix}.carry.{self.layout['total']}")  # one integer in a layer's name
         N, first = cfg.n_layers, self.layout["block"]
@@ -341,12 +338,7 @@ class LoopedLMModel(nn.Module):
         carried, first = carried_in(self.carry, e) if R > 1 else (None, None)
         kept, h = [], e
         for r in range(R):
-            x = e
-            if r > 0:
-                prev = shift(kept[-1], carried[:, r - 1], first, positions)
-                a, b = self.loop_input.a, self.loop_input.b
-                x = e + prev if isinstance(a, float) and (a, b) == (1.0, 1.0) else a * e + b * prev
-            h = x
+            h = e if r == 0 else self.loop_input(e, shift(kept[-1], carried[:, r - 1], first, positions))
             for l, layer in enumerate(self.block):
                 h = layer(h, positions, self.slots[first_slot + l] if r == 0 else self.reads[r][l])
             if r < R - 1:

@@ -28,7 +28,6 @@ used here.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -170,28 +169,3 @@ def keep_carry(carry: LoopCarry, loops: list[torch.Tensor], out: torch.Tensor) -
     """loops: N(H^(r)) (T, d) of r = 1..R−1 → each request's last token's rows become its carry; returns `out`
     (passed as a list: see the note above the ops)."""
     return torch.ops.vllm.looplab_carry_write(loops, out, carry.prefix)
-
-
-class LoopGate(nn.Module):
-    """G-SWA's gate g (T, H, 1), the weight of loop 1's (global) branch; looplab's parameter names."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        from vllm.model_executor.layers.layernorm import RMSNorm
-
-        self.mode, H, hd = cfg.loop_gate, cfg.n_heads, cfg.d_model // cfg.n_heads
-        if self.mode == "query":
-            self.weight = nn.Parameter(torch.zeros(H, hd), requires_grad=False)
-            self.bias = nn.Parameter(torch.zeros(H), requires_grad=False)
-        else:
-            self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-            self.proj = nn.Linear(cfg.d_model, H, bias=True)
-            self.proj.requires_grad_(False)
-
-    def forward(self, q: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """q (T, H, hd) after RoPE, residual (T, d) the layer's input → g (T, H, 1)."""
-        if self.mode == "query":
-            logit = (q * self.weight.to(q.dtype)).sum(-1) + self.bias.to(q.dtype)
-        else:
-            logit = self.proj(self.norm(residual))
-        return torch.sigmoid(logit)[..., None]
