@@ -84,6 +84,7 @@ def run_arm(model, trace: list[dict], arm: str, concurrency: int, exits: ExitPol
     submitted = {}
     queue = list(trace)
     t0 = time.perf_counter()
+    done = []  # the requests as they leave (the engine keeps none of them)
     if open_loop:
         for r in queue:
             submitted[engine.add(r["prompt"], r["max_new_tokens"], arrival=r["arrival"]).id] = r["arrival"]
@@ -96,6 +97,7 @@ def run_arm(model, trace: list[dict], arm: str, concurrency: int, exits: ExitPol
         if open_loop and not engine.running and all(w.arrival > engine.now() for w in engine.waiting):
             time.sleep(max(0.0, min(w.arrival for w in engine.waiting) - engine.now()))
         finished = engine.step()
+        done += finished
         for _ in finished:
             if bar is not None:
                 bar.update(1)
@@ -105,7 +107,7 @@ def run_arm(model, trace: list[dict], arm: str, concurrency: int, exits: ExitPol
     wall = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    done = sorted(engine.finished, key=lambda q: q.id)
+    done.sort(key=lambda q: q.id)
     tokens = sum(len(q.tokens) for q in done)
     ttft = [q.token_times[0] - submitted[q.id] for q in done]
     gaps = [b - a for q in done for a, b in zip(q.token_times, q.token_times[1:])]

@@ -34,6 +34,7 @@ every draft token, −1 (down to 1) otherwise (the additive schedule of transfor
 from __future__ import annotations
 
 import itertools
+import numbers
 import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -69,8 +70,9 @@ class Sampling:
     generator: torch.Generator | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0 = greedy)")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not 0 <= self.temperature < float("inf")):  # nan passes `< 0` and would sample token 0
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 1 (or None)")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -369,6 +371,8 @@ def _check_request(model, input_ids, max_new_tokens, attention_mask, sampling, e
     check_inputs(input_ids, attention_mask, cfg.vocab_size)  # dtype, shape, ids inside the vocabulary: once, here
     if input_ids.shape[1] == 0:
         raise ValueError("generate needs a prompt of at least one token (e.g. BOS)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if input_ids.shape[1] + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len="
                          f"{cfg.max_seq_len}; shorten the prompt or lower max_new_tokens")

@@ -11,6 +11,12 @@ The engine keeps `max_batch` rows of one cache. Each `step()`:
   3. a row whose request emitted eos or reached its token limit leaves; its row is free for the
      next admission.
 
+What it cannot serve it refuses: at `add()`, a prompt that is not 1-D token ids and a non-finite or negative
+arrival, with a one-line ValueError naming the value; during decoding, a request whose logits are not finite fails
+alone (`Request.error`), as does one whose own work raises. `cancel(id)` takes a request out at the next step
+boundary. The engine keeps only its waiting and running requests: `step()` hands out the ones that left in it, and
+`run()` those of the run.
+
 Each request gets the tokens (and, with exits, the exit depths) it would get from
 `generate(prompt, max_new_tokens, exits=policy, eos_token_id=eos)` alone: greedy decoding, or sampling
 from the request's own seeded generator (`add(..., sampling=Sampling(...), seed=s)`), per-row lengths,
@@ -26,6 +32,7 @@ token at its own loop (looplab.serve.depthwise, docs/decoding.md#depth-wise-batc
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -60,6 +67,7 @@ class Request:
 
     hit_eos: bool = False
     error: str | None = None  # why the request failed (it left the engine with the tokens it had; the others went on)
+    cancelled: bool = False  # it left through Engine.cancel (error "cancelled"), with the tokens it had
 
     @property
     def done(self) -> bool:
@@ -74,11 +82,13 @@ class Engine:
             engine.add(prompt, max_new_tokens=64)
         finished = engine.run()                  # or step() from your own loop, add() between steps
 
-    max_len bounds prompt + new tokens of any one request (the cache's columns per row)."""
+    max_len bounds prompt + new tokens of any one request (the cache's columns per row). The engine does not keep
+    the requests that left it (a server runs for ever): each one is handed out once, by the `step()` it left in
+    (and so by `run()`). clock / sleep: the engine clock and what `run()` waits with (a test injects both)."""
 
     def __init__(self, model, max_batch: int = 8, max_len: int | None = None, *, exits: ExitPolicy | None = None,
                  n_loops: int | None = None, eos_token_id: int | None = None, schedule: str = "lockstep",
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, sleep=time.sleep):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         if schedule not in SCHEDULES:
@@ -101,13 +111,20 @@ class Engine:
         self._rows_t: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)  # the running rows' index tensor, kept
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: list[Request] = []
-        self.finished: list[Request] = []
-        self.failed: list[Request] = []  # failed alone (each with its error); also in finished
         self._failed_now: list[Request] = []  # failed in the current step (step() returns them with the finished)
+        self._cancel: set[int] = set()  # ids of waiting or running requests to take out at the next step boundary
         self._next_id = 0
-        self._clock, self._t0 = clock, clock()
+        self._clock, self._sleep, self._t0 = clock, sleep, clock()
+        # finished / failed / cancelled: counts of the requests that left (the engine keeps none of them)
         self.stats = {"steps": 0, "decode_calls": 0, "decode_rows": 0, "prefills": 0, "peak_cache_bytes": 0,
-                      "prefill_s": 0.0, "decode_s": 0.0}  # clock seconds in prefills / in decoding calls
+                      "prefill_s": 0.0, "decode_s": 0.0,  # clock seconds in prefills / in decoding calls
+                      "finished": 0, "failed": 0, "cancelled": 0}
+
+    def __getattr__(self, name):  # only reached for a missing attribute
+        if name in ("finished", "failed"):  # removed: lists of every request that left grew for the engine's life
+            raise AttributeError(f"Engine.{name} is gone (the engine keeps no request that left): step() returns the "
+                                 f"requests that left in that step, run() those of the run; stats counts them")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ requests
     def now(self) -> float:
@@ -120,9 +137,11 @@ class Engine:
         `generate(..., sampling=Sampling(..., generator=torch.Generator().manual_seed(seed)))` gives it alone."""
         if isinstance(prompt, torch.Tensor) and (prompt.is_floating_point() or prompt.dtype == torch.bool):
             raise ValueError(f"prompt has dtype={prompt.dtype}: token ids must be integers (torch.long)")
+        if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:  # (1, T) or (B, T) is not one request's prompt
+            raise ValueError(f"prompt has shape {tuple(prompt.shape)}: one request's prompt is 1-D token ids (T,)")
         if not isinstance(prompt, torch.Tensor) and any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
-            raise ValueError(f"prompt={list(prompt)!r}: token ids must be integers")
-        prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+            raise ValueError(f"prompt={list(prompt)!r}: token ids must be integers (one request's prompt is 1-D)")
+        prompt = torch.as_tensor(prompt, dtype=torch.long)
         if prompt.numel() == 0:
             raise ValueError("an empty prompt: give at least one token")
         V = self.model.config.vocab_size
@@ -130,13 +149,19 @@ class Engine:
         if lo < 0 or hi >= V:
             raise ValueError(f"prompt holds token id {lo if lo < 0 else hi} outside the vocabulary [0, {V}) "
                              f"(vocab_size={V})")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if isinstance(max_new_tokens, bool) or not _is_index(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+        # nan is never <= the clock (never admitted: run() would spin), inf never comes, and the clock starts at 0
+        if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+                                    or not 0 <= arrival < float("inf")):
+            raise ValueError(f"arrival={arrival!r} must be a finite time >= 0 on the engine clock (seconds since the "
+                             f"engine started), or None (at once)")
         if prompt.numel() + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({prompt.numel()} tokens) + max_new_tokens={max_new_tokens} exceeds the engine's "
                              f"max_len={self.max_len}")
-        req = Request(prompt.to(self.cache.lengths.device), int(max_new_tokens), id=self._next_id, arrival=arrival)
-        if sampling is not None and not sampling.greedy:
+        req = Request(prompt.to(self.cache.lengths.device), int(max_new_tokens), id=self._next_id,
+                      arrival=None if arrival is None else float(arrival))
+        if sampling is not None and not sampling.greedy:  # Sampling refuses a non-finite or negative temperature
             if sampling.generator is not None:
                 raise ValueError("sampling.generator: the engine seeds each request's own generator; give seed= instead")
             req.seed = self._next_id if seed is None else int(seed)
@@ -144,6 +169,34 @@ class Engine:
         self._next_id += 1
         self.waiting.append(req)
         return req
+
+    def cancel(self, request_id: int) -> bool:
+        """Take a request out at the next step boundary (the start of the next `step()`, which hands it out): a waiting
+        one leaves the queue, a running one frees its row (a depth-wise in-flight token is dropped); it keeps the
+        tokens it had, with cancelled=True and error "cancelled". → True; False when the request has already left
+        (finished, failed or cancelled: a client may race its request's end). An id never issued: ValueError."""
+        if isinstance(request_id, bool) or not _is_index(request_id) or not 0 <= request_id < self._next_id:
+            raise ValueError(f"request_id={request_id!r} is unknown: this engine issued ids 0..{self._next_id - 1}")
+        live = any(r.id == request_id for r in self.waiting) or any(r.id == request_id for r in self.running)
+        if live:
+            self._cancel.add(int(request_id))
+        return live
+
+    def _take_out_cancelled(self) -> list[Request]:
+        """The step boundary's cancellations: the requests asked for leave, each with the tokens it had."""
+        if not self._cancel:
+            return []
+        out = [r for r in self.waiting if r.id in self._cancel]
+        self.waiting[:] = [r for r in self.waiting if r.id not in self._cancel]
+        for req in self.running:
+            if req.id in self._cancel:
+                self._free(req)
+                out.append(req)
+        self._cancel.clear()
+        for req in out:
+            req.cancelled, req.error = True, "cancelled"
+        self.stats["cancelled"] += len(out)
+        return sorted(out, key=lambda r: r.id)
 
     @property
     def running(self) -> list[Request]:
@@ -155,12 +208,13 @@ class Engine:
     # ------------------------------------------------------------------ one scheduling step
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """Admit into free rows, decode one token for every running row; → the requests that finished.
+        """Take out the cancelled, admit into free rows, decode one token for every running row; → the requests that
+        left in this step (cancelled, failed, finished), each handed out once: the engine keeps none of them.
 
         Host syncs: a step reads the device once for what the host must know — its admissions' first tokens, then
         its decoded tokens (with margins and exit depths) — and sends it one index tensor when the running rows
         change, whatever the number of rows, loops or cache entries (tests/test_gpu_readiness.py)."""
-        done: list[Request] = []
+        done: list[Request] = self._take_out_cancelled()
         now = self.now()
         admitted = []
         for row in range(self.max_batch):
@@ -202,18 +256,47 @@ class Engine:
             self._rows_t = (key, torch.tensor(live, device=self._last.device))
         return self._rows_t[1]
 
-    def run(self, max_steps: int | None = None) -> list[Request]:
-        """Step until every request has finished (sleeping until the next arrival when nothing runs); → the
-        finished requests, by id."""
+    def run(self, max_steps: int | None = None, max_wait: float | None = None) -> list[Request]:
+        """Step until every request has left (sleeping until the next arrival when nothing runs); → the requests that
+        left in this run (finished, failed or cancelled), by id.
+
+        It stops early after max_steps steps, or when nothing runs and the next arrival is more than max_wait seconds
+        of engine clock away (those requests stay waiting). It never loops without progress: a clock that does not
+        advance while run() sleeps (an injected clock), or an arrival no clock reaches, is a RuntimeError naming the
+        arrival (the requests that left before it hold their results, on the handles add() returned)."""
+        out: list[Request] = []
         n = 0
         while not self.idle():
-            if not self.running and all(r.arrival is not None and r.arrival > self.now() for r in self.waiting):
-                time.sleep(max(0.0, min(r.arrival for r in self.waiting) - self.now()))
-            self.step()
+            wait = self._wait()
+            if wait > 0:
+                if max_wait is not None and wait > max_wait:
+                    break
+                before = self.now()
+                self._sleep(wait)
+                if self.now() <= before:  # no step can admit anything: looping on would never end
+                    first = min(self.waiting, key=lambda r: r.arrival)
+                    raise RuntimeError(f"request {first.id} has arrival={first.arrival} but the engine clock stays at "
+                                       f"{before} while run() waits: advance the clock and call step() yourself")
+                continue
+            prefills = self.stats["prefills"]
+            left = self.step()
+            out += left
+            if not left and not self.running and self.stats["prefills"] == prefills:
+                # nothing ran, arrived or left: the waiting requests' arrivals never come (nan set after add)
+                raise RuntimeError(f"requests {[r.id for r in self.waiting]} wait with arrivals "
+                                   f"{[r.arrival for r in self.waiting]} that the engine clock never reaches")
             n += 1
             if max_steps is not None and n >= max_steps:
                 break
-        return sorted(self.finished, key=lambda r: r.id)
+        return sorted(out, key=lambda r: r.id)
+
+    def _wait(self) -> float:
+        """Engine-clock seconds until a step can do anything: 0 when a row runs, a cancellation is due or a waiting
+        request has arrived; else until the first arrival."""
+        if self.running or self._cancel or not self.waiting:
+            return 0.0
+        now = self.now()
+        return max(0.0, min(r.arrival if r.arrival is not None else now for r in self.waiting) - now)
 
     def _depthwise_step(self) -> list[Request]:
         """Start the rows whose next token is known, then one loop of every in-flight token in one block call."""
@@ -254,19 +337,21 @@ class Engine:
         return self._draw(req, logits[0], None if steps is None else steps[0])
 
     def _draw(self, req: Request, logits: torch.Tensor, step):
-        """The request's token from its logits (V,) on the device — greedy, or from its own generator — and the top-2
-        margin; nothing is read on the host here (`_take` reads every row's at once)."""
+        """The request's token from its logits (V,) on the device — greedy, or from its own generator —, the top-2
+        margin and whether the logits are finite; nothing is read on the host here (`_take` reads all rows' at once)."""
         token = logits.argmax() if req.sampling is None else req.sampling.sample(logits[None])[0]
         top = logits.float().topk(2).values if logits.numel() > 1 else logits.float().expand(2)
         self._last[req.row] = token
-        return token, top[0] - top[1], step  # step: a device scalar (lockstep), a host int (depth-wise) or None
+        # step: a device scalar (lockstep), a host int (depth-wise) or None; finite: read with the token (no own sync)
+        return token, top[0] - top[1], step, logits.isfinite().all()
 
     def _draw_rows(self, reqs: list[Request], logits: torch.Tensor, steps, rows_t: torch.Tensor | None) -> tuple:
         """The tokens of many requests at once, from logits (b, V): greedy by one argmax over the batch, a sampled
         request from its own generator (alone: if its sampling fails, it fails alone and leaves the batch); the
-        margins by one top-2. steps: (b,) exit steps on the device, a host list, or None; rows_t: the requests' rows
-        as a device index (None: every row of the batch, in order)."""
+        margins by one top-2, finiteness by one reduction. steps: (b,) exit steps on the device, a host list, or None;
+        rows_t: the requests' rows as a device index (None: every row of the batch, in order)."""
         tokens = logits.argmax(-1)
+        finite = logits.isfinite().all(-1)  # nan or inf weights, or an overflow: that request fails (`_take`)
         keep = list(range(len(reqs)))
         for i, req in enumerate(reqs):
             if req.sampling is not None:
@@ -279,7 +364,7 @@ class Engine:
         margins = top[:, 0] - top[:, 1]
         if len(keep) < len(reqs):  # a failed sampling: that request is out (a transfer, on failure only)
             idx = torch.tensor(keep, device=logits.device)
-            tokens, margins = tokens[idx], margins[idx]
+            tokens, margins, finite = tokens[idx], margins[idx], finite[idx]
             rows_t = torch.tensor([reqs[i].row for i in keep], device=logits.device)
             steps = steps[idx] if isinstance(steps, torch.Tensor) else (None if steps is None else [steps[i] for i in keep])
             reqs = [reqs[i] for i in keep]
@@ -287,26 +372,28 @@ class Engine:
             self._last.copy_(tokens)
         elif reqs:
             self._last[rows_t] = tokens
-        return reqs, tokens, margins, steps
+        return reqs, tokens, margins, steps, finite
 
     def _take(self, drawn, t0: float | None = None) -> list[Request]:
-        """Record the drawn tokens of many requests after ONE transfer of their (token, margin, exit step); → the ones
-        that finished. drawn: `_draw_rows`' (requests, tokens, margins, steps), or a list of `_draw`'s per-request
-        (request, token, margin, step) (admissions). t0: the clock when their decoding call started (its time counts
-        up to this transfer, which waits for the device)."""
+        """Record the drawn tokens of many requests after ONE transfer of their (token, margin, finite, exit step); →
+        the ones that left (finished, or failed on non-finite logits). drawn: `_draw_rows`' (requests, tokens, margins,
+        steps, finite), or a list of `_draw`'s per-request (request, token, margin, step, finite) (admissions). t0: the
+        clock when their decoding call started (its time counts up to this transfer, which waits for the device)."""
         if isinstance(drawn, list):
             if not drawn:
                 return []
             reqs = [d[0] for d in drawn]
             tokens, margins = torch.stack([d[1] for d in drawn]), torch.stack([d[2] for d in drawn])
+            finite = torch.stack([d[4] for d in drawn])
             given = [d[3] for d in drawn]
             steps = torch.stack(given) if all(isinstance(x, torch.Tensor) for x in given) else \
                 (None if all(x is None for x in given) else given)
         else:
-            reqs, tokens, margins, steps = drawn
+            reqs, tokens, margins, steps, finite = drawn
             if not reqs:
                 return []
-        cols = [tokens.double(), margins.double()] + ([steps.double()] if isinstance(steps, torch.Tensor) else [])
+        cols = [tokens.double(), margins.double(), finite.double()]
+        cols += [steps.double()] if isinstance(steps, torch.Tensor) else []
         values = torch.stack(cols, 1).tolist()  # the one transfer
         t = self.now()
         if t0 is not None:
@@ -314,7 +401,11 @@ class Engine:
         done = []
         for i, (req, row) in enumerate(zip(reqs, values)):
             token, margin = int(row[0]), row[1]
-            step = row[2] if isinstance(steps, torch.Tensor) else (None if steps is None else steps[i])
+            step = row[3] if isinstance(steps, torch.Tensor) else (None if steps is None else steps[i])
+            if not row[2]:  # its token would be argmax of nan (token 0): it fails, keeping the tokens before
+                loop = self.R if step is None else int(step)
+                done.append(self._fail(req, f"non-finite logits at token {len(req.tokens)} (loop {loop} of {self.R})"))
+                continue
             req.tokens.append(token)
             req.margins.append(margin)
             req.token_times.append(t)
@@ -328,7 +419,22 @@ class Engine:
 
     def _leave(self, req: Request) -> Request:
         self.rows[req.row] = None
-        self.finished.append(req)
+        self.stats["finished"] += 1
+        return req  # handed out by step(); the engine keeps no reference to it
+
+    def _free(self, req: Request) -> None:
+        """Free a request's row at once (failed or cancelled): the next admission resets it; nothing of it stays in
+        flight."""
+        if req.row is not None and self.rows[req.row] is req:
+            self.rows[req.row] = None
+            self._to_start.discard(req.row)
+            if self.depthwise is not None:
+                self.depthwise.loop[req.row] = -1
+
+    def _fail(self, req: Request, error: str) -> Request:
+        req.error = error
+        self._free(req)
+        self.stats["failed"] += 1
         return req
 
     def _alone(self, req: Request, fn, *args):
@@ -338,16 +444,17 @@ class Engine:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 (any failure of one request's own work is that request's)
-            req.error = f"{type(e).__name__}: {e}"
-            if req.row is not None and self.rows[req.row] is req:
-                self.rows[req.row] = None
-                self._to_start.discard(req.row)
-                if self.depthwise is not None:
-                    self.depthwise.loop[req.row] = -1  # nothing of it stays in flight
-            self.failed.append(req)
-            self.finished.append(req)
-            self._failed_now.append(req)
+            self._failed_now.append(self._fail(req, f"{type(e).__name__}: {e}"))
             return None
+
+
+def _is_index(x) -> bool:
+    """An integer of any kind (int, numpy, a 0-d integer tensor), not a float that happens to be whole."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _generator(seed: int, device) -> torch.Generator:
