@@ -65,7 +65,7 @@ class HoldInCheckpointSave(L.Callback):
 
     Rank 0 writes `marker` (JSON: the step, the temporary path, the files in it, and whether last.ckpt held a
     checkpoint meanwhile) once it is held. Done by wrapping, in the job's process, the two writes that the
-    project's save paths call (TorchCheckpointIO.save_checkpoint, Lightning's `_distributed_checkpoint_save`)."""
+    project's save paths call (AtomicCheckpointIO.write_temporary, Lightning's `_distributed_checkpoint_save`)."""
 
     def __init__(self, step: int, marker: str, release: str, timeout: float = 300.0):
         self.step, self.marker, self.release, self.timeout = step, Path(marker), Path(release), timeout
@@ -77,23 +77,23 @@ class HoldInCheckpointSave(L.Callback):
         if stage != "fit" or not first_attempt() or self._undo:
             return
         import lightning.pytorch.strategies.model_parallel as model_parallel
-        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from looplab.training.callbacks import AtomicCheckpointIO
 
         self._trainer = trainer
-        dcp_save, io_save = model_parallel._distributed_checkpoint_save, TorchCheckpointIO.save_checkpoint
+        dcp_save, io_save = model_parallel._distributed_checkpoint_save, AtomicCheckpointIO.write_temporary
 
         def held_dcp_save(state, path):
             dcp_save(state, path)
             self._hold(Path(path))
 
-        def held_io_save(io, checkpoint, path, storage_options=None):
-            io_save(io, checkpoint, path, storage_options)
+        def held_io_save(checkpoint, path):
+            io_save(checkpoint, path)
             self._hold(Path(path))
 
         model_parallel._distributed_checkpoint_save = held_dcp_save
-        TorchCheckpointIO.save_checkpoint = held_io_save
+        AtomicCheckpointIO.write_temporary = staticmethod(held_io_save)
         self._undo = [lambda: setattr(model_parallel, "_distributed_checkpoint_save", dcp_save),
-                      lambda: setattr(TorchCheckpointIO, "save_checkpoint", io_save)]
+                      lambda: setattr(AtomicCheckpointIO, "write_temporary", staticmethod(io_save))]
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         for undo in self._undo:

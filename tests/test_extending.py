@@ -137,7 +137,12 @@ def test_trains_resumes_evaluates_decodes_and_serves_from_the_command_line(packa
         "eng = Engine(model, max_batch=2, max_len=32, exits=pol, schedule='depthwise')\n"
         "reqs = [eng.add(ids[i % 2], 4 + i) for i in range(3)]\neng.run()\n"
         "a = solo_agreement(model, reqs, exits=pol)\nassert a['equal'] + a['ties'] == 3, a\nprint('served', a)\n")
-    assert "served" in _run([sys.executable, "-c", decode], root).stdout
+    # a fresh process that names no variant itself: the checkpoint's names import nothing until the package is trusted
+    refused = subprocess.run([sys.executable, "-c", decode], cwd=root, env=_env(root), capture_output=True, text=True)
+    assert refused.returncode != 0 and f"--trust-variants {update.split('.')[0]}" in refused.stderr, refused.stderr[-2000:]
+    trusted = {**_env(root), "LOOPLAB_TRUST_VARIANTS": update.split(".")[0]}
+    p = subprocess.run([sys.executable, "-c", decode], cwd=root, env=trusted, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "served" in p.stdout, p.stderr[-3000:]
 
 
 def test_trains_the_backbone_block_under_the_loop_schedule(package, tmp_path):

@@ -339,11 +339,11 @@ def test_exit_decoding_of_a_checkpoint_matches_full_forward_passes(tmp_path):
     answers exactly as a full forward pass does, skip_compute equals the exit depth computed in full
     when every token exits at loop R, and a gate that stops every token after loop 1 skips loops."""
     from looplab.bench import exit_grid
-    from looplab.eval.__main__ import build_datamodule
+    from looplab.data.registry import datamodule_from_meta
 
     model, dataset = _gated_phop_checkpoint(tmp_path / "gated.ckpt")
     res = exit_grid.decode_checkpoint(tmp_path / "gated.ckpt", n_sequences=8, warmup=0)
-    dm = build_datamodule(dataset)
+    dm = datamodule_from_meta(dataset)
     dm.setup("test")
     steps_total = 0
     right = {"all_loops": 0, "exact_exit": 0}

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 
 from looplab.models import ConfigError, LoopedLM, LoopedLMConfig
+from looplab.models.hub import check_weight_shapes
+from looplab.models.sizing import check_fits
 
 MODEL_PREFIX = "model."
 
@@ -108,6 +110,24 @@ def _unsafe(path: Path, e: Exception, what: str = "it", allowlist: str = "weight
     )
 
 
+# what torch's weights-only unpickler says when a pickle names a global or callable outside the allowlist (torch
+# _weights_only_unpickler.py); any other unpickling error is a file that is not a pickle torch.save wrote
+_UNSAFE_MARKS = ("GLOBAL", "add_safe_globals", "call reduce for")
+
+
+def _refused(path: Path, e: pickle.UnpicklingError) -> ValueError:
+    """An unpickling refusal: unsafe when the pickle needs a global outside the allowlist; otherwise the bytes are
+    not a torch checkpoint at all (random bytes, a foreign file, corruption), and saying "unsafe" would mislead."""
+    return _unsafe(path, e) if any(m in str(e) for m in _UNSAFE_MARKS) else _not_a_checkpoint(path, e)
+
+
+def _not_a_checkpoint(path: Path, e: Exception) -> ValueError:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    why = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "")
+    return ValueError(f"checkpoint {str(path)!r} cannot be read: it is not a torch checkpoint (corrupt, truncated, or "
+                      f"not a checkpoint at all; {type(e).__name__}: {why})")
+
+
 def _load_file(path: Path, map_location="cpu") -> dict[str, Any]:
     """torch.load (weights only) with mmap (the weights stay on disk until touched), clear errors for bad files."""
     if path.stat().st_size == 0:
@@ -115,14 +135,14 @@ def _load_file(path: Path, map_location="cpu") -> dict[str, Any]:
     try:
         ckpt = _torch_load(path, map_location, mmap=True)
     except pickle.UnpicklingError as e:
-        raise _unsafe(path, e) from None
+        raise _refused(path, e) from None
     except Exception:  # a legacy (non-zip) torch.save file cannot be mmapped; or the file is bad
         try:
             ckpt = _torch_load(path, map_location, mmap=False)
         except pickle.UnpicklingError as e:
-            raise _unsafe(path, e) from None
+            raise _refused(path, e) from None
         except Exception as e:  # truncated zip, not a torch file, ...
-            raise ValueError(f"checkpoint {str(path)!r} cannot be read: {e}") from e
+            raise _not_a_checkpoint(path, e) from e
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint {str(path)!r} holds a {type(ckpt).__name__}, not a checkpoint dict")
     return ckpt
@@ -131,6 +151,27 @@ def _load_file(path: Path, map_location="cpu") -> dict[str, Any]:
 def _require_looplab(ckpt: dict[str, Any], path: Path) -> None:
     if "looplab" not in ckpt:
         raise ValueError(f"{str(path)!r} is not a looplab checkpoint (no 'looplab' entry)")
+    _check_recorded_dataset(ckpt["looplab"], f"checkpoint {str(path)!r}")
+
+
+def _check_recorded_dataset(meta: Any, source: str) -> None:
+    """A model's recorded dataset config is data (looplab.data.registry): refused on every read, whatever reads it
+    next, if it names a class other than looplab's data modules or holds a Hydra key at any depth."""
+    from looplab.data.registry import UntrustedConfigError, allowed_targets, check_plain_data
+
+    if not isinstance(meta, dict):
+        raise ValueError(f"{source}: its 'looplab' entry is a {type(meta).__name__}, not a mapping")
+    dataset = meta.get("dataset") or {}
+    if not isinstance(dataset, dict):
+        raise UntrustedConfigError(f"{source}: its dataset record is a {type(dataset).__name__}, not a mapping")
+    target = dataset.get("_target_")
+    if target is not None and target not in allowed_targets():
+        raise UntrustedConfigError(
+            f"{source}: dataset._target_={target!r} is refused: a model's recorded dataset may only name one of "
+            f"looplab's data modules {sorted(allowed_targets())} (looplab.data.registry.DATA_MODULES)")
+    for k, v in dataset.items():
+        if k != "_target_":
+            check_plain_data(v, f"dataset.{k}", source)
 
 
 def _pretrained_meta(path: Path) -> dict[str, Any]:
@@ -139,7 +180,7 @@ def _pretrained_meta(path: Path) -> dict[str, Any]:
     if "model_type" in cfg and cfg["model_type"] != "looplab":  # looplab: convert to-hf's remote-code folder
         raise ValueError(f"{str(path)!r} is a transformers folder (model_type={cfg['model_type']!r}), not a looplab one; "
                          f"convert it first: python -m looplab.convert from-hf {path} --out DIR")
-    model_cfg = LoopedLMConfig.from_dict(cfg)
+    model_cfg = LoopedLMConfig.from_dict(cfg, source=f"{str(path / 'config.json')!r}")
     dataset: dict[str, Any] = dict(model_cfg.extra.get("dataset") or {})  # to-hf keeps the run's dataset config
     if (path / "tokenizer.json").is_file():
         dataset["tokenizer"] = str(path / "tokenizer.json")
@@ -148,7 +189,9 @@ def _pretrained_meta(path: Path) -> dict[str, Any]:
         eos = folder_eos_token(path)
         if eos:
             dataset["eos_token"] = eos
-    return looplab_meta(model_cfg, dataset, source=str(path))
+    meta = looplab_meta(model_cfg, dataset, source=str(path))
+    _check_recorded_dataset(meta, f"{str(path / 'config.json')!r}")
+    return meta
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -345,7 +388,7 @@ def check_compatible(meta: dict[str, Any], cfg: LoopedLMConfig, *, allow_new_bra
     allow_new_branches: warm-starting a StateLoop / gated model from a vanilla one
     (docs/formulations.md#stateloop) may differ in state_mode, state fields, exit_gate, injection and depth_router only.
     """
-    old = LoopedLMConfig.from_dict(meta["model_config"]).architecture_dict()
+    old = LoopedLMConfig.from_dict(meta["model_config"], source="the checkpoint's config").architecture_dict()
     new = cfg.architecture_dict()
     diff = {k: (old.get(k), new.get(k)) for k in new if old.get(k) != new.get(k)}
     if allow_new_branches:
@@ -368,8 +411,12 @@ def load_model(path: str | os.PathLike, map_location="cpu", **config_overrides) 
         return model, meta
     ckpt = read_checkpoint(path, map_location)
     meta = ckpt["looplab"]
-    cfg = LoopedLMConfig.from_dict({**meta["model_config"], **config_overrides})
+    cfg = LoopedLMConfig.from_dict({**meta["model_config"], **config_overrides}, source=f"checkpoint {str(path)!r}")
+    check_fits(cfg, where=f"checkpoint {str(path)!r}")  # before the parameters are allocated
     model = LoopedLM(cfg)
-    model.load_state_dict(model_state_dict(ckpt))
+    state = model_state_dict(ckpt)
+    check_weight_shapes(model, {k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor)},
+                        f"checkpoint {str(path)!r}", "its recorded model config")
+    model.load_state_dict(state)
     model.eval()
     return model, meta

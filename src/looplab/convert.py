@@ -265,9 +265,11 @@ def load_source(src: str):
     if cfg_file.is_file() and "backbone" in json.loads(cfg_file.read_text()):
         raise ConversionError(f"{src!r} is already a looplab folder (LoopedLM.from_pretrained reads it); "
                               "from-hf reads transformers LlamaForCausalLM / Mamba2ForCausalLM folders")
-    hf_cfg = AutoConfig.from_pretrained(src)
+    # trust_remote_code=False said out loud: transformers would otherwise ask on a terminal (or, in some releases,
+    # run a folder's auto_map code); from-hf reads Llama / Mamba-2, which transformers implements itself
+    hf_cfg = AutoConfig.from_pretrained(src, trust_remote_code=False)
     family_of(hf_cfg)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, trust_remote_code=False)
     model.eval()
     return model, hf_cfg
 
@@ -322,14 +324,15 @@ def max_relative_logit_diff(looped: LoopedLM, reference, model_type: str, seed: 
 # --------------------------------------------------------------------------- from-hf
 def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: list[int] | None = None,
             sharing: str | None = None, prelude: int | None = None, coda: int | None = None, check: bool = True,
-            tolerance: float = TOLERANCE, log=print) -> tuple[LoopedLM, float | None]:
-    """Convert SRC into a looplab folder at OUT; returns (model, max relative logit difference)."""
+            tolerance: float = TOLERANCE, log=print, trust_remote_code: bool = False) -> tuple[LoopedLM, float | None]:
+    """Convert SRC into a looplab folder at OUT; returns (model, max relative logit difference). SRC's own code
+    (an exported folder's modeling_looplab.py, a transformers folder's auto_map) runs only with trust_remote_code."""
     cfg_file = Path(src) / "config.json"
     if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("model_type") == "looplab":
         if loops != 1 or block_layers or sharing or prelude or coda:
             raise ConversionError(f"{src!r} is an exported looplab model: from-hf reads it back as it is (no --loops, "
                                   "--block-layers, --sharing, --prelude or --coda)")
-        return from_exported(src, out, check=check, tolerance=tolerance, log=log)
+        return from_exported(src, out, check=check, tolerance=tolerance, log=log, trust_remote_code=trust_remote_code)
     hf_model, hf_cfg = load_source(src)
     fam = family_of(hf_cfg)
     base = fam.to_config(hf_cfg)
@@ -375,13 +378,20 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
 
 
 def from_exported(src: str | os.PathLike, out: str | os.PathLike, *, check: bool = True, tolerance: float = TOLERANCE,
-                  log=print) -> tuple[LoopedLM, float | None]:
-    """A remote-code folder written by to-hf → a looplab folder; checked against transformers' load of SRC."""
+                  log=print, trust_remote_code: bool = False) -> tuple[LoopedLM, float | None]:
+    """A remote-code folder written by to-hf → a looplab folder; checked against transformers' load of SRC: through
+    the folder's own modeling_looplab.py with trust_remote_code, else through looplab's copy of that code (the folder
+    may come from someone else, and its .py files would run)."""
+    from looplab.checkpoint import read_checkpoint_meta
+
+    read_checkpoint_meta(src)  # its config and recorded dataset are data: refused here if they ask for more
     model = LoopedLM.from_pretrained(str(src))
     diff = None
     if check:
-        diff = max_relative_logit_diff(model, load_remote_code(src), "looplab")
-        log(f"equivalence check vs the remote-code model: max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
+        reference = load_remote_code(src, trust_remote_code=trust_remote_code)
+        diff = max_relative_logit_diff(model, reference, "looplab")
+        whose = "the folder's own remote code" if trust_remote_code else "looplab's implementation of the exported code"
+        log(f"equivalence check vs {whose}: max |Δlogit| / RMS(logits) = {diff:.3e} (tolerance {tolerance:g})")
         if not diff <= tolerance:
             raise ConversionError(f"{src!r} read back differs from its transformers load: {diff:.3e} > {tolerance:g}; "
                                   f"nothing was written to {str(out)!r}")
@@ -501,8 +511,14 @@ def lm_eval_command(folder: str | os.PathLike, dataset: dict | None = None, task
     return f"{launcher}lm_eval --model {model} --model_args {args} --tasks {tasks} --include_path {LOCAL_TASKS_DIR}"
 
 
-def load_remote_code(folder: str | os.PathLike, **kwargs):
-    """`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` in fp32, eval mode."""
+def load_remote_code(folder: str | os.PathLike, trust_remote_code: bool = True, **kwargs):
+    """An exported folder as transformers loads it, in fp32, eval mode: `AutoModelForCausalLM.from_pretrained(folder,
+    trust_remote_code=True)` (the folder's modeling_looplab.py runs), or with trust_remote_code=False looplab's own
+    copy of that code (looplab.remote_code) reading the folder's config and weights, so no file of the folder runs."""
+    if not trust_remote_code:
+        from looplab.remote_code.modeling_looplab import LoopedLMForCausalLM
+
+        return LoopedLMForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs).eval()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32, **kwargs).eval()
@@ -677,6 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--coda", type=int, default=None,
                    help="the last C source layers become the unshared coda (default 0; middle_cycle: 1)")
     f.add_argument("--no-check", action="store_true", help="skip the built-in logit comparison")
+    f.add_argument("--trust-remote-code", action="store_true",
+                   help="an exported folder: check against the folder's own modeling_looplab.py (it runs) instead of "
+                        "looplab's copy of that code; a transformers folder: let its auto_map code run")
+    f.add_argument("--trust-variants", action="append", default=[], metavar="PKG",
+                   help="let variant names in SRC's config import package PKG (docs/training.md#what-looplab-trusts)")
     t = sub.add_parser("to-hf", help="looplab training checkpoint → transformers folder with remote code (checked)")
     t.add_argument("ckpt", help="a training checkpoint (last.ckpt file or sharded folder) or a looplab folder")
     t.add_argument("--out", required=True, help="the folder to write")
@@ -688,11 +709,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the folder for vLLM with looplab's plugin (every model the plugin runs, parallel "
                         "loops included; docs/vllm.md)")
     t.add_argument("--no-check", action="store_true", help="skip loading the exported folder and comparing its logits")
+    t.add_argument("--trust-variants", action="append", default=[], metavar="PKG",
+                   help="let variant names in CKPT's config import package PKG (docs/training.md#what-looplab-trusts)")
     a = p.parse_args(argv)
+    from looplab.models.registry import trust_variants
+
+    trust_variants(*a.trust_variants)
     try:
         if a.cmd == "from-hf":
             from_hf(a.src, a.out, loops=a.loops, block_layers=a.block_layers, sharing=a.sharing, prelude=a.prelude,
-                    coda=a.coda, check=not a.no_check)
+                    coda=a.coda, check=not a.no_check, trust_remote_code=a.trust_remote_code)
         else:
             to_hf(a.ckpt, a.out, transformers=a.transformers, looplab_only=a.looplab, check=not a.no_check,
                   vllm=a.vllm)

@@ -31,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "ckpt": None, "prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": None, "top_p": None,
     "exit_threshold": None, "exit_rule": None, "exit_min_loops": 1, "skip_compute": False, "seed": 0, "device": "cpu",
     "speculative_loops": None, "draft_tokens": 4, "compile": False,
+    "trust_variants": None,  # PKG[,PKG]: variant names in the checkpoint may import these (docs/training.md#what-looplab-trusts)
 }
 
 
@@ -41,7 +42,7 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
         key = key.lstrip("-").replace("-", "_")
         if not sep or key not in DEFAULTS:
             raise SystemExit(f"bad argument {a!r}: use key=value with key in {sorted(DEFAULTS)}")
-        if key in ("ckpt", "prompt", "device"):
+        if key in ("ckpt", "prompt", "device", "trust_variants"):
             args[key] = val
         elif key == "draft_tokens" and val.lower() == "auto":
             args[key] = "auto"
@@ -59,6 +60,8 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             args[key] = int(val) if key in ("max_new_tokens", "top_k", "seed", "exit_min_loops", "speculative_loops", "draft_tokens") else float(val)
     if not args["ckpt"]:
         raise SystemExit("ckpt=PATH is required (a looplab training checkpoint)")
+    if args["max_new_tokens"] is None or args["max_new_tokens"] < 0:  # before the checkpoint is loaded
+        raise ValueError(f"max_new_tokens={args['max_new_tokens']!r} must be an integer >= 0")
     return args
 
 
@@ -89,7 +92,9 @@ class _TaskText:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from looplab.checkpoint import load_model
+    from looplab.models.registry import trust_variants
 
+    trust_variants(*(args["trust_variants"] or "").split(","))
     model, meta = load_model(args["ckpt"], map_location=args["device"])
     dataset = meta.get("dataset") or {}
     is_task = dataset.get("task") in ("phop", "mano")

@@ -49,7 +49,7 @@ class RunParts:
     module: Any
 
 
-def build_run(cfg: DictConfig) -> RunParts:
+def build_run(cfg: DictConfig, dm: Any = None) -> RunParts:
     """Seed, then the DataModule and the LightningModule, exactly as `python -m looplab.train` builds them.
 
     The paired arms of a table (StateLoop vs Vanilla Looped, reset vs carry, ...) go through this one
@@ -63,8 +63,9 @@ def build_run(cfg: DictConfig) -> RunParts:
     from looplab.training.module import LoopedLMModule
 
     L.seed_everything(cfg.seed, workers=True)
-    dm = build_datamodule(cfg)
+    dm = build_datamodule(cfg) if dm is None else dm  # the plan (looplab.plan) passes a shape-only stand-in
     model_cfg = model_config_from_cfg(cfg, vocab_size=getattr(dm, "vocab_size", None))
+    check_run_fits(cfg, model_cfg, dm)  # before the model is allocated
     objective = objective_from_cfg(cfg)
     depth = depth_from_cfg(cfg)  # training-depth sampler + truncated backprop
     eval_loops = eval_loops_from_cfg(cfg)
@@ -75,7 +76,7 @@ def build_run(cfg: DictConfig) -> RunParts:
             raise ConfigError(f"compile=true with {refused}")
         use_compile, compile_why = False, f"compile=auto: off ({refused.split(':')[0]} trains eagerly)"
     dataset_meta = OmegaConf.to_container(cfg.dataset, resolve=True)
-    for attr in ("tokenizer_spec", "vocab_size", "seq_len"):
+    for attr in ("tokenizer_spec", "vocab_size", "seq_len", "tokenizer_identity"):
         if hasattr(dm, attr):
             try:
                 dataset_meta[f"_{attr}"] = getattr(dm, attr)
@@ -94,12 +95,46 @@ def build_run(cfg: DictConfig) -> RunParts:
     return RunParts(dm, model_cfg, objective, depth, eval_loops, use_compile, compile_why, module)
 
 
-def load_warm_start(model, path: str) -> list[str]:
-    """Load a (vanilla / stage-1) checkpoint into a model that may have extra branches (docs/formulations.md#stateloop)."""
+def check_same_tokenizer(meta: dict[str, Any], dm, path: str) -> None:
+    """resume= and init_from=: the run's tokenizer must give the ids the checkpoint was trained with (same size is
+    not enough: a permuted vocabulary trains garbage silently). Checkpoints from before identities were recorded
+    carry none, and pass."""
+    from looplab.data.tokenizer import check_identity
+
+    recorded = (meta.get("dataset") or {}).get("_tokenizer_identity")
+    found = getattr(dm, "tokenizer_identity", None) if recorded else None
+    check_identity(recorded, found, getattr(dm, "tokenizer_spec", None) or getattr(dm, "name", None), f"checkpoint {path!r}")
+
+
+def check_run_fits(cfg: DictConfig, model_cfg, dm) -> None:
+    """Refuse, in one line naming the size, a run whose parameters and per-loop activations cannot fit even at their
+    lower bound (models/sizing.py): `loop_depth.loops=10**12` or a huge vocabulary fails here, not in the kernel's
+    OOM killer. Tokens per device: the global batch over the ranks and accumulation (one sequence when the rank
+    count is not known yet, devices=-1)."""
+    from looplab.models.sizing import check_fits
+
+    seq_len = int(getattr(dm, "seq_len", None) or model_cfg.max_seq_len)
+    devices, nodes = cfg.trainer.get("devices", 1), int(cfg.trainer.get("num_nodes", 1) or 1)
+    accum = max(1, int(cfg.trainer.get("accumulate_grad_batches", 1) or 1))
+    world = int(devices) * nodes if isinstance(devices, int) and devices > 0 else None
+    batch = int(cfg.dataset.get("batch_size", 1) or 1)
+    per_device = max(1, batch // (world * accum)) if world else 1
+    accelerator = str(cfg.trainer.get("accelerator", "cpu"))
+    fsdp = "fsdp" in str(cfg.trainer.get("strategy", ""))
+    check_fits(model_cfg, where="this run", tokens=per_device * seq_len, training=True,
+               device="cuda" if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()) else "cpu",
+               shards=world if (fsdp and world) else 1)
+
+
+def load_warm_start(model, path: str, dm=None) -> list[str]:
+    """Load a (vanilla / stage-1) checkpoint into a model that may have extra branches (docs/formulations.md#stateloop);
+    with the run's DataModule `dm`, its tokenizer is checked against the checkpoint's."""
     from looplab.checkpoint import check_compatible, model_state_dict, read_checkpoint
 
     ckpt = read_checkpoint(path)
     check_compatible(ckpt["looplab"], model.config, allow_new_branches=True)
+    if dm is not None:
+        check_same_tokenizer(ckpt["looplab"], dm, path)
     state = model_state_dict(ckpt)
     own = model.state_dict()
     state = {k: v for k, v in state.items() if k in own}  # a branch the new model lacks is dropped
@@ -111,11 +146,24 @@ def load_warm_start(model, path: str) -> list[str]:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
+    """One attempt of a run in the folder it owns (training/run_folder.py): global rank 0 holds `<run>/.lock` from
+    before anything is written until the end; a second live run into the folder, or resume=auto with other
+    overrides than the folder's checkpoint was trained with (resume=force: anyway), is refused; orphaned temporary
+    files of killed saves are removed."""
+    from looplab.training.distributed import is_global_zero_from_env
+    from looplab.training.run_folder import claim_run_folder
+
+    ctx = hydra_context()
+    with claim_run_folder(Path(ctx["output_dir"]), ctx["overrides"], cfg.get("resume"), rank_zero=is_global_zero_from_env()):
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, RichProgressBar, ThroughputMonitor
 
     from looplab.checkpoint import check_compatible, read_checkpoint_meta
     from looplab.training.callbacks import AtomicCheckpointIO, AttemptClock, PlainProgress, Requeued, ThroughputRecord
-    from looplab.training.distributed import recover_checkpoint, trainer_overrides
+    from looplab.training.distributed import check_resume_source, is_global_zero_from_env, recover_checkpoint, trainer_overrides
 
     start = time.time()
     ctx = hydra_context()
@@ -132,18 +180,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     recover_checkpoint(ckpt_dir / "last.ckpt")  # a sharded save killed between its two renames
     set_aside_hpc_checkpoints(out_dir, ckpt_dir)  # last.ckpt is the one resume source
     ckpt_path = None
-    if cfg.resume == "auto":
+    if cfg.resume in ("auto", "force"):  # force: the folder's checkpoint even with other overrides (run_folder.py)
         if (ckpt_dir / "last.ckpt").exists():
             ckpt_path = str(ckpt_dir / "last.ckpt")
     elif cfg.resume:
         ckpt_path = str(cfg.resume)
     if ckpt_path:
-        check_compatible(read_checkpoint_meta(ckpt_path), model_cfg)  # metadata only, every rank
+        resumed_meta = read_checkpoint_meta(ckpt_path)  # metadata only, every rank
+        check_compatible(resumed_meta, model_cfg)
+        check_resume_source(ckpt_path, cfg)  # a sharded folder without the FSDP strategy, a model folder
+        check_same_tokenizer(resumed_meta, dm, ckpt_path)
         log.info("resuming from %s", ckpt_path)
 
     warm = cfg.get("init_from") or (cfg.exit_gate.get("init_from") if objective["exit_stage"] else None)
     if warm and not ckpt_path:
-        missing = load_warm_start(module.model, str(warm))
+        missing = load_warm_start(module.model, str(warm), dm)
         log.info("warm start from %s (new, untrained: %s)", warm, sorted({k.split(".")[0] for k in missing}) or "none")
     if objective["exit_stage"] == "stage2":
         module.freeze_all_but_gate()
@@ -156,7 +207,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_name = f"{cfg.task_name}-{out_dir.name}" if not ctx["multirun"] else f"{cfg.task_name}-{out_dir.parent.name}-{out_dir.name}"
     loggers = build_loggers(cfg, out_dir, run_name)
     throughput = ThroughputRecord()
-    clock = AttemptClock(out_dir / "attempts.json", start)  # wall time of every attempt (preempted ones too)
+    clock = AttemptClock(out_dir / "attempts.json", start, overrides=ctx["overrides"])  # every attempt's wall time
+    if is_global_zero_from_env():
+        clock.save()  # this attempt and its overrides are on record from its start (what a later resume is checked against)
     checkpointing = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=0,
                                     every_n_train_steps=int(cfg.checkpoint_every_n_steps), auto_insert_metric_name=False)
     callbacks = [
@@ -171,7 +224,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.trainer.get("enable_model_summary", True) is not False:
         callbacks.append(ModelSummary(max_depth=2))  # shows block / state / exit_gate sizes separately
     overrides = trainer_overrides(cfg)  # precision auto, strategy fsdp
-    plugins, requeue = [AtomicCheckpointIO()], slurm_requeue(ckpt_dir / "last.ckpt", clock)
+    plugins, requeue = [AtomicCheckpointIO(on_failure=clock.record_failure)], slurm_requeue(ckpt_dir / "last.ckpt", clock)
     if requeue:
         callbacks.append(requeue)
         plugins.append(requeue.environment)

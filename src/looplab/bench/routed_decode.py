@@ -100,10 +100,10 @@ def measure_group(models: dict[str, Any], ids: torch.Tensor, new_tokens: int, re
 
 def diagnostics_of(model, meta: dict[str, Any], max_batches: int) -> dict[str, Any]:
     """The checkpoint's per-loop diagnostics over its first max_batches test batches."""
-    from looplab.eval.__main__ import build_datamodule
+    from looplab.data.registry import datamodule_from_meta
     from looplab.eval.diagnostics import diagnose
 
-    dm = build_datamodule(meta["dataset"])
+    dm = datamodule_from_meta(meta["dataset"], source="the trained run's checkpoint")
     if hasattr(dm, "prepare_data"):
         dm.prepare_data()
     dm.setup("test")

@@ -55,9 +55,9 @@ def body_training(ckpt: str | Path) -> str:
 def held_out_examples(meta: dict[str, Any], n: int, every_token: bool = False) -> list[dict[str, torch.Tensor]]:
     """The first n test sequences of the checkpoint's dataset with their scored positions: a task's answers;
     every_token: a language-model split's windows have none, and every next token is scored."""
-    from looplab.eval.__main__ import build_datamodule
+    from looplab.data.registry import datamodule_from_meta
 
-    dm = build_datamodule(meta["dataset"])
+    dm = datamodule_from_meta(meta["dataset"], source="the trained run's checkpoint")
     if hasattr(dm, "prepare_data"):
         dm.prepare_data()
     dm.setup("test")

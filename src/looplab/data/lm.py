@@ -186,6 +186,11 @@ class LMDataModule(L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     @property
+    def tokenizer_identity(self) -> str:
+        """Which id each token has (data/tokenizer.py tokenizer_identity): recorded in checkpoints, checked on load."""
+        return self.tokenizer.identity
+
+    @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_id
 

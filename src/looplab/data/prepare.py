@@ -32,6 +32,8 @@ import hashlib
 import json
 import math
 import os
+import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +50,14 @@ CHECKSUM_LIMIT = 256 * 2**20  # bytes; larger files are checked by size only (ha
 SPLITS = ("train", "validation")
 
 
-class TokenCacheError(RuntimeError):
-    """A prepared token file that cannot be trusted; the message names the file and the fix."""
+class TokenCacheError(RuntimeError, ValueError):
+    """A prepared token file that cannot be trusted; the message names the file and the fix. A ValueError too:
+    bad input, reported by the CLIs in one line (looplab/cli_errors.py)."""
+
+
+class DataFileError(ValueError):
+    """A corpus file, or a document in it, that cannot be read as text; the message names the file and line (or
+    the row). Its own class, so that the CLIs report it in one line even when a `datasets` worker raised it."""
 
 
 @dataclass
@@ -172,7 +180,9 @@ def load_source(src: SourceConfig) -> tuple[dict[str, Any], str]:
         try:
             raw = datasets.load_dataset(src.source, data_files=data_files)
         except Exception as e:
-            raise ValueError(f"cannot read {src.source} files {src.data_files!r}: {e}") from e
+            root = _root_cause(e)
+            cause = f" ({type(root).__name__}: {root})" if root is not e else ""
+            raise DataFileError(_first_bad_line(src) or f"cannot read {src.source} files {src.data_files!r}: {e}{cause}") from e
     else:
         kw = dict(name=src.subset, revision=src.revision, streaming=src.streaming)
         if src.data_files is not None:
@@ -184,6 +194,8 @@ def load_source(src: SourceConfig) -> tuple[dict[str, Any], str]:
 
     if src.train_split not in raw:
         raise ValueError(f"source {src.source!r} has no split {src.train_split!r} (splits: {list(raw)}); set train_split")
+    for split in dict.fromkeys(s for s in (src.train_split, src.val_split) if s is not None and s in raw):
+        _check_text_column(raw[split], split, src)
     train = raw[src.train_split]
     if src.val_split is not None:
         if src.val_split not in raw:
@@ -200,6 +212,85 @@ def load_source(src: SourceConfig) -> tuple[dict[str, Any], str]:
         if cols and src.text_field not in cols:
             raise ValueError(f"{name} split of {src.source!r} has no column {src.text_field!r} (columns: {cols}); set text_field")
     return {"train": train, "validation": val}, fingerprint
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The innermost exception of e's cause chain (datasets wraps a parse error in DatasetGenerationError)."""
+    seen = {id(e)}
+    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        e = nxt
+    return e
+
+
+def _first_bad_line(src: SourceConfig) -> str | None:
+    """'data file F line N ...': the first line of the local files that cannot be a document (not UTF-8; for json,
+    not a JSON object, or its text field missing, null or not a string), or None when every line reads. Read only
+    when `datasets` failed on the files or found a document without text."""
+    field = src.text_field
+    if src.source not in ("json", "text", "csv"):
+        return None
+    for path in _local_files(src.data_files):
+        where = f"data file {str(path)!r}"
+        lines_are_records, records = src.source == "json", 0
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return (f"{where} line {n} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                            "re-encode the file as UTF-8")
+                if not lines_are_records or not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as e:
+                    if not records:  # the first line: a JSON document over several lines (an array), not JSON Lines
+                        lines_are_records = False
+                        continue
+                    return (f"{where} line {n} is not valid JSON ({e.msg}, column {e.colno}); each line of a "
+                            "JSON Lines file must be one JSON object")
+                records += 1
+                if not isinstance(record, dict):
+                    return f"{where} line {n} is a JSON {type(record).__name__}, not an object with a {field!r} field"
+                value = record.get(field)
+                if not isinstance(value, str):
+                    what = "missing" if field not in record else "null" if value is None else f"{value!r} ({type(value).__name__})"
+                    return f"{where} line {n}: its {field!r} field is {what}, not text; fix or drop that line"
+        if src.source == "json" and not lines_are_records:
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                return f"{where} line {e.lineno} is not valid JSON ({e.msg}, column {e.colno})"
+    return None
+
+
+def _check_text_column(ds, split: str, src: SourceConfig) -> None:
+    """Every document's text must be a string: a null (a JSON null, an empty csv cell) or a number is refused here,
+    naming the file and line (local files) or the row, instead of failing inside the tokenizer."""
+    import datasets
+
+    if not isinstance(ds, datasets.Dataset) or src.text_field not in (ds.column_names or []):
+        return
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = ds.data.column(src.text_field)
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        try:  # pyarrow's JSON reader keeps bytes that are not UTF-8 (decoding them fails later, in the tokenizer);
+            if src.is_local:  # hub datasets were written from Python strings (and may be large: not read again)
+                col.validate(full=True)
+        except pa.ArrowInvalid as e:
+            raise DataFileError(_first_bad_line(src) or f"{src.source} files {src.data_files!r} hold text that is not "
+                                f"UTF-8 ({e})") from None
+        if col.null_count == 0:
+            return
+        row, what = pc.index(pc.is_null(col), True).as_py(), "null"
+    else:
+        row, what = 0, f"of type {col.type}"
+    found = _first_bad_line(src) if src.is_local else None
+    raise DataFileError(found or f"row {row} of the {split!r} split of {src.source!r}: its {src.text_field!r} field is "
+                                 f"{what}, not text; drop such documents or set text_field")
 
 
 # ---------------------------------------------------------------- packing
@@ -235,7 +326,12 @@ def _token_batches(ds, tok: LMTokenizer, text_field: str, num_proc: int, batch_d
     eos = tok.eos_id
 
     def encode(batch):
-        return {"ids": [ids + [eos] for ids in tok.encode_batch(batch[text_field])]}
+        texts = batch[text_field]
+        bad = next((t for t in texts if not isinstance(t, str)), "")
+        if not isinstance(bad, str):  # a streamed source (a local one is checked when loaded: _check_text_column)
+            raise DataFileError(f"a document's {text_field!r} field is {bad!r} ({type(bad).__name__}), not text; "
+                                "drop such documents from the source or set text_field")
+        return {"ids": [ids + [eos] for ids in tok.encode_batch(texts)]}
 
     if isinstance(ds, datasets.IterableDataset):
         cols = list(ds.features) if ds.features is not None else None
@@ -257,7 +353,16 @@ def _token_batches(ds, tok: LMTokenizer, text_field: str, num_proc: int, batch_d
 def _write_split(ds, split: str, folder: Path, tok: LMTokenizer, src: SourceConfig, fingerprint: str,
                  num_proc: int, batch_docs: int, max_tokens: int | None) -> TokenFile:
     dtype = token_dtype(tok.vocab_size)
-    tmp = folder / f".{split}.bin.tmp{os.getpid()}"
+    tmp = folder / _temp_name(f"{split}.bin")
+    try:
+        return _write_split_to(tmp, ds, split, folder, tok, src, fingerprint, num_proc, batch_docs, max_tokens, dtype)
+    except BaseException:  # a failed tokenisation (or a full disk) leaves no temporary file behind
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_split_to(tmp: Path, ds, split: str, folder: Path, tok: LMTokenizer, src: SourceConfig, fingerprint: str,
+                    num_proc: int, batch_docs: int, max_tokens: int | None, dtype: np.dtype) -> TokenFile:
     sha, n, n_docs, n_text = hashlib.sha256(), 0, 0, 0
     t0 = time.perf_counter()
     with open(tmp, "wb") as f:
@@ -295,10 +400,42 @@ def _write_split(ds, split: str, folder: Path, tok: LMTokenizer, src: SourceConf
         "tokens_per_s": round(n / max(seconds, 1e-9)),
     }
     os.replace(tmp, folder / f"{split}.bin")
-    mtmp = folder / f".{split}.json.tmp{os.getpid()}"
-    mtmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(mtmp, folder / f"{split}.json")
+    mtmp = folder / _temp_name(f"{split}.json")
+    try:
+        mtmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(mtmp, folder / f"{split}.json")
+    except BaseException:
+        mtmp.unlink(missing_ok=True)
+        raise
     return TokenFile(folder / f"{split}.bin", manifest)
+
+
+# `.<split>.bin.tmp<PID>@<host>`: the writer's PID and host, so that a sweep removes only the temporary files of
+# writers that are gone (a cache shared by the nodes of a cluster is written from several hosts at once);
+# `.<split>.bin.tmp<PID>` (no host): older code's, taken as this host's
+TEMP_FILE = re.compile(r"^\.(?:" + "|".join(SPLITS) + r")\.(?:bin|json)\.tmp(?P<pid>\d+)(?:@(?P<host>.+))?$")
+
+
+def _temp_name(name: str) -> str:
+    return f".{name}.tmp{os.getpid()}@{socket.gethostname()}"
+
+
+def sweep_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary token files in a cache folder left by writers that died (kill -9, a lost node) on this
+    host; the removed. A live writer's (another run preparing the same cache now) are left alone."""
+    from looplab.training.run_folder import remove_orphans
+
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return []
+    here = socket.gethostname()
+    candidates = []
+    for p in entries:
+        m = TEMP_FILE.match(p.name)
+        if m and (m["host"] is None or m["host"] == here):
+            candidates.append((p, int(m["pid"])))
+    return remove_orphans(candidates, locked=False)
 
 
 def load_split(folder: str | os.PathLike, split: str, *, source_fingerprint: str | None = None,
@@ -341,6 +478,9 @@ def prepare(src: SourceConfig, tokenizer: str | LMTokenizer, cache_dir: str | os
         splits, fingerprint = load_source(src)
     folder = cache_folder(cache_dir, src, fingerprint, tok)
     limits = {"train": src.max_train_tokens, "validation": src.max_val_tokens}
+    for orphan in sweep_temp_files(folder):
+        if verbose:
+            print(f"[looplab.prepare] removed {orphan}, left by a writer that is gone")
     out = {}
     for split in SPLITS:
         if (folder / f"{split}.json").is_file():

@@ -230,6 +230,14 @@ class TaskDataModule(L.LightningDataModule):
         return self.spec.vocab.vocab_size
 
     @property
+    def tokenizer_identity(self) -> str:
+        """The task's token names in id order, hashed (as an LM tokenizer's identity: recorded, checked on load)."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.spec.vocab.names).encode()).hexdigest()[:16]
+
+    @property
     def seq_len(self) -> int:
         return self.spec.seq_len
 

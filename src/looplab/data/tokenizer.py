@@ -49,6 +49,8 @@ class LMTokenizer:
             raise ValueError(f"tokenizer {spec!r} has none of the end-of-text tokens {names}; name one with eos_token=...")
         self.eos_token, self.eos_id = found[0]
         self.hash = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+        self.identity = tokenizer_identity(tok)
+
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -63,14 +65,44 @@ class LMTokenizer:
         return f"LMTokenizer(spec={self.spec!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, hash={self.hash})"
 
 
+def tokenizer_identity(tok: Tokenizer) -> str:
+    """Which id each token has: sha256 of the vocabulary (added tokens included) and the BPE merges, 16 hex digits.
+    Unlike `hash` (the whole serialisation, which keys token caches) it does not change with how a `tokenizers`
+    release writes the file. Recorded by every run (dataset `_tokenizer_identity`) and checked on resume=,
+    init_from=, eval, generate and the lm-eval adapter: a tokenizer with the same size but other ids is refused."""
+    import json
+
+    model = json.loads(tok.to_str()).get("model") or {}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges") or []]
+    blob = json.dumps([sorted(tok.get_vocab(with_added_tokens=True).items()), merges], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class TokenizerMismatchError(ValueError):
+    """The tokenizer found now gives other ids than the one a model was trained with."""
+
+
+def check_identity(recorded: str | None, found: str | None, spec, source: str) -> None:
+    """Refuse a tokenizer whose identity differs from the one recorded (a record without one is an older run)."""
+    if recorded and found and recorded != found:
+        raise TokenizerMismatchError(
+            f"{source} was trained with tokenizer identity {recorded}, but tokenizer {spec!r} now has identity {found} "
+            "(other token ids, even if the vocabulary size is the same); use the tokenizer the model was trained with")
+
+
 def load_tokenizer(spec: str | dict, eos_token: str | None = None) -> LMTokenizer:
-    """Spec → tokenizer. A dict is a dataset config (its `tokenizer` and `eos_token` keys are used)."""
+    """Spec → tokenizer. A dict is a dataset config (its `tokenizer` and `eos_token` keys are used, and a recorded
+    `_tokenizer_identity` is checked against the tokenizer found)."""
+    recorded = None
     if isinstance(spec, dict) or hasattr(spec, "get"):  # dict or OmegaConf DictConfig
         eos_token = eos_token or spec.get("eos_token")
+        recorded = spec.get("_tokenizer_identity")
         spec = spec.get("tokenizer")
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"tokenizer spec {spec!r} must be a non-empty string (an asset name, a tokenizer.json path or a hub name)")
-    return _load(spec, eos_token)
+    tok = _load(spec, eos_token)
+    check_identity(recorded, tok.identity, spec, "the model")
+    return tok
 
 
 @lru_cache(maxsize=8)

@@ -25,16 +25,6 @@ from pathlib import Path
 import torch
 
 
-def build_datamodule(dataset_meta: dict):
-    import hydra
-
-    cfg = {k: v for k, v in dataset_meta.items() if not k.startswith("_") and k != "name"}
-    if "_target_" not in dataset_meta:
-        raise ValueError("the checkpoint records no dataset (_target_ missing); evaluate it through the Python API instead")
-    cfg["_target_"] = dataset_meta["_target_"]
-    return hydra.utils.instantiate(cfg, _convert_="all")
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m looplab.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
@@ -51,6 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="test-time depth: apply the shared block R′ times instead of the trained R (any R′ ≥ 1, also "
                          "above R; per-loop metrics and exits then run over 1..R′)")
     ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--trust-variants", action="append", default=[], metavar="PKG",
+                    help="let variant names in the checkpoint's config import package PKG (not trusted by default: "
+                         "docs/training.md#what-looplab-trusts; also LOOPLAB_TRUST_VARIANTS=PKG,...)")
     ap.add_argument("--diagnostics", action="store_true",
                     help="per-loop diagnostics on the split's batches (eval/diagnostics.py: step size, update cosine, "
                          "effective rank, fixed-point gap, logit-lens KL, exit λ, CLP offset cost): eval.json "
@@ -63,6 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--results", default=None,
                     help="the run's results.json (default: <run>/results.json of a <run>/checkpoints/X.ckpt, when present)")
     args = ap.parse_args(argv)
+    from looplab.models.registry import trust_variants
+
+    trust_variants(*args.trust_variants)
     rule = args.exit_rule if args.exit_rule not in (None, "gate") else None
     if rule is not None:
         from looplab.models.exit_rules import get_rule
@@ -75,11 +71,14 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--exit-rule {rule} needs --rule-thresholds (e.g. 0.01 0.05 0.2)")
 
     from looplab.checkpoint import load_model
+    from looplab.data.registry import datamodule_from_meta
     from looplab.eval.exit_sweep import exit_sweep, plot_sweep, sweep_markdown
     from looplab.eval.perplexity import split_metrics
 
     if args.loops is not None and args.loops < 1:
         ap.error(f"--loops must be ≥ 1, got {args.loops}")
+    if args.max_batches is not None and args.max_batches < 1:  # 0 batches would report a metric over 0 tokens
+        ap.error(f"--max-batches must be ≥ 1, got {args.max_batches}")
     # a test-time depth is a config override: the block is shared, so the same weights run R′ loops
     model, meta = load_model(args.checkpoint, map_location=args.device,
                              **({"n_loops": args.loops} if args.loops is not None else {}))
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(args.out) if args.out else ckpt.resolve().parent.parent / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    dm = build_datamodule(meta["dataset"])
+    dm = datamodule_from_meta(meta["dataset"], source=f"checkpoint {args.checkpoint!r}")
     if hasattr(dm, "prepare_data"):
         dm.prepare_data()
     dm.setup("test" if args.split == "test" else "validate")

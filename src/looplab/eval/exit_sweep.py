@@ -105,6 +105,9 @@ def exit_sweep(
                 row.update(logits_at_depth(out.loop_logits, steps), targets, scored, steps)
     finally:
         model.train(was_training)
+    if rows[0].n == 0:  # every row scores the same positions
+        raise ValueError(f"no target tokens were scored (max_batches={max_batches}; or an empty split, or every target "
+                         "ignored): there is no metric over 0 tokens")
     result = {"n_loops": R, "fixed": [r.result() for r in rows], "thresholds": [], "expected": None,
               "rule": [{**r.result(), "rule": rule, "threshold": tau, "min_loops": min_loops}
                        for tau, r in zip(rule_thresholds, rule_rows)]}

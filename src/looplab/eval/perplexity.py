@@ -96,20 +96,15 @@ def checkpoint_perplexity(
 ) -> dict[str, float | int | list[float]]:
     """Held-out perplexity of a checkpoint on the validation split of the dataset it was trained on
     (rebuilt from the dataset config stored in the checkpoint; val_tokens / batch_size override it)."""
-    import hydra.utils
-
     from looplab.checkpoint import load_model
+    from looplab.data.registry import datamodule_from_meta
 
     model, meta = load_model(path)
-    # the training run stores extra facts under '_'-prefixed keys (_vocab_size, ...): not constructor arguments
-    cfg = {k: v for k, v in (meta.get("dataset") or {}).items() if not k.startswith("_") or k == "_target_"}
-    if not cfg.get("tokenizer"):
-        raise ValueError(f"checkpoint {path!r} was trained on dataset {cfg.get('name', '?')!r}, not on text; perplexity needs an LM checkpoint")
-    if val_tokens is not None:
-        cfg["val_tokens"] = val_tokens
-    if batch_size is not None:
-        cfg["val_batch_size"] = batch_size
-    dm = hydra.utils.instantiate(cfg)
+    dataset = meta.get("dataset") or {}
+    if not dataset.get("tokenizer"):
+        raise ValueError(f"checkpoint {path!r} was trained on dataset {dataset.get('name', '?')!r}, not on text; perplexity needs an LM checkpoint")
+    overrides = {k: v for k, v in (("val_tokens", val_tokens), ("val_batch_size", batch_size)) if v is not None}
+    dm = datamodule_from_meta(dataset, source=f"checkpoint {str(path)!r}", **overrides)
     dm.setup("validate")
     if device is not None:
         model = model.to(device)

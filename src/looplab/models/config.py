@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from looplab.models.registry import (BACKBONES, DEPTH_ROUTERS, EXIT_GATES, INJECTIONS, LAYERS, LOOP_SCHEDULES,
-                                     STATE_MIXERS, STATE_UPDATES, ConfigError, option_values)
+                                     STATE_MIXERS, STATE_UPDATES, ConfigError, names_from, option_values)
 
 # a variant's options live in `LoopedLMConfig.options[axis]` (the axes whose variants build model parts)
 OPTION_AXES = {"state_update": STATE_UPDATES, "state_mixer": STATE_MIXERS, "backbone": BACKBONES,
@@ -413,7 +413,11 @@ class LoopedLMConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LoopedLMConfig":
+    def from_dict(cls, d: dict[str, Any], *, source: str = "a loaded model config") -> "LoopedLMConfig":
+        """A config read back from a checkpoint or a folder (`source` names it in errors). Its variant names are data:
+        a name that is not registered imports nothing unless its package is trusted (models/registry.py names_from)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: the model config is a {type(d).__name__}, not a mapping of fields")
         known = {f.name for f in fields(cls)}
         if d.get("model_type") == "looplab":
             # a remote-code transformers folder (convert to-hf): looplab's fields plus transformers' own keys, which
@@ -422,7 +426,8 @@ class LoopedLMConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**d)
+        with names_from(source):
+            return cls(**d)
 
     def architecture_dict(self) -> dict[str, Any]:
         """Fields that decide parameter shapes; a checkpoint must match these to load."""

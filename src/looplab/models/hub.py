@@ -56,6 +56,32 @@ def looplab_state_dict(exported: dict) -> dict:
     return out
 
 
+def safetensors_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
+    """{tensor name: shape} from a safetensors file's header, which safetensors checks against the file (a crafted
+    header, a truncated or foreign file); ValueError naming the file instead of safetensors' own error."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # SafetensorError (header too large, invalid JSON, file not covered), OSError, ...
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file (corrupt, truncated or not safetensors: "
+                         f"{type(e).__name__}: {e})") from None
+
+
+def check_weight_shapes(model, shapes: dict[str, Any], weights: str, config: str) -> None:
+    """Refuse, naming the first tensor, weights whose shapes differ from those the config builds (a config.json or a
+    recorded config edited, or from another model): a ValueError instead of load_state_dict's size-mismatch error.
+    Names absent from either side are left to the strict load."""
+    bad = [(k, list(shapes[k]), list(v.shape)) for k, v in model.state_dict().items()
+           if k in shapes and list(shapes[k]) != list(v.shape)]
+    if bad:
+        name, found, wanted = bad[0]
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise ValueError(f"the weights in {weights} do not match {config}: {name} has shape {found} there but {wanted} "
+                         f"under the config{more}; the config and the weights come from different models")
+
+
 def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     """Copy a tokenizer into `out`: `src` is a tokenizer.json file or a folder holding one.
     Returns the copied file names (empty when the folder has none)."""
@@ -168,9 +194,17 @@ class LoopedHubMixin(ModelHubMixin, library_name="looplab", tags=["looplab"]):
 
             weights = hf_hub_download(model_id, WEIGHTS_NAME, revision=revision, cache_dir=cache_dir,
                                       force_download=force_download, local_files_only=local_files_only, token=token)
-        cfg = LoopedLMConfig.from_dict({**config, **config_overrides})  # overrides: kernel, chunk_size, ...
+        cfg = LoopedLMConfig.from_dict({**config, **config_overrides},  # overrides: kernel, chunk_size, ...
+                                       source=f"{os.path.join(str(model_id), CONFIG_NAME)!r}")
+        from looplab.models.sizing import check_fits
+
+        check_fits(cfg, where=f"{str(model_id)!r}")  # before the parameters are allocated
+        shapes = safetensors_shapes(weights)  # a corrupt or truncated file is refused before anything is allocated
+        exported = config.get("model_type") == EXPORTED_MODEL_TYPE
         model = cls(cfg)
-        if config.get("model_type") == EXPORTED_MODEL_TYPE:  # convert to-hf's remote-code folder: transformers' names
+        check_weight_shapes(model, looplab_state_dict(shapes) if exported else shapes, repr(str(weights)),
+                            repr(os.path.join(str(model_id), CONFIG_NAME)))
+        if exported:  # convert to-hf's remote-code folder: transformers' names
             from safetensors.torch import load_file
 
             sd = looplab_state_dict(load_file(weights, device=str(map_location)))

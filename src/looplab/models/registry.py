@@ -20,9 +20,16 @@ A researcher adds a variant from their own module, with nothing edited inside lo
     class GRUState(StateBranch): ...
 
 and selects it by name (`state_mode=my_pkg.gru`): a dotted name that is not registered yet is imported
-(`my_pkg.gru`, then `my_pkg`) until its module has registered it, so a checkpoint or a Hydra config naming it
-loads in a fresh process. `module:Class` names a class directly (Hydra's `_target_` style), and the
-`looplab.variants` entry-point group lists modules to import for names found nowhere else.
+(`my_pkg.gru`, then `my_pkg`) until its module has registered it. `module:Class` names a class directly (Hydra's
+`_target_` style), and the `looplab.variants` entry-point group lists modules to import for names found nowhere else.
+
+Who may make looplab import a module (docs/training.md#what-looplab-trusts): importing runs the module's code, so
+a name is imported only when the user typed it (a Hydra override, `LoopedLMConfig(...)` in their own code). A name
+read from a model (a checkpoint's config, a folder's config.json: `LoopedLMConfig.from_dict`, under `names_from`)
+imports nothing unless its package is trusted: `--trust-variants PKG` / `trust_variants(PKG)`, the environment
+variable LOOPLAB_TRUST_VARIANTS=PKG,..., or an installed package that registers it through the entry points.
+Imports of variant modules never search the working directory (`python -m` puts it first on sys.path, so a
+`.py` shipped beside a model would otherwise run): put your code on PYTHONPATH or install it.
 
 What a variant supports is declared, never tested by name elsewhere: `Supports` (a capability is True, or the
 reason it is not supported), read by the config's validation, the decoders, the serving engine, the export and
@@ -32,8 +39,12 @@ by their module path (`lazy`), so nothing is imported before it is used.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
@@ -195,11 +206,29 @@ class Registry(Generic[T]):
 
     def _find_outside(self, name: str) -> type | None:
         """A researcher's variant: `module:Class`, or a dotted name whose module (or a parent package) registers it
-        on import, or a module listed in the `looplab.variants` entry-point group."""
+        on import, or a module listed in the `looplab.variants` entry-point group. A name read from a model imports
+        nothing unless its package is trusted (`names_from`)."""
+        source = _UNTRUSTED_SOURCE.get()
+        package = name.partition(":")[0].split(".")[0]
+        if source is not None and package not in trusted_packages():
+            _load_entry_points()  # installed packages are the user's choice
+            if name in self._classes:
+                return self._classes[name]
+            if (":" in name or "." in name) and package != "looplab":
+                raise UntrustedVariantError(
+                    f"{self.field}={name!r} in {source} is not registered, and looplab does not import package "
+                    f"{package!r} for it: a model someone else made could ship that module. If you trust it: "
+                    f"--trust-variants {package} (or LOOPLAB_TRUST_VARIANTS={package}), or install the package "
+                    "that registers it (entry-point group looplab.variants; docs/extending.md)")
+            return None
+        if package != "looplab":
+            # the user typed this name: their package is trusted for the rest of the process, so a checkpoint they
+            # trained with it (its other variants included) loads without --trust-variants
+            _TRUSTED.add(package)
         if ":" in name:
             module, _, attr = name.partition(":")
             try:
-                cls = getattr(importlib.import_module(module), attr)
+                cls = getattr(_import_variant_module(module), attr)
             except (ImportError, AttributeError) as e:
                 raise ConfigError(f"{self.field}={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
             return self._classes.get(name) or self.register(name)(cls)
@@ -208,7 +237,7 @@ class Registry(Generic[T]):
             for i in range(len(parts), 0, -1):
                 module = ".".join(parts[:i])
                 try:
-                    importlib.import_module(module)
+                    _import_variant_module(module)
                 except ModuleNotFoundError as e:
                     if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
                         continue  # this prefix is not a module: try a shorter one
@@ -217,6 +246,63 @@ class Registry(Generic[T]):
                     return self._classes[name]
         _load_entry_points()
         return self._classes.get(name)
+
+
+class UntrustedVariantError(ConfigError):
+    """A variant name read from a model names a package that is not trusted; nothing was imported."""
+
+
+# ------------------------------------------------------------------ trust (docs/training.md#what-looplab-trusts)
+TRUST_ENV = "LOOPLAB_TRUST_VARIANTS"
+_TRUSTED: set[str] = set()
+# where the names being resolved come from, when it is a model (None: the user typed them)
+_UNTRUSTED_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("looplab_names_from", default=None)
+
+
+def trust_variants(*packages: str) -> None:
+    """Let names read from models import these top-level packages (`--trust-variants PKG`)."""
+    for p in packages:
+        for name in str(p).split(","):
+            if name.strip():
+                _TRUSTED.add(name.strip())
+
+
+def trusted_packages() -> set[str]:
+    """The packages trusted in this process: trust_variants(...) and LOOPLAB_TRUST_VARIANTS."""
+    env = {p.strip() for p in os.environ.get(TRUST_ENV, "").split(",") if p.strip()}
+    return _TRUSTED | env
+
+
+@contextlib.contextmanager
+def names_from(source: str):
+    """Resolve variant names as read from a model (`source` names it in refusals): no module is imported for them
+    unless its package is trusted. Nested uses keep the outermost source."""
+    token = _UNTRUSTED_SOURCE.set(_UNTRUSTED_SOURCE.get() or source)
+    try:
+        yield
+    finally:
+        _UNTRUSTED_SOURCE.reset(token)
+
+
+def _import_variant_module(module: str):
+    """importlib.import_module without the working directory on sys.path: `python -m` puts it first, and a model's
+    folder is often where one works (a `.py` shipped beside the model would be imported as the variant)."""
+    if module in sys.modules:
+        return sys.modules[module]
+    from_env = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    cwd = os.getcwd()
+    implicit = [p for p in sys.path if (p in ("", ".") or os.path.abspath(p) == cwd) and os.path.abspath(p or ".") not in from_env]
+    if not implicit:
+        return importlib.import_module(module)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in implicit]
+    try:
+        importlib.invalidate_caches()
+        return importlib.import_module(module)
+    finally:
+        # keep whatever the import added (a .pth, a plugin) and put the implicit entries back where they were
+        added = [p for p in sys.path if p not in saved]
+        sys.path[:] = saved + added
 
 
 def _same_class(a: type, b: type) -> bool:

@@ -28,16 +28,49 @@ log = logging.getLogger("looplab")
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write to a temporary file in the same folder, fsync, then rename: a killed run never leaves a
-    half-written last.ckpt behind (os.replace is atomic on POSIX)."""
+    half-written last.ckpt behind (os.replace is atomic on POSIX).
+
+    A save that fails (a full disk: ENOSPC) removes its partial temporary file before the error goes on, and
+    calls `on_failure(message)` for an OSError (train.py: AttemptClock.record_failure, into attempts.json). One
+    killed outright (kill -9) leaves it for the next attempt's sweep (run_folder.sweep_orphans)."""
+
+    def __init__(self, on_failure: Any = None) -> None:
+        super().__init__()
+        self.on_failure = on_failure
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        with open(tmp, "rb") as f:
+        try:
+            if "://" in str(path):  # object storage: Lightning's fsspec transaction
+                super().save_checkpoint(checkpoint, tmp, storage_options)
+            else:
+                if storage_options is not None:
+                    raise TypeError(f"storage_options={storage_options!r}: a local checkpoint takes none")
+                self.write_temporary(checkpoint, tmp)
+            os.replace(tmp, path)
+        except BaseException as e:
+            freed = tmp.stat().st_size if tmp.exists() else 0
+            try:
+                tmp.unlink(missing_ok=True)
+                removed = f"its partial temporary file {tmp.name} ({freed / 2**20:.1f} MB) was removed"
+            except OSError as e2:
+                removed = f"its partial temporary file {tmp} could not be removed ({e2})"
+            if isinstance(e, OSError) and self.on_failure is not None:
+                self.on_failure(f"saving {path} failed: {e}; {removed}")
+            raise
+
+    @staticmethod
+    def write_temporary(checkpoint: dict[str, Any], tmp: Path) -> None:
+        """torch.save straight into the temporary file beside the checkpoint, then fsync. Lightning's `_atomic_save`
+        would first copy the whole checkpoint into memory (a second copy of weights and optimizer state on the host)
+        and then write it through an fsspec transaction whose own temporary file lies in the system's temp folder,
+        where a kill -9 leaves it and no sweep of the run folder can tell whose it is."""
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
 
 
 class ThroughputRecord(L.Callback):
@@ -153,23 +186,39 @@ class AttemptClock(L.Callback):
     one on SIGTERM, which is how SLURM ends a requeued or cancelled job) and at a requeue, so at most
     `every_s` seconds of a hard-killed attempt go uncounted. A run folder from before this file keeps
     its results.json total as the first entry.
+
+    Each save reads the file again and replaces only this attempt's own entry (its `attempt` id) before the
+    atomic rename, so no writer erases another's entries; train.py holds the run folder's lock
+    (run_folder.claim_run_folder) while it writes. The entry records the attempt's command-line `overrides`
+    (the record a resume=auto is checked against), and an `error` when the attempt failed.
     """
 
-    def __init__(self, path: str | os.PathLike, start: float, every_s: float = 10.0) -> None:
+    def __init__(self, path: str | os.PathLike, start: float, every_s: float = 10.0,
+                 overrides: list[str] | None = None) -> None:
+        import uuid
+
         self.path = Path(path)
         self.start = start
         self.every_s = every_s
         self.earlier = self._read_earlier()
-        self.entry = {"started": datetime.fromtimestamp(start, timezone.utc).isoformat(timespec="seconds"),
+        self.entry = {"attempt": uuid.uuid4().hex[:12], "pid": os.getpid(),
+                      "started": datetime.fromtimestamp(start, timezone.utc).isoformat(timespec="seconds"),
                       "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                       "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0), "wall_time_s": 0.0}
+        if overrides is not None:
+            self.entry["overrides"] = list(overrides)
         self._saved_at = 0.0
+        self._at: int | None = None  # this entry's index in the file
 
     def _read_earlier(self) -> list[dict[str, Any]]:
+        """Every attempt in the file but this one (a folder from before attempts.json: its results.json total)."""
+        mine = getattr(self, "entry", {}).get("attempt")
         try:
-            return list(json.loads(self.path.read_text())["attempts"])
-        except (OSError, ValueError, KeyError):
+            return [a for a in json.loads(self.path.read_text())["attempts"] if not (mine and a.get("attempt") == mine)]
+        except FileNotFoundError:
             pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return list(getattr(self, "earlier", []))  # unreadable now: what was read before
         try:  # a run folder from before attempts.json
             prev = json.loads((self.path.parent / "results.json").read_text())
         except (OSError, ValueError):
@@ -180,9 +229,24 @@ class AttemptClock(L.Callback):
     def save(self, wall: float | None = None, **extra: Any) -> float:
         """Record this attempt's wall time (now, or `wall`); returns the total over every attempt. Rank 0 calls it."""
         self.entry.update(extra, wall_time_s=time.time() - self.start if wall is None else wall)
-        write_json_atomic(self.path, {"attempts": [*self.earlier, self.entry]})
+        self.earlier = self._read_earlier()
+        attempts = [*self.earlier, self.entry]
+        if self._at is not None and self._at < len(attempts):  # in the place it was first written (attempts in order)
+            attempts.insert(self._at, attempts.pop())
+        self._at = attempts.index(self.entry)
+        write_json_atomic(self.path, {"attempts": attempts})
         self._saved_at = time.monotonic()
         return self.total(self.entry["wall_time_s"])
+
+    def record_failure(self, message: str) -> None:
+        """A failure record in this attempt's entry (AtomicCheckpointIO's on_failure: a save that failed, ENOSPC
+        included); where even that cannot be written, one line on stderr says why."""
+        try:
+            self.save(ended="failed", error=message)
+        except OSError as e:
+            import sys
+
+            print(f"looplab: {message}; could not record it in {self.path}: {e}", file=sys.stderr, flush=True)
 
     def total(self, wall: float) -> float:
         return sum(float(a.get("wall_time_s") or 0.0) for a in self.earlier) + wall
@@ -193,7 +257,12 @@ class AttemptClock(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if trainer.is_global_zero:
-            self.save(global_step=trainer.global_step, ended=type(exception).__name__)
+            failed = "error" not in self.entry and not isinstance(exception, Requeued)  # a requeue is no failure
+            extra = {"error": f"{type(exception).__name__}: {exception}"[:2000]} if failed else {}
+            try:
+                self.save(global_step=trainer.global_step, ended=type(exception).__name__, **extra)
+            except OSError as e:  # a full disk: the exception being handled is the one to report
+                log.warning("could not record the failed attempt in %s: %s", self.path, e)
 
 
 class Requeued(Exception):

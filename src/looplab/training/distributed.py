@@ -324,6 +324,26 @@ def trainer_overrides(cfg) -> dict[str, Any]:
     return out
 
 
+def check_resume_source(ckpt_path: str | os.PathLike, cfg) -> None:
+    """Refuse, naming the path and what to do instead, a resume= folder this run's strategy cannot read: a sharded
+    (FSDP2) checkpoint is read by the FSDP strategy only (any other opens it as one file: IsADirectoryError deep in
+    Lightning), and a Hub-style model folder holds weights but no training state to resume."""
+    from looplab.checkpoint import SHARDED_META_FILE
+    from looplab.models.config import ConfigError
+
+    path = Path(ckpt_path)
+    if not path.is_dir():
+        return
+    if not (path / SHARDED_META_FILE).is_file():
+        raise ConfigError(f"resume={str(ckpt_path)!r} is a model folder (weights, no optimizer state or step): there is "
+                          f"no training state to resume; start a run from its weights with init_from={ckpt_path}")
+    strategy = cfg.trainer.get("strategy")
+    if strategy != "fsdp":
+        raise ConfigError(f"resume={str(ckpt_path)!r} is a sharded (FSDP2) checkpoint folder, which only the FSDP "
+                          f"strategy reads (trainer.strategy={strategy!r} here): resume with hardware=fsdp (on a CPU add "
+                          f"trainer.accelerator=cpu trainer.devices=N), or start from its weights with init_from={ckpt_path}")
+
+
 def resolve_precision(precision: Any, accelerator: str) -> str:
     """`trainer.precision: auto` → bf16-mixed on a GPU, 32-true on a CPU (bf16 matmuls crawl there)."""
     if precision != "auto":

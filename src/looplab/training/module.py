@@ -69,6 +69,7 @@ class LoopedLMModule(L.LightningModule):
         self._configured = False
         # decided once on the plain model, so that sharding (or compiling) cannot change it
         self.decay_names = decayed_parameter_names(self.model)
+        check_optim(optim)  # optim.lr=-1 etc.: one line naming the key, not torch's traceback at fit
         self.optim_cfg, self.objective = optim, objective
         self.dataset_cfg = dataset or {}
         self.R = self.model.config.n_loops
@@ -372,6 +373,28 @@ class LoopedLMModule(L.LightningModule):
         floor = o.get("min_lr_ratio", 0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, warmup, total, floor))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def check_optim(optim: dict[str, Any]) -> None:
+    """Refuse, naming the key, an optimizer setting that AdamW or the warm-up/cosine schedule cannot use (torch would
+    only fail at fit, inside Lightning, with its own traceback)."""
+    def number(value: Any) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+    for key, lo, hi in (("lr", 0.0, None), ("eps", 0.0, None), ("weight_decay", 0.0, None),
+                        ("warmup_frac", 0.0, 1.0), ("min_lr_ratio", 0.0, 1.0)):
+        if key not in optim or (key != "lr" and optim[key] is None):
+            continue
+        v = optim[key]
+        if not number(v) or v < lo or (hi is not None and v > hi):
+            raise ConfigError(f"optim.{key}={v!r} must be a finite number >= {lo:g}" + (f" and <= {hi:g}" if hi is not None else ""))
+    betas = optim.get("betas")
+    if betas is not None and (isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2
+                              or not all(number(b) and 0 <= b < 1 for b in betas)):
+        raise ConfigError(f"optim.betas={betas!r} must be two numbers in [0, 1)")
+    warm = optim.get("warmup_steps")
+    if warm is not None and (isinstance(warm, bool) or not isinstance(warm, int) or warm < 0):
+        raise ConfigError(f"optim.warmup_steps={warm!r} must be an integer >= 0 (or null: warmup_frac of max_steps)")
 
 
 def clean_param_name(name: str) -> str:

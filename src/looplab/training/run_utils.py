@@ -88,8 +88,12 @@ def plain_config(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=str))
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no partial temp file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def hydra_context() -> dict[str, Any]:
@@ -114,7 +118,9 @@ def task_wrapper(task: Callable[[DictConfig], dict[str, Any]]) -> Callable[[Dict
 
     A failed job writes results.json with status "failed" and the traceback; in a
     multirun the exception is logged and swallowed so the other jobs still run
-    (the tables list the failed runs); a single run re-raises it.
+    (the tables list the failed runs); a single run re-raises it. A run refused its
+    folder (run_folder.RunFolderRefused: another live run holds it, or it holds a
+    checkpoint of other overrides) writes no results.json there.
     """
 
     @functools.wraps(task)
@@ -124,7 +130,14 @@ def task_wrapper(task: Callable[[DictConfig], dict[str, Any]]) -> Callable[[Dict
         try:
             return task(cfg)
         except Exception as e:
+            from looplab.training.run_folder import RunFolderRefused
+
             out = Path(ctx["output_dir"])
+            if isinstance(e, RunFolderRefused):  # the folder is another run's: nothing of this one is written there
+                log.error("run refused: %s", e)
+                if not ctx["multirun"]:
+                    raise
+                return None
             write_json_atomic(
                 out / "results.json",
                 {
