@@ -159,3 +159,14 @@ def test_trains_the_backbone_block_under_the_loop_schedule(package, tmp_path):
     assert cfg["backbone"] == backbone and cfg["loop_schedule"] == schedule
     assert cfg["options"] == {"loop_schedule": {"alpha": 0.7}}
     assert res["accuracy"] is not None
+
+
+def test_looplab_options_with_a_dot_are_not_taken_for_variants():
+    """`backbone=llama_1.4b` (table 1's sweep, `+experiment=stateloop_main backbone=llama_1.4b`) is looplab's yaml
+    option, not a module `llama_1` to import: it was refused as an unknown variant before Hydra composed."""
+    from looplab.training.variants import _values, register_cli_variants
+
+    assert register_cli_variants(["+experiment=stateloop_main", "backbone=llama_410m,llama_1.4b",
+                                  "backbone=mamba2_370m"]) == []
+    assert _values(["backbone=llama_1.4b,my_pkg.wide", "state_mode=my_pkg.gru"]) == [
+        ("backbone", "my_pkg.wide"), ("state_mode", "my_pkg.gru")]

@@ -18,6 +18,7 @@ any group option does.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Iterable
 
 from looplab.models.registry import BACKBONES, DEPTH_ROUTERS, EXIT_GATES, STATE_UPDATES, Registry
@@ -27,8 +28,14 @@ GROUPS: dict[str, Registry] = {"state_mode": STATE_UPDATES, "backbone": BACKBONE
                                "depth_router": DEPTH_ROUTERS}
 
 
+# looplab's own group options (src/looplab/training/variants.py → the repository's conf/): `backbone=llama_1.4b` names
+# conf/backbone/llama_1.4b.yaml, not a module llama_1 with an attribute 4b
+CONF = Path(__file__).resolve().parents[3] / "conf"
+
+
 def _values(overrides: Iterable[str]) -> list[tuple[str, str]]:
-    """(group, value) of every `group=value` (or `group=a,b,c` sweep) override naming a dotted variant."""
+    """(group, value) of every `group=value` (or `group=a,b,c` sweep) override naming a dotted variant: a dotted value
+    that is not one of looplab's own yaml options (llama_1.4b, mamba2_370m, ...)."""
     out = []
     for arg in overrides:
         key, eq, value = arg.partition("=")
@@ -37,7 +44,7 @@ def _values(overrides: Iterable[str]) -> list[tuple[str, str]]:
             continue
         for v in value.split(","):
             v = v.strip()
-            if "." in v or ":" in v:
+            if ("." in v or ":" in v) and not (CONF / key / f"{v}.yaml").is_file():
                 out.append((key, v))
     return out
 
