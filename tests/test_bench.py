@@ -21,7 +21,9 @@ def test_closed_form_flops_match_model_flops():
     d = dict(train.QUICK, n_layers=3, n_loops=5)
     model = train.looplab_model(d)
     T = d["seq_len"]
-    assert model.flops_per_token(T, training=True) == train.closed_form_flops(model, T)
+    assert model.flops_per_token(T, training=True) == train.closed_form_flops(model, T, causal=False)
+    # what MFU divides by: causal attention counted as causal (T(T + 1)/2 of the T² query-key pairs)
+    assert train.causal_flops_per_token(model, T, training=True) == train.closed_form_flops(model, T)
     # the unlooped twin with N·R layers does the same work per token
     twin = train.looplab_model(d, n_layers=15, n_loops=1)
     assert twin.flops_per_token(T, training=True) == model.flops_per_token(T, training=True)

@@ -99,7 +99,9 @@ def test_hardware_strategies_instantiate():
     assert cfg.trainer.strategy == "fsdp"
     strategy = build_strategy(cfg.trainer.strategy, dict(cfg.hardware.fsdp))
     assert isinstance(strategy, LoopedFSDPStrategy)
-    assert strategy.mp_policy.param_dtype is None and strategy.mp_policy.reduce_dtype == torch.float32
+    # param_dtype auto: bf16 all-gathers under bf16-mixed on a GPU, fp32 on a CPU; fp32 reduction either way
+    assert strategy.mp_policy("cpu").param_dtype is None and strategy.mp_policy("cpu").reduce_dtype == torch.float32
+    assert strategy.accumulate_unsharded and strategy.hsdp == "auto" and strategy.gather_once
     assert resolve_precision(cfg.trainer.precision, "gpu") == "bf16-mixed"
     assert resolve_precision(cfg.trainer.precision, "cpu") == "32-true"
     with pytest.raises(ConfigError, match="param_dtype='bf17'"):
@@ -115,6 +117,42 @@ def test_hardware_strategies_instantiate():
     assert cfg.trainer.strategy == "ddp"
     cfg = compose(["hardware=slurm", "trainer.strategy=fsdp"])
     assert isinstance(build_strategy(cfg.trainer.strategy, dict(cfg.hardware.fsdp)), LoopedFSDPStrategy)
+
+
+def test_fsdp_settings_resolve(monkeypatch):
+    """hardware.fsdp's auto settings (docs/distributed.md#fsdp2-at-scale): param_dtype, hsdp, and the no-sync
+    context Lightning's training loop enters for the micro-batches before the last (block_backward_sync)."""
+    from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
+
+    from looplab.training import distributed
+    from looplab.training.distributed import (LoopedFSDPStrategy, build_strategy, resolve_param_dtype, trainer_overrides,
+                                              use_hsdp)
+
+    assert resolve_param_dtype("auto", "bf16-mixed", "cuda") == torch.bfloat16
+    for precision, device in (("bf16-mixed", "cpu"), ("32-true", "cuda"), ("16-mixed", "cuda"), ("bf16-true", "cuda")):
+        assert resolve_param_dtype("auto", precision, device) is None, (precision, device)
+    assert resolve_param_dtype("bfloat16", "32-true", "cpu") == torch.bfloat16
+    assert resolve_param_dtype(None, "bf16-mixed", "cuda") is None
+    assert [use_hsdp("auto", nodes, per_node) for nodes, per_node in ((1, 8), (4, 8), (2, 1))] == [False, True, False]
+    assert [use_hsdp("true", 2, 1), use_hsdp("false", 4, 8), use_hsdp(True, 1, 8)] == [True, False, False]
+    with pytest.raises(ConfigError, match="hsdp='maybe'"):
+        build_strategy("fsdp", {"hsdp": "maybe"})
+    cfg = compose(["hardware=fsdp"])
+    assert set(cfg.hardware.fsdp) >= {"param_dtype", "accumulate_unsharded", "hsdp", "gather_once"}
+    # resolved from the configured accelerator (a plan of a GPU run, made on a CPU, builds the GPU run's policy)
+    assert trainer_overrides(cfg)["strategy"].mp_policy("cpu").param_dtype == torch.bfloat16
+    cpu = compose(["hardware=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"])
+    assert trainer_overrides(cpu)["strategy"].mp_policy("cpu").param_dtype is None
+    entered, original = [], distributed.accumulate_without_sync
+    monkeypatch.setattr(distributed, "accumulate_without_sync",
+                        lambda module, keep_unsharded: (entered.append(keep_unsharded), original(module, keep_unsharded))[1])
+    for keep in (True, False):
+        strategy = build_strategy("fsdp", {**dict(cfg.hardware.fsdp), "accumulate_unsharded": keep})
+        assert isinstance(strategy, LoopedFSDPStrategy)
+        strategy._lightning_module = torch.nn.Linear(1, 1)  # no FSDP2 root in it: the context does nothing
+        with _block_parallel_sync_behavior(strategy, block=True):  # what loops/optimization/automatic.py enters
+            pass
+    assert entered == [True, False]
 
 
 # ----------------------------------------------------------------------------- fused conv widths
@@ -148,7 +186,10 @@ def test_resolve_compile_resolves_accelerator_auto(monkeypatch):
     assert not on and "d_model=64" in why
     monkeypatch.setattr(run_utils, "auto_accelerator", lambda: "cuda")
     on, why = run_utils.resolve_compile("auto", 1024, "auto")
-    assert not on and "accelerator=auto (cuda on this machine)" in why
+    assert on and "accelerator=auto (cuda on this machine)" in why  # GPU training compiles (compile=auto)
+    monkeypatch.setattr(run_utils, "auto_accelerator", lambda: "mps")
+    on, why = run_utils.resolve_compile("auto", 1024, "auto")
+    assert not on and "accelerator=auto (mps on this machine)" in why
     monkeypatch.undo()
     expected = "cuda" if torch.cuda.is_available() else "cpu"  # the real pick on this machine
     assert run_utils.auto_accelerator() in (expected, "mps", "tpu")

@@ -473,6 +473,7 @@ def _fake_module(name: str, **attrs):
 @pytest.fixture
 def fake_gpu_stack(monkeypatch):
     """CUDA "works" and every kernel module imports (stand-ins in sys.modules); a test then breaks one."""
+    import looplab.models.mamba2  # noqa: F401  imported (and torch._dynamo with it) before the stand-in triton goes in
     monkeypatch.setattr(gpu_check, "cuda_problems", lambda: [])
     fakes = {"triton": {}, "mamba_ssm": {}, "mamba_ssm.ops": {}, "mamba_ssm.ops.triton": {},
              "mamba_ssm.ops.triton.ssd_combined": {"mamba_chunk_scan_combined": object()},

@@ -125,7 +125,8 @@ def test_compiled_model_matches_eager(backbone):
 @pytest.mark.parametrize(
     ("value", "d_model", "accelerator", "expected"),
     [(True, 64, "cpu", True), (False, 1024, "cpu", False), ("auto", 64, "cpu", False),
-     ("auto", 1024, "gpu", False), ("auto", 512, "cpu", shutil.which("c++") or shutil.which("g++"))],
+     ("auto", 1024, "gpu", True), ("auto", 64, "cuda", True), ("auto", 1024, "mps", False),
+     ("auto", 512, "cpu", shutil.which("c++") or shutil.which("g++"))],
 )
 def test_resolve_compile(value, d_model, accelerator, expected):
     from looplab.training.run_utils import resolve_compile

@@ -5,8 +5,9 @@ GPU, with the figures written to `gpu-check.json` and a table printed (docs/gpu.
 
 * `gpu-tests`: `python -m pytest -m gpu` over tests/, the GPU tests of the suite: Mamba2Mixer on
   mamba_ssm's fused kernels against the torch path (tests/test_mamba2_kernels.py: fp32 and bf16 forward,
-  backward, prefill + step decoding, three conv layouts, torch.compile; which conv ran counted from
-  mamba2.CONV_CALLS) and decoding (tests/test_gpu_decode.py: the static-shape step compiled and captured by
+  backward, prefill + step decoding through selective_state_update and causal_conv1d_update, the kernel step
+  against the torch step, three conv layouts, torch.compile; which conv and SSM step ran counted from
+  mamba2.CONV_CALLS and mamba2.STEP_CALLS) and decoding (tests/test_gpu_decode.py: the static-shape step compiled and captured by
   CUDA graphs — a graph must be captured —, self-speculation, against plain decoding's tokens; parallel-loop
   decoding, each kv mode at batch 1 and left-padded batch 8, against the CLP forward, with tokens/s beside the
   sequential and the unlooped model; the dtype matrix of every decoder and both serving schedules in fp32, bf16 and

@@ -55,6 +55,7 @@ def build_run(cfg: DictConfig, dm: Any = None) -> RunParts:
     The paired arms of a table (StateLoop vs Vanilla Looped, reset vs carry, ...) go through this one
     function, so that for a given seed they start from the same values of every parameter they share
     and see the same batches (common random numbers: models/rng.py; tests/test_common_random_numbers.py).
+    `dm`: a DataModule built elsewhere (the plan's shape-only stand-in, looplab/plan/step.py) instead of the config's.
     """
     import lightning as L
 
@@ -87,12 +88,36 @@ def build_run(cfg: DictConfig, dm: Any = None) -> RunParts:
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         objective=objective,
         dataset=dataset_meta,
-        checkpoint_loops=bool(cfg.hardware.get("activation_checkpointing", False)),
+        # false | loop | layer | selective, true = layer (models/checkpointing.py)
+        activation_checkpointing=cfg.hardware.get("activation_checkpointing", False),
         compile_block=use_compile,  # applied in configure_model, after any sharding
         depth=asdict(depth),
         loop_diagnostics=bool(cfg.get("loop_diagnostics", True)),  # val_diag/* (eval/diagnostics.py)
     )
     return RunParts(dm, model_cfg, objective, depth, eval_loops, use_compile, compile_why, module)
+
+
+def set_micro_batches(trainer, dm, cfg: DictConfig) -> int:
+    """The global batch (`dataset.batch_size`) is one optimizer step's, whatever the micro-batching: each device's
+    share, batch_size / world, runs as k micro-batches of `dataset.micro_batch` sequences (k = share / micro_batch),
+    or of share / k with `trainer.accumulate_grad_batches=k` (data/sampler.py micro_batching: refused in one line
+    when it does not divide, or when both are set and disagree). Sets the trainer's accumulation, once the world
+    size is known (devices=-1), and keeps `trainer.val_check_interval` counted in optimizer steps (Lightning counts
+    it in micro-batches). Returns the sequences per device per forward."""
+    from looplab.data.sampler import micro_batching
+
+    batch = getattr(dm, "batch_size", None)
+    if not isinstance(batch, int):  # a DataModule of another kind: Lightning's own accumulation, as given
+        return int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
+    micro, k = micro_batching(batch, trainer.world_size, getattr(dm, "micro_batch", None),
+                              cfg.trainer.get("accumulate_grad_batches"))
+    trainer.accumulate_grad_batches = k
+    if k > 1 and isinstance(trainer.val_check_interval, int):
+        trainer.val_check_interval *= k
+    if k > 1:
+        log.info("micro-batches: %d sequences per device per forward × %d per optimizer step (global batch %d)",
+                 micro, k, batch)
+    return micro
 
 
 def check_same_tokenizer(meta: dict[str, Any], dm, path: str) -> None:
@@ -109,16 +134,18 @@ def check_same_tokenizer(meta: dict[str, Any], dm, path: str) -> None:
 def check_run_fits(cfg: DictConfig, model_cfg, dm) -> None:
     """Refuse, in one line naming the size, a run whose parameters and per-loop activations cannot fit even at their
     lower bound (models/sizing.py): `loop_depth.loops=10**12` or a huge vocabulary fails here, not in the kernel's
-    OOM killer. Tokens per device: the global batch over the ranks and accumulation (one sequence when the rank
-    count is not known yet, devices=-1)."""
+    OOM killer. Tokens per device: one micro-batch (the global batch over the ranks and the micro-batching, as
+    set_micro_batches resolves them; one sequence when the rank count is not known yet, devices=-1)."""
+    from looplab.data.sampler import micro_batching
     from looplab.models.sizing import check_fits
 
     seq_len = int(getattr(dm, "seq_len", None) or model_cfg.max_seq_len)
     devices, nodes = cfg.trainer.get("devices", 1), int(cfg.trainer.get("num_nodes", 1) or 1)
-    accum = max(1, int(cfg.trainer.get("accumulate_grad_batches", 1) or 1))
     world = int(devices) * nodes if isinstance(devices, int) and devices > 0 else None
     batch = int(cfg.dataset.get("batch_size", 1) or 1)
-    per_device = max(1, batch // (world * accum)) if world else 1
+    per_device = 1
+    if world:
+        per_device, _ = micro_batching(batch, world, cfg.dataset.get("micro_batch"), cfg.trainer.get("accumulate_grad_batches"))
     accelerator = str(cfg.trainer.get("accelerator", "cpu"))
     fsdp = "fsdp" in str(cfg.trainer.get("strategy", ""))
     check_fits(model_cfg, where="this run", tokens=per_device * seq_len, training=True,
@@ -159,11 +186,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, RichProgressBar, ThroughputMonitor
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary
 
     from looplab.checkpoint import check_compatible, read_checkpoint_meta
-    from looplab.training.callbacks import AtomicCheckpointIO, AttemptClock, PlainProgress, Requeued, ThroughputRecord
+    from looplab.training.callbacks import (
+        AtomicCheckpointIO, AttemptClock, HostSigtermFlag, PlainProgress, Requeued, RichProgress, ThroughputMonitor,
+        ThroughputRecord,
+    )
     from looplab.training.distributed import check_resume_source, is_global_zero_from_env, recover_checkpoint, trainer_overrides
+    from looplab.training.precision import precision_plugin
 
     start = time.time()
     ctx = hydra_context()
@@ -203,6 +234,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     params = module.model.num_parameters()
     seq_len = int(getattr(dm, "seq_len", model_cfg.max_seq_len))
     flops_fwd, flops_train = analytic_flops(module.model, depth, seq_len)
+    causal_fwd, causal_train = analytic_flops(module.model, depth, seq_len, causal=True)  # what MFU divides by
 
     run_name = f"{cfg.task_name}-{out_dir.name}" if not ctx["multirun"] else f"{cfg.task_name}-{out_dir.parent.name}-{out_dir.name}"
     loggers = build_loggers(cfg, out_dir, run_name)
@@ -216,7 +248,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         checkpointing,
         throughput,
         clock,
+        # Lightning's, reading the device only at the logging steps (no host sync in a training step)
         ThroughputMonitor(batch_size_fn=lambda b: b["input_ids"].shape[0], length_fn=lambda b: b["input_ids"].numel()),
+        HostSigtermFlag(),  # several ranks: Lightning's SIGTERM flag agreed on the host, not read from the GPU
     ]
     callbacks += [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     if loggers:
@@ -225,12 +259,16 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(ModelSummary(max_depth=2))  # shows block / state / exit_gate sizes separately
     overrides = trainer_overrides(cfg)  # precision auto, strategy fsdp
     plugins, requeue = [AtomicCheckpointIO(on_failure=clock.record_failure)], slurm_requeue(ckpt_dir / "last.ckpt", clock)
+    own_precision = precision_plugin(overrides["precision"], str(cfg.trainer.accelerator))
+    if own_precision is not None:  # bf16-mixed: clipping allowed with a fused optimizer (training/precision.py)
+        plugins.append(own_precision)
+        overrides["precision"] = None  # the plugin decides; Lightning refuses both
     if requeue:
         callbacks.append(requeue)
         plugins.append(requeue.environment)
     if cfg.trainer.get("enable_progress_bar", True) is not False:
-        if sys.stdout.isatty():
-            callbacks.append(RichProgressBar(leave=True))
+        if sys.stdout.isatty():  # the loss on the bar is read at the logging steps only (callbacks.LoggedLoss)
+            callbacks.append(RichProgress(every=int(cfg.trainer.get("log_every_n_steps") or 25), leave=True))
         else:  # SLURM, CI, `> file`: a live bar prints nothing there; plain lines instead
             callbacks.append(PlainProgress(every=int(cfg.trainer.get("log_every_n_steps") or 25)))
             overrides["enable_progress_bar"] = False
@@ -238,8 +276,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins,
         default_root_dir=str(out_dir), _convert_="partial", **overrides,
     )
-    # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted)
-    module.flops_per_batch = flops_train * seq_len * int(cfg.dataset.get("batch_size", 1)) // max(1, trainer.world_size)
+    micro = set_micro_batches(trainer, dm, cfg)  # dataset.micro_batch ⇄ trainer.accumulate_grad_batches, global batch kept
+    # ThroughputMonitor reads this: training FLOPs of one per-device batch (analytic, all loops counted, causal
+    # attention counted as causal: models/flops.py), so its logged MFU is the causal one
+    module.flops_per_batch = causal_train * seq_len * micro  # per micro-batch: what it counts
     log.info("model: %s | params %s | state-branch overhead %.3f%% | forward FLOPs/token %.3g",
              f"{model_cfg.backbone} {model_cfg.n_layers}x{model_cfg.n_loops} (prelude {model_cfg.prelude_layers}, coda "
              f"{model_cfg.coda_layers}) {model_cfg.state_mode} gate={model_cfg.exit_gate} router={model_cfg.depth_router.name}",
@@ -262,7 +302,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     depth_metrics = evaluate_depths(trainer, module, dm, eval_loops) if eval_loops and not cfg.trainer.get("fast_dev_run") else {}
 
     results = collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val_metrics, test_metrics, throughput, start, trainer,
-                              flops_train=flops_train, depth_metrics=depth_metrics)
+                              flops_train=flops_train, depth_metrics=depth_metrics, causal=(causal_fwd, causal_train))
     if hasattr(dm, "unigram_perplexity") and trainer.is_global_zero:
         results["unigram_perplexity"] = dm.unigram_perplexity()  # the bar an LM arm must pass (findings' preconditions)
     if ckpt_path:
@@ -359,18 +399,40 @@ def _series(metrics: dict[str, float], prefix: str, R: int) -> list[float | None
     return [metrics.get(f"{prefix}{r}") for r in range(1, R + 1)]
 
 
-def analytic_flops(model, depth, seq_len: int) -> tuple[int, int]:
+def analytic_flops(model, depth, seq_len: int, causal: bool = False) -> tuple[int, int]:
     """Forward and training FLOPs per token (LoopedLM.flops_per_token): at the expected training depth
     when a sampler is active (R otherwise); the backward of E[min(k, depth)] loops under truncated
-    backprop. A depth-routed model runs R loops, each at the fraction of tokens its router gathers."""
+    backprop. A depth-routed model runs R loops, each at the fraction of tokens its router gathers.
+    causal: attention counted over the T(T + 1)/2 query-key pairs a causal mask keeps, not all T²
+    (models/flops.py causal_training_flops: what MFU divides by)."""
+    if causal:
+        from looplab.models.flops import causal_training_flops
+
+        return causal_training_flops(model, depth, seq_len)
     loops = None if model.router is not None else depth.expected_loops()
     back = depth.expected_backprop_loops()
     return (model.flops_per_token(seq_len, loops=loops),
             model.flops_per_token(seq_len, training=True, loops=loops, backprop_loops=back))
 
 
+def train_mfu(trainer, tokens_per_s: float | None, flops_per_token: int) -> float | None:
+    """Model FLOPs utilisation of the fit: causal training FLOPs per second over the devices' peak at the run's
+    compute dtype (Lightning's table of GPUs; None where the peak is not known, e.g. on a CPU)."""
+    from lightning.fabric.utilities.throughput import get_available_flops
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+    if not tokens_per_s:
+        return None
+    try:
+        peak = get_available_flops(trainer.strategy.root_device, _plugin_to_compute_dtype(trainer.precision_plugin))
+    except Exception:
+        return None
+    return tokens_per_s * flops_per_token / (peak * max(1, trainer.world_size)) if peak else None
+
+
 def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, throughput, start, trainer,
-                    flops_train: int | None = None, depth_metrics: dict | None = None) -> dict[str, Any]:
+                    flops_train: int | None = None, depth_metrics: dict | None = None,
+                    causal: tuple[int, int] | None = None) -> dict[str, Any]:
     wall = time.time() - start
     R = module.R
     final = test or val
@@ -427,12 +489,16 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "state_diagnostics": state_diag,
         "params": params,
         "state_branch_overhead": params["state_branch"] / max(1, base),
+        # forward/training: every query against all T keys (FlopCounterMode's convention, the FLOP-matched tables');
+        # *_causal: causal attention counted as causal (models/flops.py), what throughput.mfu divides by
         "flops_per_token": {"forward": flops_fwd, "training": 3 * flops_fwd if flops_train is None else flops_train,
+                            **({"forward_causal": causal[0], "training_causal": causal[1]} if causal else {}),
                             "seq_len": seq_len, "loops": module.depth.expected_loops(), **routed_fractions},
         "depth": {**{k: v for k, v in asdict(module.depth).items() if k != "seed"},
                   "expected_loops": module.depth.expected_loops(), "eval_loops": [int(d) for d in (depth_metrics or {})]},
         "throughput": {"tokens_per_s": throughput.tokens_per_s, "train_time_s": throughput.train_time, "tokens": throughput.tokens,
-                       "compiled": module.model.is_compiled},
+                       "compiled": module.model.is_compiled,
+                       "mfu": train_mfu(trainer, throughput.tokens_per_s, causal[1]) if causal else None},
         "global_step": trainer.global_step,
         "wall_time_s": wall,
         "wall_time_total_s": wall,  # every attempt's (AttemptClock, attempts.json), set by train()

@@ -14,7 +14,8 @@ with the fp32 `torch.mm` 2048³ ceiling, so MFU and ratios see the same machine 
   error is recorded), foreach AdamW, per-loop activation checkpointing, and the math SDPA
   backend (an eager-mode choice, compared with eager).
 
-MFU divides by the matmul ceiling measured right before and after each timed step
+MFU divides the analytic training FLOPs — causal attention counted as causal, T(T + 1)/2 of the T² query-key
+pairs (models/flops.py) — by the matmul ceiling measured right before and after each timed step
 (common.time_round_robin): this VM's matmul speed drifts by ±25% within seconds. Ratios are
 paired per round (see common.Timings.ratio).
 `best` is the fastest looplab configuration measured, with its name.
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 from looplab.bench import common
 from looplab.models import LoopedLM, LoopedLMConfig
+from looplab.models.flops import causal_flops_per_token
 from looplab.training.run_utils import resolve_compile
 
 # The reference configuration: d 512, 8 heads, FFN 1408, vocab 8192, N 4, R 4, T 256, batch 8.
@@ -74,13 +76,17 @@ def transformers_model(d: dict, n_layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def closed_form_flops(model: LoopedLM, seq_len: int) -> int:
+def closed_form_flops(model: LoopedLM, seq_len: int, causal: bool = True) -> int:
     """The closed-form training FLOPs/token, independent of LoopedLM.flops_per_token:
-    6·(matmul params, block counted R times) + 12·L_eff·d·T + LM head."""
+    6·(matmul params, block counted R times, + LM head) + attention, L_eff = N·R layers of width d = H·hd:
+    causal 3·2·2·L_eff·d·(T + 1)/2 = 6·L_eff·d·(T + 1) (a query reads (T + 1)/2 keys on average: T(T + 1)/2 of the
+    T² pairs), or over every key 12·L_eff·d·T (causal=False)."""
     cfg = model.config
     block = sum(p.numel() for p in model.block.parameters() if p.dim() == 2)
     head = model.head.weight.numel()
-    return 6 * (cfg.n_loops * block + head) + 12 * cfg.n_layers * cfg.n_loops * cfg.d_model * seq_len
+    L, d = cfg.n_layers * cfg.n_loops, cfg.d_model
+    attention = 6 * L * d * (seq_len + 1) if causal else 12 * L * d * seq_len
+    return 6 * (cfg.n_loops * block + head) + attention
 
 
 # ------------------------------------------------------------------- steps
@@ -100,8 +106,11 @@ def make_step(model: torch.nn.Module, d: dict, *, hf: bool = False, fused: bool 
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            out = model(input_ids=x) if hf else model(x)
-            loss = F.cross_entropy(out.logits.view(-1, V).float(), y.view(-1))
+            if hf:
+                out = model(input_ids=x)
+                loss = F.cross_entropy(out.logits.view(-1, V).float(), y.view(-1))
+            else:  # as looplab.train's step: the head and cross-entropy from targets (models/loss.py, chunked when large)
+                loss = model(x, targets=y).token_loss.mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -194,7 +203,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     # the default candidate compiles exactly when `compile=auto` training would (run_utils);
     # compile=False forces eager and skips the compile option (--no-compile)
     if compile is None:
-        compile, compile_why = resolve_compile("auto", d["d_model"], "cpu" if not cuda else "gpu")
+        compile, compile_why = resolve_compile("auto", d["d_model"], "cpu" if not cuda else "cuda")
     else:
         compile_why = f"bench --{'' if compile else 'no-'}compile"
     torch.manual_seed(0)
@@ -251,7 +260,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
     med = {k: common.median(v) for k, v in times.items()}
     all_ceilings = [c for v in local.values() for c in v]
     ceiling = common.median(all_ceilings)
-    fpt = base.flops_per_token(T, training=True)
+    fpt = causal_flops_per_token(base, T, training=True)  # causal attention counted as causal (models/flops.py)
     tok = {k: B * T / s for k, s in med.items()}
 
     def mfu(k: str) -> float:
@@ -282,6 +291,7 @@ def run(threads: int = 2, quick: bool = False, *, repeats: int | None = None, op
         "mfu_vs_median_ceiling": tok["looplab"] * fpt / (ceiling * 1e9),
         "flops_per_token": fpt,
         "flops_per_token_issue_formula": closed_form_flops(base, T),
+        "flops_per_token_all_keys": base.flops_per_token(T, training=True),  # the count MFU used before: +% over fpt
         # the same ratio from CPU seconds: steadier when other jobs share the cores (see common.py)
         "ratio_vs_transformers_cpu_time": paired("transformers", "cpu"),
         "ratio_vs_unlooped_cpu_time": paired("unlooped", "cpu"),

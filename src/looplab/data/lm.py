@@ -10,10 +10,13 @@ the synthetic tasks: epoch e = g // W, and sample g is window perm_e[g mod W],
 where perm_e is a fixed permutation drawn from (seed, e). Global batch j holds
 samples [jB, (j + 1)B); rank r of w takes its slice [jB + rB/w, jB + (r+1)B/w).
 The stream therefore depends only on (seed, j), never on the number of
-workers, ranks or restarts: resuming at optimizer step s starts at batch
-s × accumulate_grad_batches and reproduces exactly the batches an
-uninterrupted run would have seen (Lightning's `use_distributed_sampler` must
-be False: this module shards itself).
+workers, ranks or restarts. Global batch j is optimizer step j's: with
+`micro_batch` (or the trainer's accumulate_grad_batches = k) each rank's
+slice is cut into k micro-batches in order (data/sampler.py MicroBatches), so
+the same sequences reach the same step as without; resuming at optimizer step
+s starts at batch s and reproduces exactly the batches an uninterrupted run
+would have seen (Lightning's `use_distributed_sampler` must be False: this
+module shards itself).
 
 Validation reads the held-out split in order, windows r, r + w, ... on rank r
 (the same count on every rank, so DDP never waits on a rank with an extra
@@ -31,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from looplab.data.prepare import SourceConfig, TokenFile, prepare
+from looplab.data.sampler import MicroBatches, accumulation, micro_batching
 from looplab.data.tokenizer import EMBEDDED_DEFAULT, LMTokenizer, load_tokenizer
 
 
@@ -135,7 +139,8 @@ class LMDataModule(L.LightningDataModule):
         source: str = "shakespeare",
         tokenizer: str = EMBEDDED_DEFAULT,
         seq_len: int = 256,
-        batch_size: int = 32,  # global: divided across ranks
+        batch_size: int = 32,  # global: divided across ranks; one optimizer step's
+        micro_batch: int | None = None,  # sequences per device per forward (None: the whole per-device share)
         val_batch_size: int | None = None,  # global; None = batch_size
         val_tokens: int | None = 131072,  # held-out tokens evaluated per validation (None = all)
         cache_dir: str = "data_cache",
@@ -166,7 +171,8 @@ class LMDataModule(L.LightningDataModule):
         )
         self.tokenizer_spec = tokenizer
         self.eos_token = eos_token
-        self.seq_len, self.batch_size = seq_len, batch_size
+        self.seq_len, self.batch_size, self.micro_batch = seq_len, batch_size, micro_batch
+        micro_batching(batch_size, 1, micro_batch)  # a bad micro_batch now, not at the first step
         self.val_batch_size = val_batch_size or batch_size
         self.val_tokens = val_tokens
         self.cache_dir = os.path.expanduser(str(cache_dir))
@@ -228,13 +234,12 @@ class LMDataModule(L.LightningDataModule):
         return DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                           persistent_workers=False)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader | MicroBatches:
         trainer = getattr(self, "trainer", None)
-        start = 0
-        if trainer is not None:
-            # one optimizer step consumes accumulate_grad_batches global batches
-            start = trainer.global_step * max(1, int(getattr(trainer, "accumulate_grad_batches", 1)))
-        return self.train_batches(start)
+        start = trainer.global_step if trainer is not None else 0  # one global batch per optimizer step
+        loader = self.train_batches(start)
+        k = accumulation(self.batch_size, self.micro_batch, trainer, self._rank_world()[1])
+        return loader if k == 1 else MicroBatches(loader, k)
 
     def val_windows(self, rank: int | None = None, world_size: int | None = None) -> ValWindows:
         r, w = self._rank_world()
@@ -264,7 +269,7 @@ class LMDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         # the position in the stream is global_step (restored by Lightning); keep what decides the order
-        return {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        return {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}  # not micro_batch: no order
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()

@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from looplab.data import mano, phop
-from looplab.data.sampler import STREAM_LENGTH, ResumableSampler
+from looplab.data.sampler import STREAM_LENGTH, MicroBatches, ResumableSampler, accumulation, micro_batching
 
 IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
 TASKS = ("phop", "mano")
@@ -189,9 +189,11 @@ def _positive_int(name: str, v) -> None:
 class TaskDataModule(L.LightningDataModule):
     """Mano / p-hop for Lightning. `batch_size` is GLOBAL: each of w ranks gets batch_size // w.
 
-    Training is one endless, resumable stream (see looplab.data.sampler): after a restart at
-    trainer.global_step = k the next batch is global batch k·accumulate_grad_batches, so a resumed
-    run sees exactly the batches of an uninterrupted one. The trainer must use
+    Training is one endless, resumable stream (see looplab.data.sampler): global batch s is optimizer step s's,
+    so after a restart at trainer.global_step = s the next batch is global batch s and a resumed run sees
+    exactly the batches of an uninterrupted one. With `micro_batch` (or the trainer's accumulate_grad_batches = k)
+    each rank's share of a step is cut into k micro-batches (data/sampler.py MicroBatches): the same
+    sequences per optimizer step as without. The trainer must use
     `use_distributed_sampler=False` (the sampler shards ranks itself) and count validation in
     steps (`val_check_interval=<int>`, `check_val_every_n_epoch=None`): the epoch never ends.
     Validation: the first `val_size` test-split examples; test: the first `test_size`.
@@ -207,6 +209,7 @@ class TaskDataModule(L.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         per_position_loss: bool = True,
+        micro_batch: int | None = None,  # sequences per device per forward (null: the whole per-device share)
     ):
         super().__init__()
         self.save_hyperparameters()  # stored in checkpoints, so evaluation can rebuild the same data
@@ -216,7 +219,8 @@ class TaskDataModule(L.LightningDataModule):
             raise ValueError(f"seed={seed!r} must be a non-negative integer")
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers={num_workers!r} must be a non-negative integer")
-        self.task, self.batch_size, self.seed = task, batch_size, seed
+        self.task, self.batch_size, self.seed, self.micro_batch = task, batch_size, seed, micro_batch
+        micro_batching(batch_size, 1, micro_batch)  # a bad micro_batch now, not at the first step
         self.val_size, self.test_size, self.num_workers = val_size, test_size, num_workers
         self.spec = make_task(task, dict(task_args) if task_args is not None else None, per_position_loss)
 
@@ -289,11 +293,13 @@ class TaskDataModule(L.LightningDataModule):
         def start() -> int:  # read at every iter(): the restored step on resume, the current one on a new epoch
             if trainer is None:
                 return 0
-            return trainer.global_step * max(1, int(trainer.accumulate_grad_batches)) * self.batch_size
+            return trainer.global_step * self.batch_size  # one global batch per optimizer step, however micro-batched
 
         sampler = ResumableSampler(self.batch_size, rank, world, start=start, length=STREAM_LENGTH)
         ds = TaskDataset(self.spec, "train", self.seed, STREAM_LENGTH)
-        return self._loader(ds, sampler, per_rank)
+        k = accumulation(self.batch_size, self.micro_batch, trainer, world)
+        loader = self._loader(ds, sampler, per_rank)
+        return loader if k == 1 else MicroBatches(loader, k, IGNORE)
 
     def _eval_loader(self, size: int) -> DataLoader:
         rank, world = self._rank_world()
@@ -309,3 +315,4 @@ class TaskDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader(self.test_size)
+

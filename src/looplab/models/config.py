@@ -151,7 +151,12 @@ class LoopedLMConfig:
     expand: int = 2
     ngroups: int = 1
     d_conv: int = 4
+    # The scan's chunk length: a speed/memory knob, not an architecture field (both scans compute the same maths
+    # at any chunk length; excluded from the architecture hash). chunk_size: the pure-PyTorch SSD scan's (64: its
+    # fastest on the CPU, and its saved Q×Q decay matrices grow with Q); fused_chunk_size: mamba_ssm's Triton scan's
+    # (256: mamba_ssm's Mamba2 default, what its kernels are tuned for). docs/gpu.md#kernels
     chunk_size: int = 64
+    fused_chunk_size: int = field(default=256, metadata=_keep_if(lambda c: c.fused_chunk_size != 256))
     mamba_mlp: bool = False  # add a SwiGLU MLP after each Mamba-2 mixer
     kernel: str = "auto"  # auto | torch | mamba_ssm
     mamba_A_init: tuple[float, float] = (1.0, 16.0)  # A = −exp(A_log), exp(A_log) ~ U[a, b]
@@ -356,7 +361,7 @@ class LoopedLMConfig:
 
     def validate_mamba_fields(self) -> None:
         """The Mamba-2 settings, for a Mamba-2 layer or mixer anywhere in the model."""
-        for name in ("d_state", "headdim", "expand", "ngroups", "d_conv", "chunk_size"):
+        for name in ("d_state", "headdim", "expand", "ngroups", "d_conv", "chunk_size", "fused_chunk_size"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ConfigError(f"{name}={v!r} must be a positive integer")
@@ -434,4 +439,5 @@ class LoopedLMConfig:
         d = self.to_dict()
         for k in ("extra", "kernel", "chunk_size", "max_seq_len"):
             d.pop(k)
+        d.pop("fused_chunk_size", None)  # kept in to_dict only where it is not the default
         return d

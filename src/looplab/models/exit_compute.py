@@ -133,8 +133,11 @@ def skip_compute_unsupported(config, exit_rule: str | None = None, skip_compute:
 class FrozenInputs:
     """Inside one forward: each token that has exited feeds every deeper layer its exit-loop input."""
 
-    def __init__(self, handling: str):
+    def __init__(self, handling: str, run=None):
         self.handling = HANDLINGS.get(handling)
+        # how a layer is applied: run(module, *args, **kw) (LoopedLM.apply_layer: per-layer activation checkpointing
+        # of the module alone — never of this call, whose bookkeeping a recomputation must not repeat)
+        self.run = run
         self.inputs: dict = {}  # key (layer index, "state" or ("coda", l)) → (B, T, d) input at each token's last run loop
         self.gone: torch.Tensor | None = None  # (B, T) bool: tokens whose exit depth is below this loop
 
@@ -147,9 +150,10 @@ class FrozenInputs:
         if prev is not None and self.gone is not None:
             x = torch.where(self.gone[..., None], prev, x)
         self.inputs[key] = x
+        run = self.run if self.run is not None and cache is None else (lambda m, *a, **kw: m(*a, **kw))
         if self.handling.ssm_absent and self.gone is not None and _is_ssm(module):
-            return module(x, positions, valid, cache, skip=self.gone)
-        return module(x, positions, valid, cache)
+            return run(module, x, positions, valid, cache, skip=self.gone)
+        return run(module, x, positions, valid, cache)
 
 
 def _is_ssm(module) -> bool:
@@ -168,7 +172,8 @@ def frozen_loop(model, frozen: FrozenInputs):
 
 def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor | None, handling: str,
                        attention_mask: torch.Tensor | None = None, *, rule: str | None = None,
-                       threshold: float | None = None, min_loops: int = 1, n_loops: int | None = None):
+                       threshold: float | None = None, min_loops: int = 1, n_loops: int | None = None,
+                       targets: torch.Tensor | None = None):
     """The reference: a full forward pass (no cache) in which each token stops at its exit step.
 
     exit_steps: (B, T) 1-based loop after which each token exits; or None with `rule`/`threshold`
@@ -177,7 +182,8 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
     tokens that left earlier, so these exits can differ from forward(exit_rule=...)'s). Returns a
     LoopedLMOutput with loop_logits (R, B, T, V) and loop_hidden — a token's loops up to its exit are
     ordinary, the deeper ones meaningless — logits (B, T, V) read at each token's exit step, and exit_steps.
-    n_loops: the depth R′ to run (test-time depth; default the configured R).
+    n_loops: the depth R′ to run (test-time depth; default the configured R). targets (B, T): exit-aware training's
+    loss, each token's cross-entropy at its exit step (`token_loss`, models/loss.py) instead of any logits.
     """
     if handling not in HANDLINGS:
         raise ValueError(f"handling={handling!r} is unknown; choose one of {HANDLINGS.names()}")
@@ -194,7 +200,7 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
         decided = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     positions, valid = model.positions(input_ids, attention_mask)
     stream = model.start(input_ids, positions, valid)
-    frozen = FrozenInputs(handling)
+    frozen = FrozenInputs(handling, run=model.apply_layer)
     readouts, hidden, probs = [], [], []
     survival = None
     state = {"steps": exit_steps, "decided": decided if online else None}
@@ -228,6 +234,9 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
     model.run_loops(stream, range(R), step=frozen_loop(model, frozen), rows=rows, after=after)
     exit_steps = state["steps"]
     loop_hidden = model.final_norm(torch.stack(readouts))  # (R, B, T, d)
+    if targets is not None:
+        token_loss = model.token_losses(logits_at_depth(loop_hidden, exit_steps), targets)
+        return LoopedLMOutput(logits=None, loop_hidden=loop_hidden, exit_steps=exit_steps, token_loss=token_loss)
     loop_logits = model.head(loop_hidden)
     return LoopedLMOutput(logits=logits_at_depth(loop_logits, exit_steps), loop_logits=loop_logits,
                           loop_hidden=loop_hidden, exit_steps=exit_steps)

@@ -81,16 +81,18 @@ def entropy(p: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 
 
 def stage1_loss(loop_losses: torch.Tensor, exit_probs: torch.Tensor, beta: float = 0.1,
-                final_loop_weight: float = 0.0) -> torch.Tensor:
+                final_loop_weight: float = 0.0, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_t p(t)·L^(t) − β·H(p) + w·L^(R), averaged over tokens.
 
-    loop_losses (R, N) per-token cross-entropy from each depth; exit_probs (N, R).
+    loop_losses (R, N) per-token cross-entropy from each depth; exit_probs (N, R). weights (N,): the average's
+    token weights instead of 1/N (training: 1/n at the n supervised tokens, 0 elsewhere — no mask indexing).
     w = 0 is Ouro's objective. With w > 0 the deepest loop keeps a full-weight loss whatever
     the gate does: the expected loss alone gives loop R only p(R) of the gradient, and a task
     that needs all R loops (p-hop) can then stall at the shallow loops' accuracy.
     """
     expected = (exit_probs * loop_losses.transpose(0, 1)).sum(-1)
-    return (expected - beta * entropy(exit_probs) + final_loop_weight * loop_losses[-1]).mean()
+    per_token = expected - beta * entropy(exit_probs) + final_loop_weight * loop_losses[-1]
+    return per_token.mean() if weights is None else (per_token * weights).sum()
 
 
 def stage2_targets(loop_losses: torch.Tensor, k: float = 50.0, gamma: float = 0.005) -> torch.Tensor:
@@ -100,11 +102,16 @@ def stage2_targets(loop_losses: torch.Tensor, k: float = 50.0, gamma: float = 0.
     return torch.sigmoid(k * (improvement - gamma))
 
 
-def stage2_loss(loop_losses: torch.Tensor, gate_logits: torch.Tensor, k: float = 50.0, gamma: float = 0.005) -> torch.Tensor:
+def stage2_loss(loop_losses: torch.Tensor, gate_logits: torch.Tensor, k: float = 50.0, gamma: float = 0.005,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
     """BCE between the continue-probability 1 − λ_{t−1} and w_t, mean over tokens and t = 2..R.
 
-    gate_logits (N, R): logit of λ_t; 1 − σ(x) = σ(−x), so the continue logit is −x.
+    gate_logits (N, R): logit of λ_t; 1 − σ(x) = σ(−x), so the continue logit is −x. weights (N,): the token
+    weights of the mean over tokens instead of 1/N (as stage1_loss's).
     """
     targets = stage2_targets(loop_losses, k, gamma)  # (R−1, N)
     continue_logits = -gate_logits[:, :-1].transpose(0, 1)  # gates after loops 1..R−1
-    return F.binary_cross_entropy_with_logits(continue_logits, targets)
+    if weights is None:
+        return F.binary_cross_entropy_with_logits(continue_logits, targets)
+    bce = F.binary_cross_entropy_with_logits(continue_logits, targets, reduction="none")  # (R−1, N)
+    return (bce.mean(0) * weights).sum()

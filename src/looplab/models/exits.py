@@ -81,30 +81,43 @@ class ExitPolicy:
         return cls(exit_threshold, exit_rule, exit_min_loops, exit_at_step, bool(expected_exit), skip, exit_steps)
 
 
-def forward_with_skips(model, input_ids, attention_mask, policy: ExitPolicy, n_loops, **unsupported) -> LoopedLMOutput:
+def forward_with_skips(model, input_ids, attention_mask, policy: ExitPolicy, n_loops, targets=None,
+                       **unsupported) -> LoopedLMOutput:
     """A forward in which each token stops running loops after its exit (exit_compute.forward_with_exits); the
-    output holds every loop's logits."""
+    output holds every loop's logits (with targets: each token's loss at its exit instead)."""
     unsupported = {**unsupported, "exit_at_step": policy.at_step, "expected_exit": policy.expected}
     bad = [k for k, v in unsupported.items() if v not in (None, False)]
     if bad:
         raise ValueError(f"skip_compute={policy.skip!r} runs the cache-free exit reference, which does not take "
                          f"{', '.join(bad)}; call the model without them")
     return forward_with_exits(model, input_ids, policy.steps, policy.skip, attention_mask, rule=policy.rule,
-                              threshold=policy.threshold, min_loops=policy.min_loops, n_loops=n_loops)
+                              threshold=policy.threshold, min_loops=policy.min_loops, n_loops=n_loops, targets=targets)
 
 
 def read_depths(model, readouts: list[torch.Tensor], policy: ExitPolicy | None, return_all_loops: bool,
-                positions, valid, cache, diagnostics: dict) -> LoopedLMOutput:
-    """The output of a forward from its loops' readouts (R′ of (B, T, d)), as the policy asks."""
+                positions, valid, cache, diagnostics: dict, targets: torch.Tensor | None = None) -> LoopedLMOutput:
+    """The output of a forward from its loops' readouts (R′ of (B, T, d)), as the policy asks. With targets
+    (a training loss, policy None): per-token losses instead of logits (`token_loss`, `loop_token_loss`)."""
     R = len(readouts)
     if policy is None and not return_all_loops:  # the coda on the last readout only
-        z = model.coda_at(readouts[-1], R - 1, positions, valid, cache)
-        return LoopedLMOutput(logits=model.head(model.final_norm(z)), diagnostics=diagnostics)
+        z = model.final_norm(model.coda_at(readouts[-1], R - 1, positions, valid, cache))
+        if targets is not None:
+            return LoopedLMOutput(logits=None, token_loss=model.token_losses(z, targets), diagnostics=diagnostics)
+        return LoopedLMOutput(logits=model.head(z), diagnostics=diagnostics)
 
     coda_out = [model.coda_at(z, r, positions, valid, cache) for r, z in enumerate(readouts)]
     loop_hidden = model.final_norm(torch.stack(coda_out))  # (R′, B, T, d)
-    loop_logits = model.head(loop_hidden)  # (R′, B, T, V)
-    out = LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden, diagnostics=diagnostics)
+    if targets is not None:  # every depth's loss, never every depth's (R′, B, T, V) logits
+        if policy is not None:
+            raise ValueError("forward(targets=...) reads the last loop or every loop (return_all_loops); an exit "
+                             "policy picks logits per token: call without targets")
+        loop_losses = model.token_losses(loop_hidden, targets[None].expand(R, *targets.shape))  # (R′, B, T)
+        out = LoopedLMOutput(logits=None, loop_hidden=loop_hidden, token_loss=loop_losses[-1],
+                             loop_token_loss=loop_losses, diagnostics=diagnostics)
+    else:
+        loop_logits = model.head(loop_hidden)  # (R′, B, T, V)
+        out = LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden,
+                             diagnostics=diagnostics)
     if model.exit_gate is not None:
         out.exit_gate_logits = model.exit_gate.logit(loop_hidden).permute(1, 2, 0)  # (B, T, R′)
         out.exit_probs = exit_distribution(torch.sigmoid(out.exit_gate_logits))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from looplab.models.cache import KVCache
 from looplab.models.config import LoopedLMConfig
+from looplab.models.flops import attention_keys
 from looplab.models.backbone import Layer
 from looplab.models.registry import LAYERS, ConfigError, Supports
 
@@ -78,12 +79,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B or 1, T) → cos, sin of shape (B or 1, 1, T, hd/2). checked: the caller
         guarantees positions < max_seq_len (a decoding cache, sized at most max_seq_len)."""
-        # the bound check syncs on a data-dependent value: skipped under torch.compile, where it
-        # would split every layer's graph in two (an out-of-range index still fails there), and
-        # with a cache, which every layer of every loop would otherwise check again
-        if not checked and not torch.compiler.is_compiling() and int(positions.max()) >= self.cos.shape[0]:
+        # The bound is checked on shapes, never on values (reading positions.max() on the host waited for the
+        # device at every attention layer of every loop): a cache-free call's positions are 0..T−1 (LoopedLM.positions;
+        # a depth router gathers a subset of them), so T ≤ max_seq_len bounds them — LoopedLM.forward refuses a
+        # longer input first (check_inputs(max_len=)), and this repeats it for a layer called on its own. A cache
+        # hands out positions below its max_len ≤ max_seq_len (allocate_cache). Any other out-of-range position
+        # still fails in the lookup below (IndexError on the CPU, a device assert on a GPU).
+        if not checked and positions.shape[-1] > self.cos.shape[0]:
             raise ValueError(
-                f"position {int(positions.max())} exceeds max_seq_len={self.cos.shape[0]}; "
+                f"position {positions.shape[-1] - 1} exceeds max_seq_len={self.cos.shape[0]}; "
                 "raise backbone.max_seq_len"
             )
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -249,7 +253,9 @@ class AttentionLayer(nn.Module, Layer):
         return self.attn.allocate_cache(batch_size, max_len, device, dtype)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Forward FLOPs per token: 2·(matmul weights) + QKᵀ and AV over seq_len keys (non-causal count)."""
+        """Forward FLOPs per token: 2·(matmul weights) + QKᵀ and AV over the keys a query sees: all seq_len of
+        them (FlopCounterMode's convention), or their causal mean (seq_len + 1)/2 inside
+        `models.flops.causal_attention()` (models/flops.py)."""
         matmul = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2)
         H, hd = self.attn.n_heads, self.attn.head_dim
-        return 2 * matmul + 2 * 2 * seq_len * H * hd
+        return 2 * matmul + 2 * 2 * attention_keys(seq_len) * H * hd

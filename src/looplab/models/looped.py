@@ -55,12 +55,14 @@ import torch.nn as nn
 
 from looplab.models.backbone import build_layer
 from looplab.models.cache import LoopCache
+from looplab.models.checkpointing import PER_LAYER, checkpoint_mode, checkpointed
 from looplab.models.config import LoopedLMConfig
 from looplab.models.exits import ExitPolicy, forward_with_skips, read_depths
 from looplab.models.hub import LoopedHubMixin
 from looplab.models.injection import build_injection
 from looplab.models.inputs import check_inputs
 from looplab.models.llama import RMSNorm
+from looplab.models.loss import chunked_token_losses
 from looplab.models.outputs import LoopedLMOutput
 from looplab.models.registry import EXIT_GATES, LOOP_SCHEDULES, STATE_UPDATES
 from looplab.models.rng import draw_init_seed, named_generator
@@ -102,7 +104,10 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             self.schedule = LOOP_SCHEDULES.get(cfg.loop_schedule)
             self.loop_input = None
             self.schedule.build(self)
-        self.checkpoint_loops = False  # set by the training config (hardware.activation_checkpointing)
+        # set by the training config (hardware.activation_checkpointing; models/checkpointing.py): None, loop, layer, selective
+        self.activation_checkpointing = None
+        # forward(targets=...): tokens per chunk of the head + cross-entropy (None: models/loss.py's size rule)
+        self.loss_chunk_tokens: int | None = None
         self._compiled_layers: list | None = None  # compile_block(); a plain list: no state-dict keys
         self.reset_parameters()
 
@@ -274,6 +279,43 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                              f"the configured R={self.config.n_loops})")
         return n_loops
 
+    # ------------------------------------------------- activation checkpointing
+    @property
+    def activation_checkpointing(self) -> str | None:
+        """None, 'loop', 'layer' or 'selective' (models/checkpointing.py); set from any value `checkpoint_mode` takes."""
+        return self._ac_mode
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, value) -> None:
+        self._ac_mode = checkpoint_mode(value)
+
+    @property
+    def checkpoint_loops(self) -> bool:
+        """The per-loop checkpoint (activation_checkpointing='loop'); True/False sets it (the older knob)."""
+        return self._ac_mode == "loop"
+
+    @checkpoint_loops.setter
+    def checkpoint_loops(self, value: bool) -> None:
+        self._ac_mode = "loop" if value else None
+
+    def per_layer_checkpoint(self, cache=None) -> bool:
+        """Whether this call's layers are checkpointed one by one (layer / selective, a training forward with a
+        graph and no decoding cache)."""
+        return self._ac_mode in PER_LAYER and cache is None and self.training and torch.is_grad_enabled()
+
+    def apply_layer(self, layer: Callable, *args, **kwargs):
+        """layer(*args, **kwargs), under its own checkpoint when per-layer activation checkpointing is on. Every
+        layer application of a training forward goes through here: prelude, block, coda, the state update, the
+        parallel schedule's block layers and the exit reference's frozen-input calls."""
+        if self.per_layer_checkpoint():
+            return checkpointed(layer, *args, selective=self._ac_mode == "selective", **kwargs)
+        return layer(*args, **kwargs)
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy (fp32, 0 at ignored targets) of Head(hidden) without the (…, V) logits of all
+        tokens at once (models/loss.py): hidden (…, d) after the final norm, targets (…)."""
+        return chunked_token_losses(self.head, hidden, targets, self.loss_chunk_tokens)
+
     # --------------------------------------------------------------- forward
     def forward(
         self,
@@ -287,14 +329,25 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         return_diagnostics: bool = False,
         exits: ExitPolicy | None = None,
         depths: torch.Tensor | str | None = None,  # depth_router only: 'inference' or (B, T) given depths (models/router.py)
+        targets: torch.Tensor | None = None,  # (B, T) next-token targets (-100: no loss): a training loss, see below
     ) -> LoopedLMOutput:
-        """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py)."""
+        """The loops and the readout; which depth each token reads is the ExitPolicy's (models/exits.py).
+
+        targets: the output holds each token's cross-entropy (`token_loss` (B, T) fp32, 0 where the target is -100;
+        with return_all_loops also `loop_token_loss` (R′, B, T); with an exit policy that skips compute, the loss
+        at each token's exit) and no logits: the head and cross-entropy run in chunks of tokens (models/loss.py),
+        so the (B, T, V) logits of the whole call never exist at once."""
+        if targets is not None and cache is not None:
+            raise ValueError("forward(targets=...) is a training loss; a decoding call (cache=) reads logits")
         # a cached call is a decoder's: its prompt was checked once (generate, Engine.add), its later tokens are the
-        # model's own, so only the shapes are checked here (no host sync in a decoding step)
-        check_inputs(input_ids, attention_mask, self.config.vocab_size, values=cache is None)
+        # model's own, so only the shapes are checked here (no host sync in a decoding step); a cache-free call's T
+        # bounds its RoPE positions; a training forward checks the ids on the device (no host sync in a training step)
+        check_inputs(input_ids, attention_mask, self.config.vocab_size, values=cache is None,
+                     max_len=self.config.max_seq_len if cache is None else None, on_device=self.training)
         if not self.schedule.sequential:  # its own forward over the sequence (loop_schedule=parallel: models/parallel.py)
             return self.schedule.forward(self, input_ids, attention_mask, cache, n_loops, backprop_loops=backprop_loops,
-                                         return_all_loops=return_all_loops, exits=exits, depths=depths)
+                                         return_all_loops=return_all_loops, exits=exits, depths=depths,
+                                         **({"targets": targets} if targets is not None else {}))
         if self.router is not None:
             self.router.check_call(n_loops, cache, exits, depths)
         elif depths is not None:
@@ -302,7 +355,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         if exits is not None and exits.skip is not None:
             # the exit-aware reference is a forward of the model itself, so whatever wraps forward
             # (FSDP2's root all-gather, DDP) wraps it too
-            return forward_with_skips(self, input_ids, attention_mask, exits, n_loops, cache=cache,
+            return forward_with_skips(self, input_ids, attention_mask, exits, n_loops, targets=targets, cache=cache,
                                       return_diagnostics=return_diagnostics, backprop_loops=backprop_loops)
         R = self.loops(n_loops)
         if cache is not None:
@@ -324,7 +377,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
                        rows=route.rows if route else None, after=after,
                        no_grad_loops=self._no_grad_loops(R, backprop_loops))
         diagnostics = {k: v for k, v in diag.items() if v}
-        out = read_depths(self, readouts, exits, return_all_loops, positions, valid, cache, diagnostics)
+        out = read_depths(self, readouts, exits, return_all_loops, positions, valid, cache, diagnostics, targets)
         out.routing = route.finish() if route is not None else None
         return out
 
@@ -332,8 +385,9 @@ class LoopedLM(nn.Module, LoopedHubMixin):
     def start(self, input_ids: torch.Tensor, positions, valid, cache=None) -> Stream:
         """Embed → prelude → s_0: the first loop's input (the prelude runs once per token, no exits there)."""
         x = self.embed(input_ids)
-        for l, layer in enumerate(self.prelude):
-            x = layer(x, positions, valid, cache["prelude", l] if cache is not None else None)
+        for l, layer in enumerate(self._train_layers("prelude", cache)):
+            x = (self.apply_layer(layer, x, positions, valid, None) if cache is None
+                 else layer(x, positions, valid, cache["prelude", l]))
         s = self.state.initial_state(x) if self.state is not None else None
         return Stream(x=x, e=x, s=s, h=None, positions=positions, valid=valid)
 
@@ -379,8 +433,11 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             h = gate(x, h)
         if self.state is None:
             return Stream(h, st.e, None, h, st.positions, st.valid)
-        s, x, a = self.state(h, st.s, st.positions, st.valid, cache.get((r, "state")) if cache is not None else None,
-                             call=call)
+        if cache is None and call is None:  # per-layer checkpointing: the state update is one unit
+            s, x, a = self.apply_layer(self.state, h, st.s, st.positions, st.valid, None)
+        else:  # the exit reference's call applies (and checkpoints) the state mixer itself
+            s, x, a = self.state(h, st.s, st.positions, st.valid, cache.get((r, "state")) if cache is not None else None,
+                                 call=call)
         return Stream(x, st.e, s, h, st.positions, st.valid, a)
 
     def readout(self, st: Stream) -> torch.Tensor:
@@ -389,13 +446,16 @@ class LoopedLM(nn.Module, LoopedHubMixin):
 
     def coda_at(self, z, r: int, positions, valid, cache=None, call=None) -> torch.Tensor:
         """The coda on loop r's readout z (0-based r), with that depth's coda caches."""
-        for l, layer in enumerate(self.coda):
+        for l, layer in enumerate(self._train_layers("coda", cache, call)):
             key = ("coda", l)
             entry = None
             if cache is not None:
                 entry = cache[r, key]
                 cache.check_filled((r, key), entry)
-            z = layer(z, positions, valid, entry) if call is None else call(layer, key, z, positions, valid, entry)
+            if call is not None:
+                z = call(layer, key, z, positions, valid, entry)
+            else:
+                z = self.apply_layer(layer, z, positions, valid, None) if entry is None else layer(z, positions, valid, entry)
         return z
 
     def logits_at(self, z, r: int, positions, valid, cache=None) -> torch.Tensor:
@@ -424,25 +484,38 @@ class LoopedLM(nn.Module, LoopedHubMixin):
         return max(0, R - backprop_loops)
 
     def _run_block(self, x, r, positions, valid, cache, call=None):
-        """One application of the shared block (loop r); per-loop activation checkpointing trades
-        recomputation for memory that otherwise grows with N·R."""
-        if self.checkpoint_loops and self.training and cache is None and call is None and torch.is_grad_enabled():
+        """One application of the shared block (loop r); per-loop activation checkpointing (activation_checkpointing
+        = 'loop') trades recomputation for memory that otherwise grows with N·R; per-layer ('layer', 'selective')
+        happens in _block_forward."""
+        if self._ac_mode == "loop" and self.training and cache is None and call is None and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._block_forward, x, positions, valid, None, r, use_reentrant=False)
         return self._block_forward(x, positions, valid, cache, r, call)
 
     def compile_block(self, **compile_kwargs) -> None:
-        """`torch.compile` each block layer once for training; the R loops reuse the compiled code.
+        """`torch.compile` each block layer once for training; the R loops reuse the compiled code. The prelude
+        and coda layers are compiled too: layers of one kind share their graph (Dynamo traces a layer class's
+        forward once and guards on shapes, not on which layer or loop calls it: tests/test_compiled_training.py).
 
         Only cache-free training forwards use it. Evaluation, scoring and cached decoding keep
         the eager layers: their shapes change from call to call, and each new shape would be
         another compilation (a compiled decoding step is models/generation.py's, over a static cache).
-        Parameters stay shared with the eager layers (same state dict). The prelude and coda layers
-        stay eager (not compiled).
+        Parameters stay shared with the eager layers (same state dict).
         """
         refused = self.config.unsupported("compile_training")
         if refused:
             raise ValueError(f"compile_block with {refused}")
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.block]
+        # plain lists in a dict: no submodules, no state-dict keys
+        self._compiled_ends = {part: [torch.compile(layer, **compile_kwargs) for layer in getattr(self, part)]
+                               for part in ("prelude", "coda")}
+
+    def _train_layers(self, part: str, cache=None, call=None):
+        """The prelude's or coda's layers as this call runs them: compiled (compile_block) in a cache-free training
+        forward, the eager modules otherwise."""
+        ends = self.__dict__.get("_compiled_ends")
+        if ends is not None and self.training and cache is None and call is None:
+            return ends[part]
+        return getattr(self, part)
 
     @property
     def is_compiled(self) -> bool:
@@ -450,9 +523,15 @@ class LoopedLM(nn.Module, LoopedHubMixin):
 
     def _block_forward(self, x, positions, valid, cache, r, call=None):
         compiled = self._compiled_layers is not None and self.training and cache is None and call is None
+        per_layer = call is None and self.per_layer_checkpoint(cache)
         for l, layer in enumerate(self._compiled_layers if compiled else self.block):
             entry = cache[r, l] if cache is not None else None
-            x = layer(x, positions, valid, entry) if call is None else call(layer, l, x, positions, valid, entry)
+            if call is not None:
+                x = call(layer, l, x, positions, valid, entry)
+            elif per_layer:
+                x = checkpointed(layer, x, positions, valid, None, selective=self._ac_mode == "selective")
+            else:
+                x = layer(x, positions, valid, entry)
         return x
 
     # -------------------------------------------------------------- generate

@@ -312,6 +312,13 @@ def _block(model, x, positions, valid, kv, r):
     return x
 
 
+def _layer(layer, x, positions, valid, entry, r):
+    """One block layer at loop r, as per-layer activation checkpointing runs (and recomputes) it: the loop is set
+    inside, so the recomputation reads the keys/values loop r read (loop 1's are kept by its entry)."""
+    entry.loop = r
+    return layer(x, positions, valid, entry)
+
+
 def _shift(h: torch.Tensor, positions: torch.Tensor, carry: torch.Tensor | None) -> torch.Tensor:
     """h (b, T, d) one position to the right: column t reads t − 1, column 0 the carried last token (zeros without
     one), and zeros where a row's tokens start (RoPE position 0)."""
@@ -335,12 +342,17 @@ def _run(model, input_ids, attention_mask, cache, R: int):
     if cache is not None and R > 1 and "loop_hidden" in cache.carry:
         carry = cache.carry["loop_hidden"] if rows is None else cache.carry["loop_hidden"][rows]
     ckpt = model.checkpoint_loops and model.training and cache is None and torch.is_grad_enabled()
+    per_layer = model.per_layer_checkpoint(cache)  # activation_checkpointing=layer|selective
     hs, x = [], e
     for r in range(R):
         if r > 0:
             x = model.loop_input(e, _shift(_loop_norm(model, hs[-1]), positions, None if carry is None else carry[:, r - 1]))
         if ckpt:
             h = torch.utils.checkpoint.checkpoint(_block, model, x, positions, valid, kv, r, use_reentrant=False)
+        elif per_layer:
+            h = x
+            for layer, entry in zip(model.block, kv):
+                h = model.apply_layer(_layer, layer, h, positions, valid, entry, r)
         else:
             h = _block(model, x, positions, valid, kv, r)
         hs.append(h)
@@ -360,7 +372,7 @@ def _keep_carry(model, cache, new: torch.Tensor, rows) -> None:
 
 
 def parallel_forward(model, input_ids, attention_mask=None, cache=None, n_loops=None, *, backprop_loops=None,
-                     return_all_loops: bool = False, exits=None, depths=None) -> LoopedLMOutput:
+                     return_all_loops: bool = False, exits=None, depths=None, targets=None) -> LoopedLMOutput:
     """LoopedLM.forward under loop_schedule=parallel: the CLP forward (teacher-forced: every loop over every
     token), or with a cache one decoded token per row as one folded block call (`decode_folded`)."""
     bad = [f"{k}={v!r}" for k, v in (("backprop_loops", backprop_loops), ("exits", exits), ("depths", depths))
@@ -378,9 +390,14 @@ def parallel_forward(model, input_ids, attention_mask=None, cache=None, n_loops=
             return LoopedLMOutput(logits=decode_folded(model, input_ids, cache, R)[:, None])
     hs, _, positions, valid = _run(model, input_ids, attention_mask, cache, R)
     if not return_all_loops:
-        z = model.coda_at(hs[-1], R - 1, positions, valid, cache)
-        return LoopedLMOutput(logits=model.head(model.final_norm(z)))
+        z = model.final_norm(model.coda_at(hs[-1], R - 1, positions, valid, cache))
+        if targets is not None:  # a training loss: per-token losses, the head in chunks (models/loss.py)
+            return LoopedLMOutput(logits=None, token_loss=model.token_losses(z, targets))
+        return LoopedLMOutput(logits=model.head(z))
     loop_hidden = model.final_norm(torch.stack([model.coda_at(h, r, positions, valid) for r, h in enumerate(hs)]))
+    if targets is not None:
+        loop_losses = model.token_losses(loop_hidden, targets[None].expand(R, *targets.shape))
+        return LoopedLMOutput(logits=None, loop_hidden=loop_hidden, token_loss=loop_losses[-1], loop_token_loss=loop_losses)
     loop_logits = model.head(loop_hidden)
     return LoopedLMOutput(logits=loop_logits[-1], loop_logits=loop_logits, loop_hidden=loop_hidden)
 

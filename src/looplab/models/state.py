@@ -199,8 +199,10 @@ class StateBranch(nn.Module, Variant):
         if self.mixer is not None:
             if hasattr(self.mixer, "flops_per_token"):
                 flops += self.mixer.flops_per_token(seq_len)
-            else:  # attention mixer: projections + QKᵀ/AV
-                flops += 2 * sum(p.numel() for p in self.mixer.parameters() if p.dim() == 2) + 4 * seq_len * ds
+            else:  # attention mixer: projections + QKᵀ/AV (over every key, or causally: models/flops.py)
+                from looplab.models.flops import attention_keys
+
+                flops += 2 * sum(p.numel() for p in self.mixer.parameters() if p.dim() == 2) + 4 * attention_keys(seq_len) * ds
         return flops
 
 

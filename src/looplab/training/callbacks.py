@@ -1,6 +1,11 @@
 """Callbacks and plugins: atomic checkpoints, the throughput record that goes into results.json, the
 plain progress lines for logs that are not a terminal, the wall clock of every attempt of a run, and
-SLURM's preemption signal handled at a step boundary."""
+SLURM's preemption signal handled at a step boundary.
+
+None of them waits for the device in a training step (docs/performance.md#host-syncs-in-a-training-step;
+tests/test_training_syncs.py counts them): what they read from it — the loss on a progress line, a throughput
+reading — they read at the logging steps only (every `trainer.log_every_n_steps`), and the ranks agree on a
+preemption signal on the host."""
 
 from __future__ import annotations
 
@@ -17,9 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from looplab.training.run_utils import write_json_atomic
 
@@ -114,6 +125,113 @@ class ThroughputRecord(L.Callback):
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.train_time if self.train_time > 0 else None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the kernels queued on `device` (CUDA); nothing on the CPU, where nothing is queued. A throughput
+    reading's one host sync: its clock must cover the steps' kernels, not only their launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ThroughputMonitor(LightningThroughputMonitor):
+    """Lightning's ThroughputMonitor (train/ and validate/ samples, tokens, FLOPs per second and MFU, from the
+    module's `flops_per_batch`) without a host sync in every training step.
+
+    Lightning's calls `torch.cuda.synchronize()` after every training batch, so that its clock covers the batch's
+    kernels, although it logs only every `log_every_n_steps`: a GPU then idles while the host queues the next step.
+    This one counts batches, samples and tokens on the host each step and takes a reading — one synchronize, the
+    clock, the FLOPs of the batches since the previous reading — only at the steps it logs (and before a
+    validation, which Lightning's accounting subtracts from the training time). The rolling window is kept in
+    steps: `window_steps` (Lightning's 100) / log_every_n_steps readings, at least 2.
+    """
+
+    def __init__(self, batch_size_fn, length_fn=None, window_steps: int = 100, **kwargs) -> None:
+        super().__init__(batch_size_fn, length_fn, **kwargs)
+        self.window_steps = int(window_steps)
+        self._pending = [0, 0, 0]  # training batches, samples, tokens since the last reading
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if RunningStage.TRAINING in self._throughputs:
+            readings = max(2, -(-self.window_steps // max(1, int(trainer.log_every_n_steps or 1))))
+            kwargs = {**self.kwargs, "window_size": readings}
+            self._throughputs[RunningStage.TRAINING] = Throughput(available_flops=self.available_flops,
+                                                                  world_size=trainer.world_size, **kwargs)
+
+    def _start(self, trainer) -> None:
+        super()._start(trainer)
+        if trainer.state.stage == RunningStage.TRAINING:
+            self._pending = [0, 0, 0]
+
+    def _read(self, trainer, pl_module) -> None:
+        """A training reading: the batches since the last one, their FLOPs, and the clock after a synchronize."""
+        batches, samples, tokens = self._pending
+        if not batches:
+            return
+        stage = RunningStage.TRAINING
+        synchronize(trainer.strategy.root_device)
+        elapsed = time.perf_counter() - self._t0s[stage]
+        self._batches[stage] += batches
+        self._samples[stage] += samples
+        if self.length_fn is not None:
+            self._lengths[stage] += tokens
+        if self._module_has_flops is None:
+            self._module_has_flops = hasattr(pl_module, "flops_per_batch")
+        flops = pl_module.flops_per_batch * batches if self._module_has_flops else None
+        self._throughputs[stage].update(time=elapsed, batches=self._batches[stage], samples=self._samples[stage],
+                                        lengths=None if self.length_fn is None else self._lengths[stage], flops=flops)
+        self._pending = [0, 0, 0]
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, *_) -> None:
+        self._pending[0] += 1
+        self._pending[1] += self.batch_size_fn(batch)
+        if self.length_fn is not None:
+            self._pending[2] += self.length_fn(batch)
+        if not trainer.fit_loop._should_accumulate() and trainer._logger_connector.should_update_logs:
+            self._read(trainer, pl_module)
+            self._compute(trainer)
+
+    @rank_zero_only
+    def on_validation_start(self, trainer, *args) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit" and RunningStage.TRAINING in self._t0s:
+            self._read(trainer, trainer.lightning_module)  # the training time ends here (Lightning subtracts the rest)
+        super().on_validation_start(trainer, *args)
+
+
+class LoggedLoss:
+    """The training loss a progress display shows, read from the device only at the logging steps (every
+    `every` optimizer steps): a loss logged with prog_bar=True is read (`.item()`) at every step by Lightning."""
+
+    def __init__(self, every: int) -> None:
+        self.every = max(1, int(every))
+        self.value: float | None = None
+        self._step = -1
+
+    def read(self, trainer) -> float | None:
+        step = trainer.global_step
+        if step != self._step and (step % self.every == 0 or self.value is None):
+            loss = trainer.callback_metrics.get("train/loss")
+            if loss is not None:
+                self.value, self._step = float(loss), step
+        return self.value
+
+
+class RichProgress(RichProgressBar):
+    """Lightning's rich progress bar with the training loss as read at the logging steps (LoggedLoss)."""
+
+    def __init__(self, every: int = 25, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.loss = LoggedLoss(every)
+
+    def get_metrics(self, trainer, pl_module):
+        items = super().get_metrics(trainer, pl_module)
+        if trainer.training:
+            loss = self.loss.read(trainer)
+            if loss is not None:
+                items["train/loss"] = loss
+        return items
 
 
 class PlainProgress(L.Callback):
@@ -265,6 +383,68 @@ class AttemptClock(L.Callback):
                 log.warning("could not record the failed attempt in %s: %s", self.path, e)
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+_HOST_GROUPS: dict[int, Any] = {}  # id(default process group) → its host (gloo) group; None: the default one is gloo
+
+
+def host_group():
+    """The process group over which ranks agree on a host value without touching a GPU: the default group when it
+    runs gloo (CPU training), else a gloo group over the same ranks, made once per default group (a collective
+    call: every rank calls it, in the same order; the callbacks do at train start). NCCL reduces device tensors
+    only: a host flag reduced over it is a copy to the GPU, a wait for the queued kernels and a copy back."""
+    import torch.distributed as dist
+
+    default = dist.group.WORLD
+    if "gloo" in str(dist.get_backend()):
+        return None
+    key = id(default)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]
+
+
+class HostSigtermFlag(L.Callback):
+    """Lightning's SIGTERM agreement without a host wait for the GPU.
+
+    With several ranks Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training batch, micro-batches
+    included (`_TrainingEpochLoop._broadcast_sigterm_tensor`): a tensor made on the GPU, an NCCL broadcast, then
+    `.item()`, which waits for every kernel queued before it. This makes the same broadcast, with the same meaning
+    (rank 0 received SIGTERM → every rank raises SIGTERMException after a barrier), over the host group
+    (`host_group`) on a host buffer: nothing is queued on or read from the device."""
+
+    def __init__(self) -> None:
+        self._flag = np.zeros(1, dtype=np.int64)  # Lightning's flag is an int64 tensor: the same 8 bytes
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.world_size == 1 or not _distributed():
+            return
+        try:
+            group = host_group()
+        except Exception as e:  # no gloo: Lightning's own broadcast stays
+            log.warning("no gloo process group for Lightning's SIGTERM flag (%s): it is read from the device", e)
+            return
+        loop = trainer.fit_loop.epoch_loop
+        if not hasattr(loop, "_broadcast_sigterm_tensor"):  # another Lightning: nothing to replace
+            return
+
+        def broadcast_sigterm_on_host() -> None:
+            import torch.distributed as dist
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            self._flag[0] = 1 if getattr(trainer, "received_sigterm", False) else 0
+            dist.broadcast(torch.from_numpy(self._flag), src=0, group=group)
+            if self._flag[0] == 1:
+                dist.barrier(group=group)  # every rank raises together, as Lightning's does
+                raise SIGTERMException()
+
+        loop._broadcast_sigterm_tensor = broadcast_sigterm_on_host
+
+
 class Requeued(Exception):
     """Raised on every rank after a preemption signal was handled: last.ckpt is saved and the job requeued."""
 
@@ -283,11 +463,19 @@ class SlurmRequeue(L.Callback):
     ranks agree on it (an all-reduce: SLURM may signal only some of them), all save last.ckpt through the
     project's checkpoint path (atomic; sharded under FSDP2) at the same step, then rank 0 requeues and
     every rank raises `Requeued`, which train.py turns into a quiet exit without testing.
+
+    The ranks agree without touching the device: one process reads its own flag; several all-reduce it on the
+    host, over a CPU (gloo) process group — a copy of the flag to the GPU and back made every step wait for its
+    queued kernels. Should no gloo group be available, they agree on the device every `fallback_every` steps.
     """
 
     def __init__(self, last_ckpt: str | os.PathLike, clock: AttemptClock | None = None,
-                 signums: int | tuple[int, ...] = signal.SIGUSR1) -> None:
+                 signums: int | tuple[int, ...] = signal.SIGUSR1, fallback_every: int = 10) -> None:
         self.last_ckpt = Path(last_ckpt)
+        self.fallback_every = max(1, int(fallback_every))
+        self._group: Any = None  # the host process group the ranks agree over (None: the default one, or one rank)
+        self._on_host = True  # False: no gloo group could be made; agree on the device every fallback_every steps
+        self._flag = np.zeros(1, dtype=np.int32)  # the host buffer the all-reduce runs in (read without torch)
         self.clock = clock
         self.signums = tuple(dict.fromkeys((signums,) if isinstance(signums, int) else signums))
         self.signalled: int | None = None  # the signal this rank received
@@ -299,6 +487,7 @@ class SlurmRequeue(L.Callback):
         self.signalled = signum  # nothing else here: the save happens at a step boundary, on every rank
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._make_group(trainer)
         # not in setup(): Lightning snapshots every handler after setup and puts the snapshot back at its teardown
         if threading.current_thread() is threading.main_thread():
             for signum in self.signums:  # under submitit this replaces its own handler for the fit (put back after)
@@ -322,8 +511,7 @@ class SlurmRequeue(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % max(1, trainer.accumulate_grad_batches):
             return  # mid-accumulation: a checkpoint cannot hold the partial gradients; wait for the optimizer step
-        flag = torch.tensor(1.0 if self.signalled else 0.0, device=pl_module.device)
-        if float(trainer.strategy.reduce(flag, reduce_op="sum")) == 0.0:
+        if not self.any_rank_signalled(trainer):
             return
         step = trainer.global_step
         job = job_id()
@@ -341,6 +529,36 @@ class SlurmRequeue(L.Callback):
                 log.warning("`scontrol requeue %s` failed (%s): the run stops here; resubmit it to continue from %s",
                             job, (proc.stderr or proc.stdout).strip(), self.last_ckpt)
         raise Requeued(f"step {step} saved to {self.last_ckpt}; SLURM job {job} requeued")
+
+    def _make_group(self, trainer) -> None:
+        """Every rank, at train start: the process group of CPU tensors the flag is reduced over (host_group)."""
+        self._group, self._on_host = None, True
+        if trainer.world_size == 1 or not _distributed():
+            return
+        try:
+            self._group = host_group()
+        except Exception as e:  # no gloo here: the device, every fallback_every steps
+            self._on_host = False
+            log.warning("no gloo process group for the preemption flag (%s): the ranks agree on it every %d steps",
+                        e, self.fallback_every)
+
+    def any_rank_signalled(self, trainer) -> bool:
+        """Whether a preemption signal reached any rank: the same answer on every rank, at the same step, and no
+        host-device sync (one process: its own flag; several: a sum over the host group, read from its numpy
+        buffer)."""
+        import torch.distributed as dist
+
+        mine = 1 if self.signalled else 0
+        if trainer.world_size == 1 or not _distributed():
+            return bool(mine)
+        if not self._on_host:
+            if trainer.global_step % self.fallback_every:
+                return False
+            flag = torch.tensor(float(mine), device=trainer.strategy.root_device)
+            return float(trainer.strategy.reduce(flag, reduce_op="sum")) > 0
+        self._flag[0] = mine
+        dist.all_reduce(torch.from_numpy(self._flag), op=dist.ReduceOp.SUM, group=self._group)
+        return bool(self._flag[0])
 
 
 def under_submitit() -> bool:

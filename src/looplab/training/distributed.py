@@ -9,9 +9,10 @@ Lightning's FSDPStrategy (FSDP1), which looplab used before:
   and `torch.nn.utils.clip_grad_norm_` computes the global norm over their shards.
 * FSDP1 flattens parameters (1-D views under `use_orig_params`), which emptied the weight-decay
   group; FSDP2 keeps every parameter's logical shape (and looplab groups by name anyway).
-* FSDP1 `bf16-mixed` all-gathers parameters and reduces gradients in bf16; here the policy is
-  the DDP recipe: fp32 sharded master weights, bf16 compute under Lightning's autocast,
-  fp32 gradient reduction (`MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`).
+* FSDP1 `bf16-mixed` all-gathers parameters and reduces gradients in bf16; here the sharded
+  master weights are fp32 and gradients are reduced in fp32, with bf16 all-gathers under
+  bf16-mixed on GPUs (`hardware.fsdp.param_dtype: auto`; fp32 on a CPU) except the SSM
+  parameters (`A_log`, `dt_bias`, `D`), which are gathered and used in fp32 (`shard_looped_model`).
 * FSDP1 does not run on a CPU in torch 2.13; FSDP2 does (gloo), so `make test` executes it.
 
 A looped block calls each sharded layer R times per forward. Left to itself FSDP2 all-gathers
@@ -19,68 +20,106 @@ the layer before each call and again before each call's backward (2R all-gathers
 step); `GatherOncePerStep` keeps the block's layers gathered from their first call to the
 backward of that call, so traffic does not grow with R: one all-gather and one reduce-scatter
 of each layer per step, its gradient the sum of the R uses (tests/test_fsdp_traffic.py counts
-the collectives, tests/test_distributed.py checks the gradients against one process).
+the collectives, tests/test_distributed.py checks the gradients against one process). At R = 1
+there is nothing to share and the layers follow FSDP2's own schedule (`reshard_after_forward`).
+
+Gradient accumulation (`trainer.accumulate_grad_batches = k`): Lightning calls the strategy's
+`block_backward_sync` around every micro-batch but the last of an optimizer step
+(loops/optimization/automatic.py); here that is `accumulate_without_sync`: no reduction until the
+last micro-batch and, with `hardware.fsdp.accumulate_unsharded` (default), the parameters kept
+gathered across the micro-batches, so the collectives of an optimizer step do not depend on k.
+
+Across nodes (`trainer.num_nodes > 1`) the mesh is HSDP by default (`hardware.fsdp.hsdp: auto`):
+parameters sharded within a node and replicated across nodes (`build_fsdp_mesh`), so all-gathers
+and reduce-scatters stay on the node's NVLink and only an all-reduce of each rank's shard crosses
+the network.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-_DTYPES = {None: None, "null": None, "float32": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def block_layer_classes() -> set[type]:
-    """One sharding unit per backbone layer."""
-    from looplab.models.llama import AttentionLayer
-    from looplab.models.mamba2 import Mamba2Layer
-
-    return {AttentionLayer, Mamba2Layer}
-
-
-def _dtype(name: Any, key: str) -> torch.dtype | None:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        from looplab.models.config import ConfigError
-
-        raise ConfigError(f"hardware.fsdp.{key}={name!r} is unknown; choose one of null, float32, bfloat16, float16")
-    return _DTYPES[name]
+from looplab.training.fsdp import (MIXER_BF16_CHILDREN, GatherOncePerStep, _dtype, _hsdp_setting,  # noqa: F401
+                                   accumulate_without_sync, block_layer_classes, build_fsdp_mesh,
+                                   resolve_param_dtype, shard_looped_model, sharded_schedule, use_hsdp)
 
 
 class LoopedFSDPStrategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy as pure FSDP2 (one data-parallel mesh dimension over every
-    rank, no tensor parallelism), with its sharding settings and an atomic sharded checkpoint.
+    """Lightning's ModelParallelStrategy as pure FSDP2 (no tensor parallelism; one data-parallel mesh
+    dimension over every rank, or HSDP across nodes), with its sharding settings, a no-sync gradient
+    accumulation and an atomic sharded checkpoint.
 
-    The LightningModule's `configure_model` calls `shard_looped_model` with this strategy's
-    settings (looplab.training.module). Activation checkpointing is not this strategy's job:
-    `hardware.activation_checkpointing` checkpoints each loop once, under every strategy.
+    The LightningModule's `configure_model` calls `shard_looped_model` with `shard_options()`
+    (looplab.training.module). Activation checkpointing is not this strategy's job:
+    `hardware.activation_checkpointing` (false | loop | layer | selective, models/checkpointing.py) applies the
+    same under every strategy.
     """
 
-    def __init__(self, param_dtype: Any = None, reduce_dtype: Any = "float32", reshard_after_forward: bool = True,
-                 sharded_checkpoint: bool = True, gather_once: bool = True, **kwargs):
+    def __init__(self, param_dtype: Any = "auto", reduce_dtype: Any = "float32", reshard_after_forward: bool = True,
+                 sharded_checkpoint: bool = True, gather_once: bool = True, accumulate_unsharded: bool = True,
+                 hsdp: Any = "auto", **kwargs):
         super().__init__(save_distributed_checkpoint=bool(sharded_checkpoint), **kwargs)
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
-                                              reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
+        if param_dtype != "auto":
+            _dtype(param_dtype, "param_dtype")  # an unknown name fails here, before any process starts
+        self.param_dtype = param_dtype  # resolved with the precision and the device in mp_policy()
+        self.reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
         self.reshard_after_forward = bool(reshard_after_forward)
         self.gather_once = bool(gather_once)  # see shard_looped_model
+        self.accumulate_unsharded = bool(accumulate_unsharded)  # see accumulate_without_sync
+        self.hsdp = _hsdp_setting(hsdp)
+        self._fsdp_mesh = None
+
+    def mp_policy(self, device_type: str | None = None):
+        """FSDP2's MixedPrecisionPolicy: `param_dtype` resolved (`resolve_param_dtype`), fp32 reduction."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        device_type = device_type or (self._fsdp_mesh.device_type if self._fsdp_mesh is not None else self.root_device.type)
+        return MixedPrecisionPolicy(param_dtype=resolve_param_dtype(self.param_dtype, precision, device_type),
+                                    reduce_dtype=self.reduce_dtype)
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's "auto" sizes mean data-parallel across nodes and tensor-parallel
-        # within one; looplab shards one data-parallel dimension over all ranks instead
+        # within one; looplab's batches are data-parallel over all ranks (the sampler reads the
+        # "data_parallel" dimension of Lightning's mesh); fully_shard gets fsdp_mesh() instead
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+    def fsdp_mesh(self, device_mesh=None, num_nodes: int | None = None):
+        """The mesh `fully_shard` shards over (`build_fsdp_mesh`: FSDP, or HSDP across nodes), built once from
+        the world of Lightning's device mesh (`device_mesh`, default this strategy's) and the number of nodes."""
+        if self._fsdp_mesh is None:
+            mesh = device_mesh if device_mesh is not None else self.device_mesh
+            nodes = int(num_nodes if num_nodes is not None else self.num_nodes)
+            if use_hsdp(self.hsdp, nodes, mesh.size() // max(nodes, 1)):
+                self._fsdp_mesh = build_fsdp_mesh(mesh.device_type, mesh.size(), nodes, self.hsdp)
+            else:  # FSDP over every rank: Lightning's own data-parallel dimension (no new process groups)
+                self._fsdp_mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        return self._fsdp_mesh
+
+    def shard_options(self, device_mesh=None, num_nodes: int | None = None) -> dict[str, Any]:
+        """`shard_looped_model`'s keyword arguments for this run."""
+        mesh = self.fsdp_mesh(device_mesh, num_nodes)
+        return {"mesh": mesh, "mp_policy": self.mp_policy(mesh.device_type),
+                "reshard_after_forward": self.reshard_after_forward, "gather_once": self.gather_once}
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's training loop runs every micro-batch but the last of an optimizer step inside this
+        (`_block_parallel_sync_behavior` in loops/optimization/automatic.py); ParallelStrategy's version
+        only knows DDP's `no_sync`, so under FSDP2 every micro-batch reduce-scattered its gradients."""
+        with accumulate_without_sync(self.lightning_module, keep_unsharded=self.accumulate_unsharded):
+            yield
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         """Every rank writes its shard into a temporary folder; rank 0 then swaps it in by rename.
@@ -205,103 +244,6 @@ def recover_checkpoint(path: str | os.PathLike, timeout_s: float = RECOVER_TIMEO
     return False
 
 
-def shard_looped_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshard_after_forward: bool = True,
-                       gather_once: bool = True) -> None:
-    """FSDP2: `fully_shard` each backbone layer (the prelude and coda layers are units of their own too,
-    being the same layer classes), then the root (embedding, state branch, exit gate, final norm and
-    head). Idempotent.
-
-    gather_once (default; `hardware.fsdp.gather_once`): the layers used at every loop (block and coda)
-    are all-gathered once per optimizer step, whatever R (`GatherOncePerStep`), and stay gathered from
-    forward to backward whatever `reshard_after_forward` says; the prelude and the root follow
-    `reshard_after_forward`. False: FSDP2's own schedule, an all-gather before each of a
-    layer's R uses in forward and another before each in backward (2R per layer and step). Either
-    way a layer's gradient is reduce-scattered once per step (bench/fsdp_traffic.py measures both).
-    """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    if isinstance(model, FSDPModule):
-        return
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(reduce_dtype=torch.float32)}
-    classes = tuple(block_layer_classes())
-    reused = {id(m) for m in (*model.block, *model.coda)} if gather_once else set()
-    units = []
-    for module in model.modules():
-        if isinstance(module, classes):
-            keep = id(module) in reused
-            fully_shard(module, reshard_after_forward=reshard_after_forward and not keep, **kwargs)
-            if keep:
-                units.append(module)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
-    if units:
-        GatherOncePerStep(model, units)
-
-
-def _in_backward() -> bool:
-    """Inside an autograd backward (e.g. an activation-checkpoint recomputation): no new step starts there."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class GatherOncePerStep:
-    """One all-gather per loop-shared layer per training step (forward and backward together), whatever R.
-
-    FSDP2 treats each of a layer's R calls as its own use: it all-gathers before each call and frees
-    after it (`reshard_after_forward`), and all-gathers again before each call's backward and frees
-    after it (`reshard_after_backward`): 2R all-gathers per layer and step (bench/fsdp_traffic.py:
-    34 for a 2-layer block at R = 8 against 6 at R = 1). Its reduce-scatter is already once per step:
-    the R uses of a parameter feed one autograd accumulator, which fires once, with their sum, in the
-    backward of the first use, so the post-backward of the R − 1 later uses finds no gradient yet.
-
-    Here each such layer is sharded with `reshard_after_forward=False`, so its first call gathers it
-    and the R − 1 others find it gathered; at the root's forward it is told not to reshard after
-    backward, so the backward of its R − 1 later calls finds it gathered too; and a hook on the output
-    of its first call with a graph switches resharding back on before that call's backward — the last
-    of the layer's backward — which reduce-scatters the summed gradient and frees the layer.
-
-    A forward without a graph (evaluation) or in which no call had a graph (a frozen block) frees the
-    layers at the root's forward end: one all-gather per layer and forward there too. The memory price
-    is the block's gathered parameters held for the whole step instead of one layer at a time: N
-    layers, what DDP holds for the block (yet the measured peak resident memory was lower than under
-    the per-use schedule, 803 against 1,259 MB a rank at d 512, R = 8: bench/fsdp_traffic.py).
-    Another forward with a graph before the backward of the first frees the layers; FSDP2 then
-    gathers them again in backward where needed (correct, only more traffic).
-    """
-
-    def __init__(self, root: torch.nn.Module, units: list[torch.nn.Module]):
-        self.units = units
-        self.armed: set[int] = set()  # id of each unit whose last backward use carries the hook
-        no_trace = torch._dynamo.disable  # as FSDP2's own hooks: plain Python around compiled layers (compile_block)
-        root.register_forward_pre_hook(no_trace(self._root_pre_forward))
-        root.register_forward_hook(no_trace(self._root_post_forward))
-        for unit in units:
-            unit.register_forward_hook(no_trace(self._unit_post_forward))
-
-    def _root_pre_forward(self, root, args) -> None:
-        if _in_backward():
-            return
-        self.armed.clear()
-        for unit in self.units:
-            unit.reshard()  # a no-op unless a forward with a graph was never backpropagated
-            unit.set_reshard_after_backward(not torch.is_grad_enabled(), recurse=False)
-
-    def _unit_post_forward(self, unit, args, output) -> None:
-        if _in_backward() or not torch.is_grad_enabled() or id(unit) in self.armed:
-            return
-        out = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if out is None:
-            return
-        self.armed.add(id(unit))
-        out.register_hook(lambda grad, unit=unit: unit.set_reshard_after_backward(True, recurse=False))
-
-    def _root_post_forward(self, root, args, output) -> None:
-        if _in_backward():
-            return
-        for unit in self.units:
-            if id(unit) not in self.armed:  # no backward will run through it: free it now
-                unit.set_reshard_after_backward(True, recurse=False)
-                unit.reshard()
-
-
 def build_strategy(strategy: Any, fsdp_options: dict[str, Any] | None = None) -> Any:
     """`trainer.strategy` as the config gives it → what Lightning's Trainer takes.
 
@@ -318,9 +260,15 @@ def trainer_overrides(cfg) -> dict[str, Any]:
     precision, and looplab's FSDP2 strategy object for `trainer.strategy: fsdp`."""
     from omegaconf import OmegaConf
 
-    out: dict[str, Any] = {"precision": resolve_precision(cfg.trainer.get("precision", "32-true"), str(cfg.trainer.accelerator))}
+    accelerator = str(cfg.trainer.accelerator)
+    out: dict[str, Any] = {"precision": resolve_precision(cfg.trainer.get("precision", "32-true"), accelerator)}
     if cfg.trainer.get("strategy") == "fsdp":  # not Lightning's FSDP1 "fsdp"
-        out["strategy"] = build_strategy("fsdp", OmegaConf.to_container(cfg.hardware.get("fsdp") or {}, resolve=True))
+        options = OmegaConf.to_container(cfg.hardware.get("fsdp") or {}, resolve=True)
+        if options.get("param_dtype", "auto") == "auto":  # from the configured accelerator, as the precision is:
+            # a plan of a GPU run made on a CPU (looplab.plan) then builds what the GPU run builds
+            gpu = "cuda" if _accelerator(accelerator) in ("gpu", "cuda") else "cpu"
+            options["param_dtype"] = resolve_param_dtype("auto", out["precision"], gpu)
+        out["strategy"] = build_strategy("fsdp", options)
     return out
 
 
@@ -348,6 +296,11 @@ def resolve_precision(precision: Any, accelerator: str) -> str:
     """`trainer.precision: auto` → bf16-mixed on a GPU, 32-true on a CPU (bf16 matmuls crawl there)."""
     if precision != "auto":
         return str(precision)
+    return "bf16-mixed" if _accelerator(accelerator) in ("gpu", "cuda") else "32-true"
+
+
+def _accelerator(accelerator: str) -> str:
+    """`trainer.accelerator: auto` as Lightning resolves it here (a GPU where CUDA is available)."""
     if accelerator == "auto":
-        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    return "bf16-mixed" if accelerator in ("gpu", "cuda") else "32-true"
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return accelerator

@@ -49,6 +49,20 @@ def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return losses[targets.flatten() != IGNORE]
 
 
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """A logged training value's mean over the ranks, as one all-reduce queued on the device (NCCL: the host does
+    not wait for it). Lightning's `self.log(..., sync_dist=True)` reduces through `_sync_ddp`, which calls
+    `torch.distributed.barrier()` before its all-reduce: under NCCL a barrier blocks the host until the device has
+    run everything queued, at every micro-batch. One process: the value itself."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    value = value.detach().float().clone()
+    dist.all_reduce(value)  # a sum (gloo has no average)
+    return value / dist.get_world_size()
+
+
 class LoopedLMModule(L.LightningModule):
     def __init__(
         self,
@@ -56,15 +70,20 @@ class LoopedLMModule(L.LightningModule):
         optim: dict[str, Any],
         objective: dict[str, Any],
         dataset: dict[str, Any] | None = None,
-        checkpoint_loops: bool = False,
+        checkpoint_loops: bool = False,  # the older knob: True = activation_checkpointing="loop"
         compile_block: bool = False,
         depth: dict[str, Any] | None = None,
         loop_diagnostics: bool = True,
+        activation_checkpointing: bool | str | None = None,  # hardware.activation_checkpointing (models/checkpointing.py)
     ):
         super().__init__()
         self.save_hyperparameters()
         self.model = LoopedLM(LoopedLMConfig.from_dict(model_config))
-        self.model.checkpoint_loops = checkpoint_loops
+        try:
+            self.model.activation_checkpointing = "loop" if checkpoint_loops and activation_checkpointing is None \
+                else activation_checkpointing
+        except ValueError as e:
+            raise ConfigError(f"hardware.{e}") from None
         self.compile_block = compile_block
         self._configured = False
         # decided once on the plain model, so that sharding (or compiling) cannot change it
@@ -166,11 +185,15 @@ class LoopedLMModule(L.LightningModule):
         from looplab.training.distributed import shard_looped_model
 
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, ModelParallelStrategy):
+        # the deepest training forward (randomized depth draws up to depth.hi): gather_once where it exceeds 1
+        loops = max(self.depth.loops, self.depth.hi if self.depth.active else 1)
+        if hasattr(strategy, "shard_options"):  # LoopedFSDPStrategy: mesh (FSDP or HSDP), dtype policy, schedule
+            shard_looped_model(self.model, loops=loops,
+                               **strategy.shard_options(self.device_mesh, num_nodes=self._trainer.num_nodes))
+        elif isinstance(strategy, ModelParallelStrategy):  # Lightning's own: FSDP over its data-parallel dimension
             mesh = self.device_mesh
             mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
-            shard_looped_model(self.model, mesh, getattr(strategy, "mp_policy", None),
-                               getattr(strategy, "reshard_after_forward", True), getattr(strategy, "gather_once", True))
+            shard_looped_model(self.model, mesh, loops=loops)
         if self.compile_block:
             self.model.compile_block()  # each layer compiled once; the R loops reuse the compiled code
         self._configured = True
@@ -179,6 +202,20 @@ class LoopedLMModule(L.LightningModule):
         checkpoint["looplab"] = looplab_meta(self.model.config, self.dataset_cfg)
 
     # -------------------------------------------------------------- training
+    def on_train_start(self) -> None:
+        """A resume must continue at a step boundary of this run's micro-batching: Lightning restores its count of
+        micro-batches and steps the optimizer every k of them, while the loaders restart at the step's first
+        micro-batch (data/sampler.py MicroBatches). A checkpoint of other micro-batching would cut every later step
+        in the wrong place."""
+        trainer = self._trainer
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        k = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        done = loop.batch_progress.current.ready if loop is not None else 0
+        if k > 1 and done % k:
+            raise ConfigError(f"this run resumes after {done} micro-batches, not a multiple of its {k} micro-batches per "
+                              "optimizer step: the checkpoint was trained with other micro-batching (dataset.micro_batch, "
+                              "trainer.accumulate_grad_batches); resume with the checkpoint's")
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids, targets = batch["input_ids"], batch["targets"]
         stage = self.objective.get("exit_stage")
@@ -186,26 +223,48 @@ class LoopedLMModule(L.LightningModule):
         depth = dict(n_loops=self.depth.draw(self.global_step), backprop_loops=self.depth.backprop_loops)
         if self.depth.active:
             self.log("train/loops", float(depth["n_loops"]))
+        # each token's weight in the optimizer step's mean loss (no host sync; micro-batches weighted as one batch)
+        weights = self.token_weights(targets, batch)
         if self.objective.get("skip_train_prob", 0.0) > 0:
-            loss = self.exit_aware_loss(ids, targets, batch_idx)
+            loss = self.exit_aware_loss(ids, targets, batch_idx, weights)
         elif stage is None:
             if self.model.router is not None:
                 self.model.router.train_step = int(self.global_step)  # capacity warm-up (models/router.py)
-            out = self.model(ids, **depth)
-            loss = per_token_loss(out.logits, targets).mean() + self.routing_loss(out)
+            # targets: the model returns per-token losses, its head and cross-entropy run in chunks (models/loss.py)
+            out = self.model(ids, targets=targets, **depth)
+            loss = (out.token_loss * weights).sum() + self.routing_loss(out)
         else:
-            out = self.model(ids, return_all_loops=True, **depth)
-            mask = targets != IGNORE
-            loop_losses = torch.stack([per_token_loss(lg, targets) for lg in out.loop_logits])  # (R′ drawn, N)
+            out = self.model(ids, return_all_loops=True, targets=targets, **depth)
+            loop_losses = out.loop_token_loss.flatten(1)  # (R′ drawn, B·T), 0 at unsupervised tokens
+            w = weights.flatten()
             if stage == "stage1":
-                loss = stage1_loss(loop_losses, out.exit_probs[mask], self.objective["beta"],
-                                   self.objective.get("final_loop_weight", 0.0))
+                loss = stage1_loss(loop_losses, out.exit_probs.flatten(0, 1), self.objective["beta"],
+                                   self.objective.get("final_loop_weight", 0.0), weights=w)
             else:
-                loss = stage2_loss(loop_losses.detach(), out.exit_gate_logits[mask], self.objective["k"], self.objective["gamma"])
-            self.log("train/last_loop_loss", loop_losses[-1].mean().detach())
-        # the mean over ranks (a no-op on one process): the loss of the global batch, as one process logs it
-        self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=True)
+                loss = stage2_loss(loop_losses.detach(), out.exit_gate_logits.flatten(0, 1), self.objective["k"],
+                                   self.objective["gamma"], weights=w)
+            self.log("train/last_loop_loss", (loop_losses[-1] * w).sum().detach())
+        # the mean over ranks (a no-op on one process): the loss of the global batch, as one process logs it, reduced
+        # on the device (mean_over_ranks: Lightning's sync_dist=True puts a barrier, a host wait, before its
+        # all-reduce at every micro-batch). Not prog_bar=True: Lightning would read it (.item(), a host sync) at every
+        # step; the progress displays read it at the logging steps (training/callbacks.py LoggedLoss)
+        self.log("train/loss", mean_over_ranks(loss.detach()))
         return loss
+
+    def token_weights(self, targets: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, T) weight of each token's loss, so that the optimizer step's loss is the mean over every supervised
+        token of this rank's share of the global batch, whatever the micro-batching: 1/n at supervised tokens, 0
+        elsewhere, n counted on the device (a boolean-mask index would sync the host). Without accumulation n is
+        this batch's count. With k micro-batches (data/sampler.py MicroBatches) n is the whole step's count on this
+        rank (`step_targets`, counted by the loader), times k since Lightning divides each micro-batch's loss by k:
+        the k micro-batches' gradients then sum to the k = 1 gradient. Across ranks, as before, DDP/FSDP average
+        the ranks' means."""
+        mask = (targets != IGNORE).to(torch.float32)
+        step = batch.get("step_targets")
+        if step is None:
+            return mask / mask.sum().clamp_min(1.0)
+        k = int(self._trainer.accumulate_grad_batches) if self._trainer is not None else 1
+        return mask * (k / step[0].to(torch.float32).clamp_min(1.0))
 
     def routing_loss(self, out) -> torch.Tensor | float:
         """depth_router (docs/formulations.md#routed-depth): the router's weighted auxiliary losses, summed; each is logged, with the
@@ -214,39 +273,43 @@ class LoopedLMModule(L.LightningModule):
         if routing is None:
             return 0.0
         for name, value in routing.losses.items():
-            self.log(f"train/router_{name}", value.detach(), sync_dist=True)
+            self.log(f"train/router_{name}", mean_over_ranks(value.detach()))
         for r, frac in enumerate(routing.active_frac, start=1):
             self.log(f"train/router_active_loop{r}", frac)
-        self.log("train/router_mean_depth", routing.depth.float().mean(), sync_dist=True)
+        self.log("train/router_mean_depth", mean_over_ranks(routing.depth.float().mean()))
         return sum(routing.losses.values()) if routing.losses else 0.0
 
     def sample_exit_steps(self, ids: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         """(B, T) exit steps for exit-aware fine-tuning: with probability skip_train_prob a token exits at a
         loop drawn uniformly from 1..R−1, else it runs all R loops.
 
-        Drawn for the whole global batch from a generator seeded by (run seed, optimizer step, micro-batch
-        of the step), and this rank's contiguous shard of it kept (the layout of data/sampler.py), so that a
-        sample's exits depend neither on the number of ranks (2 FSDP/DDP processes train as one process does)
-        nor on a resume."""
+        Drawn for the optimizer step's whole global batch from a generator seeded by (run seed, optimizer step),
+        and this micro-batch's rows of it kept (the layout of data/sampler.py: rank r's contiguous shard, cut into
+        its k micro-batches in order), so that a sample's exits depend neither on the number of ranks (2 FSDP/DDP
+        processes train as one process does), nor on the micro-batching, nor on a resume."""
         trainer = self._trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        micro = batch_idx % trainer.accumulate_grad_batches if trainer is not None else 0
+        k = max(1, int(trainer.accumulate_grad_batches)) if trainer is not None else 1
+        micro = batch_idx % k
         B, T = ids.shape
-        rng = step_rng(self.depth.seed, self.global_step, micro, 0x5C1F)
-        early = rng.random((B * world, T))[rank * B:(rank + 1) * B] < self.objective["skip_train_prob"]
-        depth = rng.integers(1, max(self.R, 2), (B * world, T))[rank * B:(rank + 1) * B]
+        rng = step_rng(self.depth.seed, self.global_step, 0, 0x5C1F)
+        rows = slice((rank * k + micro) * B, (rank * k + micro + 1) * B)
+        early = rng.random((B * k * world, T))[rows] < self.objective["skip_train_prob"]
+        depth = rng.integers(1, max(self.R, 2), (B * k * world, T))[rows]
         steps = np.where(early & (self.R > 1), depth, self.R)
         return torch.from_numpy(steps).to(device=ids.device, dtype=torch.long)
 
-    def exit_aware_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
+    def exit_aware_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch_idx: int = 0,
+                        weights: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token loss of the reference exit forward (models/exit_compute.py) at sampled exits: the deeper
         loops learn to read what exited tokens leave under the handling decoding will use, and each token is
         scored at its exit, as skip_compute decoding reads it. It runs as a forward of the model (not of its
         parts), so FSDP2's root hooks gather the embedding, norms and head for it."""
         steps = self.sample_exit_steps(ids, batch_idx)
-        out = self.model(ids, exits=ExitPolicy(skip=self.objective["skip_handling"], steps=steps))
+        out = self.model(ids, exits=ExitPolicy(skip=self.objective["skip_handling"], steps=steps), targets=targets)
         self.log("train/exit_early_frac", (steps < self.R).float().mean())
-        return per_token_loss(out.logits, targets).mean()
+        weights = self.token_weights(targets, {}) if weights is None else weights
+        return (out.token_loss * weights).sum()
 
     # ------------------------------------------------------------ evaluation
     @property

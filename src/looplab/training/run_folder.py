@@ -63,6 +63,7 @@ EXEMPT: dict[str, str] = {
     "trainer.enable_model_summary": "display",
     "trainer.log_every_n_steps": "display and logging frequency",
     "hardware.num_threads": "CPU threads: speed, not the result",
+    "hardware.activation_checkpointing": "recomputation for memory: the same gradients (docs/training.md)",
     "hydra": "Hydra's own settings (not task overrides; listed for safety)",
 }
 

@@ -20,8 +20,11 @@ log = logging.getLogger("looplab")
 # torch.compile of the looped block, measured here (2 CPU cores, fp32; docs/performance.md#training-step): per training
 # step at d_model 512, llama 4x4 +1-14% and Mamba-2 +17-33% (element-wise passes fused into
 # each layer's one graph); no gain at d_model 64 (tiny tasks: 24.8k vs 25.0k tokens/s), where
-# it only adds compile time.
+# it only adds compile time. On a GPU the eager step is launch-bound (a dozen element-wise kernels per layer and
+# loop, each a launch) and inductor fuses them into a few Triton kernels per layer: compile=auto compiles there at
+# every width (docs/training.md#compile).
 COMPILE_AUTO_MIN_D_MODEL = 512
+GPU_ACCELERATORS = ("cuda", "gpu")
 
 
 def auto_accelerator() -> str:
@@ -39,9 +42,9 @@ def auto_accelerator() -> str:
 
 
 def resolve_compile(value: Any, d_model: int, accelerator: str) -> tuple[bool, str]:
-    """`compile: auto|true|false` → (compile?, why). auto = on where it was measured to win:
-    CPU training at d_model ≥ COMPILE_AUTO_MIN_D_MODEL with a C++ compiler for inductor.
-    GPUs get it only when asked (compile=true): it has not been measured on one here.
+    """`compile: auto|true|false` → (compile?, why). auto = on for GPU training (accelerator gpu or cuda; inductor
+    generates Triton kernels, no C++ compiler needed), and on the CPU where it was measured to win: d_model ≥
+    COMPILE_AUTO_MIN_D_MODEL with a C++ compiler for inductor. Other accelerators (mps, tpu) train eagerly.
     accelerator=auto is first resolved to the device Lightning will pick."""
     import shutil
 
@@ -57,6 +60,8 @@ def resolve_compile(value: Any, d_model: int, accelerator: str) -> tuple[bool, s
     if accelerator == "auto":
         accelerator = auto_accelerator()
         where = f"auto ({accelerator} on this machine)"
+    if accelerator in GPU_ACCELERATORS:
+        return True, f"compile=auto: on (accelerator={where}: GPU training compiles each layer once)"
     if accelerator not in ("cpu",):
         return False, f"compile=auto: off on accelerator={where} (not measured there; set compile=true)"
     if d_model < COMPILE_AUTO_MIN_D_MODEL:
