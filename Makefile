@@ -11,12 +11,13 @@ export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
 .DEFAULT_GOAL := help
 TABLES := 1 2 3 4 5 6 7 8 9 10 11 12 13 14
 .PHONY: help install demo test test-fast test-vllm test-transformers bench-vllm gpu-install gpu-check sync-wandb clean tables \
-        $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES)))
+        $(addprefix table,$(TABLES)) $(addsuffix -report,$(addprefix table,$(TABLES))) $(addsuffix -plan,$(addprefix table,$(TABLES)))
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 	@echo "  tableN / tableN-report: run / only aggregate paper table N (1-14); SCALE=tiny (default, CPU) or SCALE=paper; JOBS=N: tiny sweeps run N jobs at once (default: the cores, at most 4)"
 	@echo "  tableN SEEDS=auto [MAX_SEEDS=K BUDGET_MIN=M]: seeds added in rounds until every finding is decided (sequential intervals)"
+	@echo "  tableN-plan SCALE=paper [GPU=h100 NODES=1 DEVICES=8]: plan every run of table N (python -m looplab.plan): fits or not, est. tokens/s"
 
 # torch first, from the pinned CPU wheel; then everything else under a constraint that keeps it
 $(STAMP): pyproject.toml constraints.txt
@@ -69,6 +70,11 @@ $(addprefix table,$(TABLES)): table%: $(STAMP)
 
 $(addsuffix -report,$(addprefix table,$(TABLES))): table%-report: $(STAMP)
 	$(PY) -m looplab.tables report $* --scale $(SCALE)
+
+# tableN-plan: python -m looplab.plan for every run of table N (SCALE=paper; GPU=h100|h200|a100, NODES, DEVICES):
+# peak memory per GPU, fits or not, estimated tokens/s and MFU, before any node is booked (docs/scale.md)
+$(addsuffix -plan,$(addprefix table,$(TABLES))): table%-plan: $(STAMP)
+	$(PY) -m looplab.tables plan $* --scale $(SCALE)$(if $(GPU), --gpu $(GPU))$(if $(NODES), --nodes $(NODES))$(if $(DEVICES), --devices $(DEVICES))
 
 tables: $(addprefix table,$(TABLES)) ## run every table at SCALE (tiny: CPU hours; see README)
 

@@ -49,7 +49,7 @@ def make_targets() -> set[str]:
     text = (ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, re.M))
     tables = re.search(r"^TABLES\s*:=\s*(.*)$", text, re.M).group(1).split()
-    return targets | {f"table{n}" for n in tables} | {f"table{n}-report" for n in tables}
+    return targets | {f"table{n}{suffix}" for n in tables for suffix in ("", "-report", "-plan")}
 
 
 def test_readme_is_an_entry_point():

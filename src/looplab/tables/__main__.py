@@ -15,6 +15,8 @@
   list                        the tables and their experiments at both scales
   isoflop (--target-flops F | --like NxR) [--backbone llama_410m] [--state-mode vanilla] [--seq-len T] [--tolerance 0.01]
   zeroshot N [--scale paper] [--tasks a,b] [--limit K]   zero-shot suite on every trained checkpoint of table N
+  plan N [--scale paper] [--gpu h100|h200|a100] [--nodes 1] [--devices 8] [--hardware ...] [--extra KEY=VALUE ...]
+        [--no-propose] [--out FILE.json]   python -m looplab.plan for every run of table N: fits or not, before booking
 """
 
 from __future__ import annotations
@@ -100,7 +102,26 @@ def main(argv: list[str] | None = None) -> int:
     zs.add_argument("--device", default=None)
     zs.add_argument("--overwrite", action="store_true")
 
+    pl = sub.add_parser("plan", help="python -m looplab.plan for every run of the table (docs/scale.md)")
+    pl.add_argument("number", type=int)
+    pl.add_argument("--scale", default=default_scale, choices=spec.SCALES)
+    pl.add_argument("--gpu", default="h100", help="h100, h200 or a100 (looplab/plan/gpus.py)")
+    pl.add_argument("--nodes", type=int, default=None, help="trainer.num_nodes (default: the run's own)")
+    pl.add_argument("--devices", type=int, default=None, help="trainer.devices, GPUs per node (default: 8 at paper scale, "
+                    "else the run's own)")
+    pl.add_argument("--hardware", default=None, help="as for run (default: the experiment's own)")
+    pl.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides appended to every run")
+    pl.add_argument("--no-propose", action="store_true", help="skip the micro-batch / activation-checkpointing search")
+    pl.add_argument("--out", type=Path, default=None, help="write every run's plan as JSON")
+
     a = p.parse_args(argv)
+    if a.cmd == "plan":
+        from looplab.plan.table import plan_table
+
+        devices = a.devices if a.devices is not None else (8 if a.scale == "paper" else None)
+        planned = plan_table(a.number, a.scale, gpu=a.gpu, nodes=a.nodes, devices=devices, hardware=a.hardware,
+                             extra=a.extra, propose=not a.no_propose, out=a.out)
+        return 0 if all("error" not in p for p in planned) else 1
     if a.cmd == "run" and a.seeds == "auto":
         from looplab.tables import sequential
 
