@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from test_distributed import _free_port
+from looplab.bench.fsdp_traffic import count_collectives as bench_count_collectives
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # the one-process references: tiny
 PROCS, WORLD, B, T, V, N = 4, 2, 8, 8, 30, 2  # even sizes: no shard padding, so bytes are the parameters' own
@@ -67,35 +68,10 @@ def loss_of(model, ids):
 
 
 # ------------------------------------------------------------------------------------------- counting
-_COUNTED = {"all_gather_single": ("all_gather", "output_tensor", 0), "reduce_scatter_single": ("reduce_scatter", "input", 1),
-            "all_reduce": ("all_reduce", "tensor", 0)}
-
-
-@contextlib.contextmanager
 def count_collectives():
-    """→ Counter of (kind, group size) → calls and (kind, group size, "bytes") → bytes, for FSDP2's collectives
-    (torch 2.13 _fsdp_collectives.py calls these three through the `dist` module)."""
-    counts: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in _COUNTED}
-
-    def wrap(name, fn):
-        kind, key, pos = _COUNTED[name]
-
-        def counted(*args, **kwargs):
-            t = kwargs.get(key, args[pos] if len(args) > pos else None)
-            size = dist.get_world_size(kwargs.get("group"))
-            counts[kind, size] += 1
-            counts[kind, size, "bytes"] += t.numel() * t.element_size()
-            return fn(*args, **kwargs)
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    """(kind, group size) → calls and (kind, group size, "bytes") → bytes of FSDP2's collectives: the bench's counter
+    (bench/fsdp_traffic.py), by group size."""
+    return bench_count_collectives(by_group_size=True)
 
 
 def totals(counts: Counter) -> dict[str, int]:

@@ -62,16 +62,29 @@ def _nbytes(name: str, args, kwargs) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def _kind(name: str) -> str:
+    """all_gather_single, all_gather_into_tensor, ... → all_gather; reduce_scatter_* → reduce_scatter; else the name."""
+    return "all_gather" if name.startswith("all_gather") else "reduce_scatter" if name.startswith("reduce_scatter") \
+        else name
+
+
 @contextlib.contextmanager
-def count_collectives():
-    """→ a Counter of `NAME` (calls) and `NAME_bytes` for every torch.distributed collective made inside."""
+def count_collectives(by_group_size: bool = False):
+    """→ a Counter of `NAME` (calls) and `NAME_bytes` for every torch.distributed collective made inside; with
+    by_group_size, of (kind, group size) → calls and (kind, group size, "bytes") → bytes instead (which collectives
+    stay within a node under HSDP: tests/test_fsdp_traffic.py)."""
     counts: Counter = Counter()
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
-            counts[name] += 1
-            counts[name + "_bytes"] += _nbytes(name, args, kwargs)
+            if by_group_size:
+                key = (_kind(name), dist.get_world_size(kwargs.get("group")))
+                counts[key] += 1
+                counts[(*key, "bytes")] += _nbytes(name, args, kwargs)
+            else:
+                counts[name] += 1
+                counts[name + "_bytes"] += _nbytes(name, args, kwargs)
             return fn(*args, **kwargs)
         return counted
 
@@ -88,9 +101,7 @@ def summarize(counts: Counter) -> dict[str, int]:
     """Counter → {all_gather, all_gather_bytes, reduce_scatter, reduce_scatter_bytes, all_reduce, all_reduce_bytes, ...}."""
     out: Counter = Counter()
     for name, v in counts.items():
-        kind = "all_gather" if name.startswith("all_gather") else "reduce_scatter" if name.startswith("reduce_scatter") \
-            else name.removesuffix("_bytes")
-        out[kind + ("_bytes" if name.endswith("_bytes") else "")] += v
+        out[_kind(name.removesuffix("_bytes")) + ("_bytes" if name.endswith("_bytes") else "")] += v
     return dict(out)
 
 
