@@ -129,3 +129,24 @@ def test_a_branch_draws_from_its_own_name():
     assert all(torch.equal(p1, p2) for p1, p2 in zip(m1.parameters(), m2.parameters()))
     assert named_seed(1, "block.0.attn.qkv_proj.weight") != named_seed(1, "block.0.attn.out_proj.weight")
     assert named_seed(1, "embed.weight") == named_seed(1, "embed.weight") < 2**63
+
+
+@pytest.mark.parametrize("experiment", ["stateloop_depth_tiny", "phop_tiny"])
+def test_seeds_vary_the_data_too(experiment):
+    """dataset.seed follows the run seed (docs/tables.md#seeds): two seeds see different batches (and, on a synthetic
+    task, a different test set), so a table's interval generalises over data as well as initial weights."""
+    from looplab.train import build_run
+
+    cfgs = {s: compose([f"+experiment={experiment}", f"seed={s}", "logger=none"]) for s in (1, 2)}
+    assert [cfgs[s].dataset.seed for s in (1, 2)] == [1, 2]
+    first = {s: _first_batches(build_run(cfgs[s]).dm, 1)[0] for s in (1, 2)}
+    key = next(iter(first[1]))
+    assert not torch.equal(first[1][key], first[2][key]), "seeds 1 and 2 drew the same first batch"
+    if experiment == "phop_tiny":
+        runs = {s: build_run(cfgs[s]).dm for s in (1, 2)}
+        tests = []
+        for dm in runs.values():
+            dm.setup("test")
+            tests.append(next(iter(dm.test_dataloader())))
+        k = next(iter(tests[0]))
+        assert not torch.equal(tests[0][k], tests[1][k]), "seeds 1 and 2 scored the same test set"
