@@ -78,7 +78,8 @@ def test_table8_tiny_stage1_keeps_the_last_loop_loss():
     """The tiny exit-gate experiments train stage 1 with final_loop_weight 1 (the measured recipe);
     the group default stays Ouro's objective."""
     assert objective_from_cfg(compose(["exit_gate=ouro"]))["final_loop_weight"] == 0.0
-    for name in ("exit_gate_mamba_tiny", "exit_gate_llama_tiny", "exit_gate_stateloop_tiny"):
+    for name in ("exit_gate_mamba_tiny", "exit_gate_llama_tiny", "exit_gate_stateloop_tiny",
+                 "exit_gate_mamba_mixed_tiny", "exit_gate_llama_mixed_tiny", "exit_gate_stateloop_mixed_tiny"):
         assert objective_from_cfg(compose([f"+experiment={name}"]))["final_loop_weight"] == 1.0
 
 

@@ -3,13 +3,17 @@
 Low in the house on purpose: `bench/`, `eval/` and `tables/` all import from here and never from
 each other for statistics.
 
-* Intervals: Student-t over seeds (or repeated timings), Wilson over the test examples of one run.
+* Intervals: Student-t over seeds (or repeated timings), Wilson over the test examples of one run, and the
+  paired seed × item interval of two arms scored on the same items (`paired_item_interval`: zero-shot).
 * Verdicts on a paired difference A − B with its 95% interval [lo, hi] (`judge`):
   - `sign`     — the paper reports the sign of A − B: reproduced when the interval excludes 0 on
                  the paper's side, contradicted on the other, inconclusive when it straddles 0;
                  `size` (the paper's value), when given, is reported as inside / outside the interval.
                  With a smallest effect of interest δ (`delta`, the sequential rule only) an interval
                  that straddles 0 but lies inside (−δ, +δ) is **negligible** (equivalence, TOST).
+                 With the paper's effect carried to this setting's units (`claimed`, the scaling δ uses)
+                 an interval that straddles 0 but excludes the claimed effect on 0's side is
+                 **smaller than claimed** (one-sided: the effect, if any, is smaller than the paper's).
   - `at_most`  — "A adds at most X": reproduced when hi ≤ X, contradicted when lo > X.
   - `near`     — "A − B is about X" within a stated tolerance δ (an equivalence claim):
                  reproduced when the interval lies inside [X − δ, X + δ], contradicted when it lies
@@ -29,12 +33,14 @@ import bisect
 import functools
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LEVEL = 0.95  # every interval in the tables
 ALPHA = 1 - LEVEL
-VERDICTS = ("reproduced", "contradicted", "negligible", "inconclusive", "not tested")
-DECISIVE = ("reproduced", "contradicted", "negligible")  # the verdicts that decide a claim
+VERDICTS = ("reproduced", "contradicted", "negligible", "smaller than claimed", "inconclusive", "not tested",
+            "by construction")
+DECISIVE = ("reproduced", "contradicted", "negligible", "smaller than claimed")  # the verdicts that decide a claim
+BY_CONSTRUCTION = "by construction"  # an accounting identity (e.g. KV-cache bytes): computed, not measured; never judged
 KINDS = ("sign", "at_most", "near")
 
 # Two-sided 95% quantiles of Student's t (df 1..30, then 40, 60, 120) for machines without scipy;
@@ -116,6 +122,89 @@ def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float]
     return centre - half, centre + half
 
 
+@dataclass(frozen=True)
+class PairedItemInterval:
+    """`paired_item_interval`'s result: mean ± √(h_seeds² + h_items²). disagree: the share of (seed, item) cells
+    where the two arms' outcomes differ."""
+
+    mean: float
+    h_seeds: float
+    h_items: float
+    n_seeds: int
+    n_items: int
+    disagree: float
+
+    @property
+    def half(self) -> float:
+        return math.hypot(self.h_seeds, self.h_items)
+
+    @property
+    def lo(self) -> float:
+        return self.mean - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.mean + self.half
+
+
+def paired_item_interval(a: list[list[float]], b: list[list[float]] | None = None, groups: list | None = None,
+                         critical: float | None = None, level: float = LEVEL) -> PairedItemInterval | None:
+    """Interval of the mean difference of two arms scored on the same items, over seeds and over items.
+
+    a[s][i], b[s][i]: the arms' outcomes (0/1) on item i with seed s (b None: a holds the differences d = a − b, e.g.
+    a contrast of four arms). groups[i]: item i's task; the mean weighs every task equally and the items of a task
+    equally (the zero-shot average: accuracy per task, then the mean over tasks); None: one task.
+
+    Model (two-way crossed random effects, per task g, no replication): d[s][i] = μ_g + α_s + β_i + γ_si, seed
+    effects α (var σ_α²), item effects β (σ_β,g², the items a suite happened to draw), seed × item noise γ (σ_γ,g²).
+    The grand mean D̄ = mean_g mean_s mean_{i∈g} d has Var = σ_α²/S + Σ_g σ_β,g²/(k² n_g) + Σ_g σ_γ,g²/(k² n_g S).
+      seed part  V_s = var_s(D_s)/S, D_s each seed's weighted mean: unbiased for the 1st and 3rd terms (the
+                 ordinary paired t over seeds, which holds the items fixed).
+      item part  V_i = Σ_g max(0, var_{i∈g}(d̄_i) − MS_res,g/S)/(k² n_g), d̄_i = mean_s d[s][i], MS_res,g the
+                 two-way residual mean square: (MS_items − MS_res)/S per task is the ANOVA (moment) estimator of
+                 σ_β,g², i.e. the 2nd term only. var(d̄_i)/n alone would also hold σ_γ²/(nS), which V_s already
+                 counts (double counting: up to 2× the variance when the arms' disagreements are seed noise); the
+                 truncation at 0 errs wide.
+    Half-width √((c·√V_s)² + (z·√V_i)²): c = `critical` (a sequential look's critical t; default t_{S−1}) on the
+    seed part, the normal quantile z at `level` on the item part (many items), as the tables add the examples'
+    noise. None with fewer than 2 seeds, ragged rows or a task of fewer than 2 items."""
+    S = len(a)
+    if S < 2:
+        return None
+    d = [list(r) for r in a] if b is None else [[x - y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
+    n = len(d[0])
+    if n == 0 or any(len(r) != n for r in d) or (b is not None and (len(b) != S or any(len(r) != n for r in b))):
+        return None
+    groups = list(groups) if groups is not None else [0] * n
+    if len(groups) != n:
+        return None
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    k = len(members)
+    per_seed = [0.0] * S
+    v_items = 0.0
+    for idx in members.values():
+        m = len(idx)
+        if m < 2:
+            return None
+        item_mean = [math.fsum(d[s][i] for s in range(S)) / S for i in idx]
+        seed_mean = [math.fsum(d[s][i] for i in idx) / m for s in range(S)]
+        grand = math.fsum(seed_mean) / S
+        var_items = math.fsum((x - grand) ** 2 for x in item_mean) / (m - 1)
+        ms_res = math.fsum((d[s][i] - item_mean[j] - seed_mean[s] + grand) ** 2
+                           for s in range(S) for j, i in enumerate(idx)) / ((S - 1) * (m - 1))
+        v_items += max(0.0, var_items - ms_res / S) / m
+        for s in range(S):
+            per_seed[s] += seed_mean[s] / k
+    v_items /= k * k
+    mean = math.fsum(per_seed) / S
+    v_seeds = math.fsum((x - mean) ** 2 for x in per_seed) / (S - 1) / S
+    c = t_quantile(S - 1, level) if critical is None else critical
+    disagree = sum(x != 0 for r in d for x in r) / (S * n)
+    return PairedItemInterval(mean, c * math.sqrt(v_seeds), z_quantile(level) * math.sqrt(v_items), S, n, disagree)
+
+
 @dataclass
 class Stat:
     """Values over seeds (or repeated timings): mean with a 95% t-interval (none with one value).
@@ -168,13 +257,16 @@ class Rule:
 
     sign: the sign of A − B the paper reports (+1 / −1); size: the paper's value X of A − B (sign: only
     reported, at_most: the bound, near: the centre); tolerance: δ of a `near` claim; delta: a sign claim's
-    smallest effect of interest δ — an interval inside (−δ, +δ) that does not exclude 0 is negligible."""
+    smallest effect of interest δ — an interval inside (−δ, +δ) that does not exclude 0 is negligible; claimed:
+    a sign claim's effect in this setting's units (the paper's size carried by the scaling δ uses) — an interval
+    that does not exclude 0 but lies wholly on 0's side of it is smaller than claimed."""
 
     kind: str = "sign"
     sign: int = 1
     size: float | None = None
     tolerance: float | None = None
     delta: float | None = None
+    claimed: float | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -187,6 +279,16 @@ class Rule:
             raise ValueError(f"a near rule needs a positive tolerance, got {self.tolerance!r}")
         if self.delta is not None and (self.kind != "sign" or not self.delta > 0):
             raise ValueError(f"delta={self.delta!r}: a smallest effect of interest belongs to a sign rule and is > 0")
+        if self.claimed is not None and (self.kind != "sign" or not self.claimed * self.sign > 0):
+            raise ValueError(f"claimed={self.claimed!r}: a claimed effect belongs to a sign rule and has the claim's sign "
+                             f"({self.sign:+d})")
+
+
+def smaller_than_claimed(rule: Rule, lo: float, hi: float) -> bool:
+    """The interval lies wholly on 0's side of the claimed effect (one-sided: it excludes the claim towards 0)."""
+    if rule.claimed is None:
+        return False
+    return lo > rule.claimed if rule.claimed < 0 else hi < rule.claimed
 
 
 def judge(rule: Rule, lo: float | None, hi: float | None) -> str:
@@ -198,6 +300,8 @@ def judge(rule: Rule, lo: float | None, hi: float | None) -> str:
             return "reproduced" if (1 if lo > 0 else -1) == rule.sign else "contradicted"
         if rule.delta is not None and -rule.delta < lo and hi < rule.delta:
             return "negligible"
+        if smaller_than_claimed(rule, lo, hi):
+            return "smaller than claimed"
         return "inconclusive"
     if rule.kind == "at_most":
         if hi <= rule.size:
@@ -232,9 +336,13 @@ def decisive_p(rule: Rule, mean: float | None, half: float | None, df: int | Non
 
     if rule.kind == "sign":
         p = two_sided(0.0)
-        if rule.delta is None or judge(rule, mean - half, mean + half) in ("reproduced", "contradicted"):
+        if judge(rule, mean - half, mean + half) in ("reproduced", "contradicted"):
             return p
-        return min(p, equivalence(-rule.delta, rule.delta))
+        if rule.delta is not None:
+            p = min(p, equivalence(-rule.delta, rule.delta))
+        if rule.claimed is not None and (mean > rule.claimed if rule.claimed < 0 else mean < rule.claimed):
+            p = min(p, two_sided(rule.claimed))  # the interval's far end against the claim: p < 0.05 iff it excludes it
+        return p
     if rule.kind == "at_most":
         return two_sided(rule.size)
     band_lo, band_hi = rule.size - rule.tolerance, rule.size + rule.tolerance
@@ -253,6 +361,19 @@ def holm(pvalues: list[float | None]) -> list[float | None]:
     return out
 
 
+def benjamini_hochberg(pvalues: list[float | None]) -> list[float | None]:
+    """Benjamini–Hochberg adjusted p-values (q-values; None stays None and does not count): a line with q < α is a
+    discovery at false-discovery rate α over the family — a weaker promise than Holm's (family-wise error), reported
+    beside it."""
+    idx = sorted((i for i, p in enumerate(pvalues) if p is not None), key=lambda i: pvalues[i])
+    m, out, running = len(idx), [None] * len(pvalues), 1.0
+    for rank in range(m - 1, -1, -1):
+        i = idx[rank]
+        running = min(running, min(1.0, m * pvalues[i] / (rank + 1)))
+        out[i] = running
+    return out
+
+
 def adjusted_verdict(plain: str, p_adjusted: float | None, alpha: float = ALPHA) -> str:
     """The plain verdict kept when its adjusted p-value still decides, else inconclusive."""
     if plain in DECISIVE:
@@ -264,6 +385,7 @@ def adjusted_verdict(plain: str, p_adjusted: float | None, alpha: float = ALPHA)
 SEQUENTIAL_FIRST_LOOK = 3  # the first look that judges: 3 paired seeds, as the fixed-seed tables
 SEQUENTIAL_SIMULATIONS = 200_000  # paths of the calibration (Monte-Carlo error of the error rate ≈ ±0.0005 at α = 0.05)
 SEQUENTIAL_SEED = 49  # the calibration's random stream (numpy's legacy RandomState: the same numbers in every version)
+SEQUENTIAL_MIN_ALPHA_LEFT = 0.001  # a restart needs at least this much α left (200 of the calibration's paths)
 
 
 @functools.lru_cache(maxsize=8)
@@ -286,6 +408,24 @@ def _min_p_sample(cap: int, first_look: int, simulations: int, seed: int):
     return low
 
 
+@functools.lru_cache(maxsize=16)
+def _min_p_at_looks(cap: int, looks: tuple[int, ...], simulations: int, seed: int):
+    """Smallest two-sided t-test p-value over the looks `looks` (each n in 2..cap) of each of the same null paths
+    `_min_p_sample(cap, …, simulations, seed)` draws, in path order (1 for a path of no look): the α a design has
+    spent at the looks it actually made is the share of these below its α′."""
+    import numpy as np
+    from scipy import special
+
+    z = np.random.RandomState(seed).standard_normal((simulations, cap))
+    s1, s2 = np.cumsum(z, axis=1), np.cumsum(z * z, axis=1)
+    low = np.ones(simulations)
+    for n in sorted(set(looks)):
+        m = s1[:, n - 1] / n
+        var = np.maximum((s2[:, n - 1] - n * m * m) / (n - 1), 1e-300)
+        low = np.minimum(low, 2 * special.stdtr(n - 1, -np.abs(m) * np.sqrt(n / var)))
+    return low
+
+
 @dataclass(frozen=True)
 class SequentialDesign:
     """Repeated confidence intervals for seeds added in rounds (a group-sequential design, Pocock's boundary).
@@ -300,7 +440,14 @@ class SequentialDesign:
 
     `repeated_p` maps a look's nominal p-value to the design's error scale (the repeated p-value: the smallest
     α at which this design would decide at that look), so that p < α exactly when the look's interval
-    decides, and Holm can adjust it with the rest of the table."""
+    decides, and Holm can adjust it with the rest of the table.
+
+    α-spending across restarts: a design that looked at some n and is replaced by a larger one on the same runs
+    has spent `alpha_spent(looks)` (the share of its null paths whose smallest nominal p over the looks it made is
+    below α′); `restarted(cap, looks)` gives the new design `alpha` = what is left, `spent` = what earlier designs
+    spent and `history` = their dicts (cap, looks, α spent), so that all of them together err with probability at
+    most spent + alpha = the overall α (union bound). Its repeated p-values are scaled by overall / alpha (a
+    weighted Bonferroni), so that p < the overall α exactly when its interval decides."""
 
     cap: int
     alpha: float = ALPHA
@@ -308,6 +455,8 @@ class SequentialDesign:
     simulations: int = SEQUENTIAL_SIMULATIONS
     seed: int = SEQUENTIAL_SEED
     method: str = "pocock-rci"
+    spent: float = 0.0  # α spent at their looks by earlier designs on the same runs; alpha is what they left
+    history: tuple = field(default=(), hash=False)  # those designs' dicts, each with its "looks" and "alpha_spent"
 
     def __post_init__(self):
         if self.first_look < 2 or self.cap < self.first_look:
@@ -315,6 +464,8 @@ class SequentialDesign:
                              f"cap={self.cap}: raise --max-seeds to at least {max(self.first_look, 2)}")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha={self.alpha!r} must lie in (0, 1)")
+        if not 0 <= self.spent < 1 - self.alpha:
+            raise ValueError(f"spent={self.spent!r}: the α earlier designs spent must lie in [0, 1 − alpha)")
 
     def _sample(self):
         return _min_p_sample(self.cap, self.first_look, self.simulations, self.seed)
@@ -354,18 +505,59 @@ class SequentialDesign:
         if p_nominal is None:
             return None
         sample = self._sample()
-        return bisect.bisect_right(sample, p_nominal) / len(sample)
+        share = bisect.bisect_right(sample, p_nominal) / len(sample)
+        if not self.spent:
+            return share
+        overall, p = self.overall, min(1.0, share * self.overall / self.alpha)  # weighted Bonferroni across designs
+        return max(p, overall) if share >= self.alpha else min(p, math.nextafter(overall, 0.0))  # p < overall iff decided
+
+    # ------------------------------------------------------------------ α-spending across restarts
+    @property
+    def overall(self) -> float:
+        """The α of every design on these runs together: this one's plus what the earlier ones spent (union bound)."""
+        return round(self.alpha + self.spent, 12)
+
+    def looks_within(self, looks) -> tuple[int, ...]:
+        """The looks (numbers of paired seeds) this design judges at: those in first_look..cap, sorted, once each."""
+        return tuple(sorted({int(n) for n in looks if self.first_look <= int(n) <= self.cap}))
+
+    def alpha_spent(self, looks) -> float:
+        """The α this design has spent at the looks it actually made (e.g. n = 3, 5, 7, 9): the share of its simulated
+        null paths (the calibration's own, the same RandomState) whose smallest nominal p over those looks is below
+        α′ — at most alpha, and below it when some n = first_look..cap was not looked at."""
+        made = self.looks_within(looks)
+        if not made:
+            return 0.0
+        low = _min_p_at_looks(self.cap, made, self.simulations, self.seed)
+        return int((low < self.nominal).sum()) / self.simulations
+
+    def restarted(self, cap: int, looks, **note) -> "SequentialDesign":
+        """A new design capped at `cap` for the same runs after this one looked at `looks`: calibrated at the α left
+        (alpha − alpha_spent(looks)), its history this design's dict with the looks, the α spent and `note`."""
+        spent = self.alpha_spent(looks)
+        left = self.alpha - spent
+        if left < SEQUENTIAL_MIN_ALPHA_LEFT:
+            raise ValueError(f"the designs on these runs have spent α = {self.spent + spent:.4f} of {self.overall:.2f}; "
+                             f"the {left:.4f} left is too little for a new design")
+        entry = {**self.as_dict(), "looks": list(self.looks_within(looks)), "alpha_spent": spent, **note}
+        entry.pop("history", None)
+        return SequentialDesign(cap, alpha=left, first_look=self.first_look, simulations=self.simulations, seed=self.seed,
+                                method=self.method, spent=self.spent + spent, history=(*self.history, entry))
 
     def as_dict(self) -> dict:
-        return {"method": self.method, "alpha": self.alpha, "cap": self.cap, "first_look": self.first_look,
-                "simulations": self.simulations, "seed": self.seed, "nominal_alpha": self.nominal}
+        d = {"method": self.method, "alpha": self.alpha, "cap": self.cap, "first_look": self.first_look,
+             "simulations": self.simulations, "seed": self.seed, "nominal_alpha": self.nominal}
+        if self.spent or self.history:  # a restarted design (a first design's dict is as before)
+            d.update(spent_alpha=self.spent, overall_alpha=self.overall, history=[dict(h) for h in self.history])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SequentialDesign":
         if d.get("method", "pocock-rci") != "pocock-rci":
             raise ValueError(f"unknown sequential design {d.get('method')!r}")
         return cls(cap=int(d["cap"]), alpha=float(d.get("alpha", ALPHA)), first_look=int(d.get("first_look", SEQUENTIAL_FIRST_LOOK)),
-                   simulations=int(d.get("simulations", SEQUENTIAL_SIMULATIONS)), seed=int(d.get("seed", SEQUENTIAL_SEED)))
+                   simulations=int(d.get("simulations", SEQUENTIAL_SIMULATIONS)), seed=int(d.get("seed", SEQUENTIAL_SEED)),
+                   spent=float(d.get("spent_alpha", 0.0)), history=tuple(dict(h) for h in d.get("history") or ()))
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:

@@ -83,6 +83,8 @@ def build_run(cfg: DictConfig, dm: Any = None) -> RunParts:
                 dataset_meta[f"_{attr}"] = getattr(dm, attr)
             except Exception:  # a property that needs setup() first
                 pass
+    if getattr(dm, "hop_counts", None):  # mixed-hop p-hop: the module scores each hop count (acc_by_hops)
+        dataset_meta["_hop_counts"] = list(dm.hop_counts)
     module = LoopedLMModule(
         model_config=model_cfg.to_dict(),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
@@ -395,6 +397,11 @@ def evaluate_depths(trainer, module, dm, depths: list[int]) -> dict[str, dict[st
     return out
 
 
+def _finite(v: float | None) -> float | None:
+    """None for a metric that was never measured (NaN: no answer of that kind), so results.json stays JSON."""
+    return None if v is None or v != v else v
+
+
 def _series(metrics: dict[str, float], prefix: str, R: int) -> list[float | None]:
     return [metrics.get(f"{prefix}{r}") for r in range(1, R + 1)]
 
@@ -443,9 +450,19 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
     }
     if depth_metrics:  # test-time depths R′ (loop_depth.eval_loops), keyed by R′
         per_depth["eval_loops"] = depth_metrics
+    hop_counts = getattr(module, "hop_counts", None) or []
+
+    def by_hops(name: str) -> dict[str, float | None]:  # mixed-hop p-hop: {hop count: metric over its answers}
+        return {str(h): _finite(final.get(f"{split}/{name}_hops{h}")) for h in hop_counts}
+
+    if hop_counts:
+        per_depth["acc_by_hops"] = {str(h): [_finite(final.get(f"{split}/acc_loop{r}_hops{h}")) for r in range(1, R + 1)]
+                                    for h in hop_counts}
     exit_stats = {}
     for q in module.thresholds:
         exit_stats[str(q)] = {k: final.get(f"{split}/exit_q{q}_{k}") for k in ("acc", "loss", "mean_step", "answer_step")}
+        if hop_counts:
+            exit_stats[str(q)].update(acc_by_hops=by_hops(f"exit_q{q}_acc"), answer_step_by_hops=by_hops(f"exit_q{q}_answer_step"))
     state_diag = {}
     for key in ("retention", "state_norm", "state_to_stream"):
         series = _series(final, f"{split}/state_{key}_loop", R)
@@ -474,6 +491,7 @@ def collect_results(cfg, ctx, module, params, flops_fwd, seq_len, val, test, thr
         "metrics": {**val, **test},
         "final_split": split,
         "accuracy": final.get(f"{split}/acc"),
+        **({"acc_by_hops": by_hops(f"acc_loop{R}")} if hop_counts else {}),
         "loss": final.get(f"{split}/loss"),
         "perplexity": final.get(f"{split}/ppl"),
         "per_depth": per_depth,

@@ -18,10 +18,16 @@ index])). Train and test are disjoint by construction: a string belongs to the
 test split iff a keyed hash of its content falls below `test_fraction`, and each
 split rejects strings of the other. The partition ignores `seed`, so no seed's
 training stream ever contains another seed's test strings.
+
+Mixed hop counts: `p` may be a list of hop counts, e.g. [1, 2, 3, 4]. Each example then draws its own hop
+count uniformly from the list with its own RNG (before its string, so still a pure function of (seed, split,
+index)) and records it in `PHopExample.p`; the split hash keys on the string and the whole list, so a string
+is in one split whatever hop count it is drawn with. A single int is the fixed-p task, unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +45,35 @@ class PHopExample:
     p: int
 
 
+def hop_counts(p) -> tuple[int, ...] | None:
+    """A list of hop counts (mixed p-hop) as a tuple; None for a single p (or anything else, left to validate_args)."""
+    if isinstance(p, Sequence) and not isinstance(p, (str, bytes)):
+        return tuple(p)
+    return None
+
+
+def _validate_hop_list(n: int, hops: tuple, alphabet: int) -> None:
+    for name, v in (("n", n), ("alphabet", alphabet)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise ValueError(f"p-hop {name}={v!r} must be an integer")
+    if not hops:
+        raise ValueError("p-hop p=[] lists no hop count; give an int or a non-empty list such as [1, 2, 3, 4]")
+    shown = list(hops)
+    for h in hops:
+        if not isinstance(h, (int, np.integer)) or isinstance(h, bool):
+            raise ValueError(f"p-hop hop count {h!r} in p={shown} must be an integer")
+        if h < 1:
+            raise ValueError(f"p-hop hop count {h} in p={shown} must be >= 1 (number of hops)")
+    dup = sorted({h for h in hops if list(hops).count(h) > 1})
+    if dup:
+        raise ValueError(f"p-hop p={shown} lists hop count {dup[0]} more than once; list each hop count once")
+    validate_args(n, max(int(h) for h in hops), alphabet)  # alphabet, and n against the deepest hop count
+
+
 def validate_args(n: int, p: int, alphabet: int) -> None:
+    hops = hop_counts(p)
+    if hops is not None:
+        return _validate_hop_list(n, hops, alphabet)
     for name, v in (("n", n), ("p", p), ("alphabet", alphabet)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise ValueError(f"p-hop {name}={v!r} must be an integer")
@@ -80,8 +114,14 @@ def _draw_string(rng: np.random.Generator, n: int, alphabet: int) -> list[int]:
     return ((first + np.concatenate(([0], np.cumsum(steps)))) % alphabet).tolist()
 
 
-def make_example(seed: int, split: str, index: int, *, n: int, p: int, alphabet: int, test_fraction: float = 0.5) -> PHopExample:
+def make_example(seed: int, split: str, index: int, *, n: int, p: int | Sequence[int], alphabet: int,
+                 test_fraction: float = 0.5) -> PHopExample:
+    """Example `index` of `split`. `p`: the hop count, or a list of them (each example draws one uniformly)."""
     validate_args(n, p, alphabet)
+    hops = hop_counts(p)
+    if hops is not None:
+        return _make_mixed(seed, split, index, n=n, hops=tuple(int(h) for h in hops), alphabet=alphabet,
+                           test_fraction=test_fraction)
     rng = example_rng(TASK_ID, seed, split, index)
     for _ in range(MAX_ATTEMPTS):
         s = _draw_string(rng, n, alphabet)
@@ -93,6 +133,25 @@ def make_example(seed: int, split: str, index: int, *, n: int, p: int, alphabet:
         return PHopExample(symbols=s, answer=targets[-1], hop_targets=targets, p=p)
     raise RuntimeError(
         f"p-hop n={n}, p={p}, alphabet={alphabet}: no valid {split} string in {MAX_ATTEMPTS} draws; "
+        f"lower p or alphabet, or raise n"
+    )
+
+
+def _make_mixed(seed: int, split: str, index: int, *, n: int, hops: tuple[int, ...], alphabet: int,
+                test_fraction: float) -> PHopExample:
+    rng = example_rng(TASK_ID, seed, split, index)
+    p = hops[int(rng.integers(len(hops)))]  # the example's own hop count, drawn before its string
+    for _ in range(MAX_ATTEMPTS):
+        s = _draw_string(rng, n, alphabet)
+        targets = hop_targets(s, p)
+        if targets[-1] < 0:
+            continue
+        # keyed on the string and the whole list, not on this example's p: no string is in both splits
+        if in_test_split(("phop", n, hops, alphabet, *s), test_fraction) != (split == "test"):
+            continue
+        return PHopExample(symbols=s, answer=targets[-1], hop_targets=targets, p=p)
+    raise RuntimeError(
+        f"p-hop n={n}, p={p} (of {list(hops)}), alphabet={alphabet}: no valid {split} string in {MAX_ATTEMPTS} draws; "
         f"lower p or alphabet, or raise n"
     )
 

@@ -10,6 +10,7 @@ Layouts (token names as `decode` prints them):
   Mano   <bos> Q<k> <prefix tokens: + - * and values> <ans> | answer      (k = operator count;
          with task_args.subtree_loss also, at the last token of every operator subtree, its value)
   p-hop  <symbols a b c ...> <query> | answer
+         (mixed hop counts, task_args.p a list: <p<k>> <symbols ...> <query> | answer, k = the example's hop count)
 The answer is predicted from the <ans>/<query> position; accuracy is always
 scored there. Loss: p-hop with `per_position_loss` adds, at every symbol
 position t from which p hops exist, the symbol reached after p hops from t
@@ -72,6 +73,7 @@ class Encoded:
     input_ids: np.ndarray
     targets: np.ndarray
     answer_mask: np.ndarray
+    hops: int | None = None  # mixed-hop p-hop: the example's hop count (the item's `hops`, scored per hop count)
 
 
 class TaskSpec:
@@ -104,21 +106,36 @@ def _symbol_names(alphabet: int) -> list[str]:
 class PHopSpec(TaskSpec):
     name = "phop"
 
-    def __init__(self, n: int, p: int, alphabet: int, test_fraction: float = 0.5, per_position_loss: bool = True):
+    def __init__(self, n: int, p: int | Sequence[int], alphabet: int, test_fraction: float = 0.5,
+                 per_position_loss: bool = True):
+        hops = phop.hop_counts(p)
+        if hops is not None:  # mixed hop counts (a list, e.g. a Hydra ListConfig): plain ints from here on
+            hops = tuple(int(h) if isinstance(h, (int, np.integer)) and not isinstance(h, bool) else h for h in hops)
+            p = list(hops)
         phop.validate_args(n, p, alphabet)
         self.n, self.p, self.alphabet, self.per_position_loss = n, p, alphabet, per_position_loss
-        self.vocab = Vocab(["<pad>", "<query>", *_symbol_names(alphabet)])
+        # mixed: each sequence starts with its hop-count token, so every position (the per-position targets
+        # included) knows how many hops to follow
+        self.hops = tuple(sorted(hops)) if hops is not None else None
+        hop_names = [f"<p{k}>" for k in self.hops] if self.hops else []
+        self.vocab = Vocab(["<pad>", "<query>", *_symbol_names(alphabet), *hop_names])
         self.sym0 = self.vocab.ids["<query>"] + 1  # symbol k is token sym0 + k
-        self.seq_len = n + 1  # symbols + query; the answer is only a target
+        self.offset = 1 if self.hops else 0  # the hop-count token before the symbols
+        self.seq_len = self.offset + n + 1  # [hop count] + symbols + query; the answer is only a target
         self.make = partial(phop.make_example, n=n, p=p, alphabet=alphabet, test_fraction=test_fraction)
 
     def encode(self, ex: phop.PHopExample) -> Encoded:
-        seq = [self.sym0 + s for s in ex.symbols] + [self.vocab["<query>"], self.sym0 + ex.answer]
+        o = self.offset
+        head = [self.vocab[f"<p{ex.p}>"]] if self.hops else []
+        seq = head + [self.sym0 + s for s in ex.symbols] + [self.vocab["<query>"], self.sym0 + ex.answer]
         loss_at = {}
         if self.per_position_loss:
-            loss_at = {t: self.sym0 + h for t, h in enumerate(ex.hop_targets) if h >= 0}
-        loss_at[self.n] = self.sym0 + ex.answer
-        return self._layout(seq, loss_at, answer_pos=self.n)
+            loss_at = {o + t: self.sym0 + h for t, h in enumerate(ex.hop_targets) if h >= 0}
+        loss_at[o + self.n] = self.sym0 + ex.answer
+        enc = self._layout(seq, loss_at, answer_pos=o + self.n)
+        if self.hops:
+            enc.hops = ex.p
+        return enc
 
 
 class ManoSpec(TaskSpec):
@@ -174,11 +191,14 @@ class TaskDataset(Dataset):
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} outside [0, {self.size})")
         enc = self.spec.encode(self.spec.make(self.seed, self.split, int(index)))
-        return {
+        item = {
             "input_ids": torch.from_numpy(enc.input_ids),
             "targets": torch.from_numpy(enc.targets),
             "answer_mask": torch.from_numpy(enc.answer_mask),
         }
+        if enc.hops is not None:  # mixed-hop p-hop only: evaluation scores each hop count apart (acc_by_hops)
+            item["hops"] = torch.tensor(enc.hops, dtype=torch.long)
+        return item
 
 
 def _positive_int(name: str, v) -> None:
@@ -244,6 +264,12 @@ class TaskDataModule(L.LightningDataModule):
     @property
     def seq_len(self) -> int:
         return self.spec.seq_len
+
+    @property
+    def hop_counts(self) -> list[int] | None:
+        """Mixed-hop p-hop: the hop counts its examples draw from (items carry `hops`); None otherwise."""
+        hops = getattr(self.spec, "hops", None)
+        return list(hops) if hops else None
 
     @property
     def pad_id(self) -> int:

@@ -4,14 +4,20 @@
         [--hardware fsdp|slurm|...] [--out-root outputs/tables] [--table-dir experiments/tables]
       every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report;
       seeds default to 1,2,3 at tiny scale (table 2: 1..5; the experiment's own seed at paper scale)
-  run N --seeds auto [--max-seeds 20] [--budget-min M] [--round-seeds 2]
+  run N --seeds auto [--max-seeds 20] [--budget-min M] [--round-seeds 2] [--restart]
       sequential seeds: the default seeds, then rounds of more until every finding is decided (intervals valid
-      under that stopping), the cap or the budget; resumes from outputs/tables/tableN/<scale>/sequential.json
+      under that stopping), the cap or the budget; resumes from outputs/tables/tableN/<scale>/sequential.json;
+      --restart: a new design (e.g. a larger --max-seeds) on the runs an earlier one looked at, calibrated at the
+      α it left (alpha_ledger.json keeps the account; without the flag such a build is refused)
   report N [--scale ...] [--seeds 1,2,3]   only aggregate the existing results.json files into
       experiments/tables/tableN.{md,csv,png,findings.json} and regenerate the verdict summary README.md
       (a sequential build's table when its sequential.json is there and --seeds is not given)
   summary [--table-dir ...] [--rebuild [--scale ...]]   regenerate experiments/tables/README.md (all tables'
       verdicts) from the tableN.findings.json files; --rebuild first re-aggregates all eight tables
+  rejudge N [N ...] [--table-dir experiments/tables] [--scale tiny]   re-judge committed tables from their stored
+      intervals and seed means under today's rules (smaller than claimed, by construction, new preconditions), without
+      their runs; rewrites tableN.findings.json, the Findings of tableN.md and the summary README.md
+  confirm c2 [--out-root outputs/confirm]   the pre-registered confirmatory analysis (docs/tables.md#confirmatory-runs)
   list                        the tables and their experiments at both scales
   isoflop (--target-flops F | --like NxR) [--backbone llama_410m] [--state-mode vanilla] [--seq-len T] [--tolerance 0.01]
   zeroshot N [--scale paper] [--tasks a,b] [--limit K]   zero-shot suite on every trained checkpoint of table N
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--budget-min", type=float, default=None, help="--seeds auto: wall-clock minutes of training; no round "
                    "starts that the last rounds' pace says would pass it")
     r.add_argument("--round-seeds", type=int, default=None, help="--seeds auto: seeds per round after the first (default 2)")
+    r.add_argument("--restart", action="store_true", help="--seeds auto: start a new design (capped at --max-seeds) on the "
+                   "runs an earlier design looked at, at the α it left (alpha_ledger.json; docs/tables.md#sequential-seeds)")
     r.add_argument("--logger", default=None, help="csv (tiny default), wandb (paper default) or none")
     r.add_argument("--hardware", default=None, help="e.g. slurm on a cluster (default: the experiment's own)")
     r.add_argument("--jobs", type=int, default=None, help="tiny scale: jobs of a sweep run at once (hydra-joblib-launcher), "
@@ -79,6 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     sm.add_argument("--scale", default=default_scale, choices=spec.SCALES)
     sm.add_argument("--out-root", type=Path, default=runner.DEFAULT_OUT_ROOT)
     sm.add_argument("--decode-json", type=Path, default=runner.DEFAULT_DECODE_JSON)
+
+    rj = sub.add_parser("rejudge", help="re-judge committed tables under today's rules, from their stored intervals")
+    rj.add_argument("numbers", type=int, nargs="+")
+    rj.add_argument("--table-dir", type=Path, default=report.DEFAULT_TABLE_DIR)
+    rj.add_argument("--scale", default=default_scale, choices=spec.SCALES)
+
+    cf = sub.add_parser("confirm", help="the pre-registered confirmatory analyses (docs/tables.md#confirmatory-runs)")
+    cf.add_argument("name", choices=("c2",))
+    cf.add_argument("--out-root", type=Path, default=Path("outputs/confirm"))
+    cf.add_argument("--out", type=Path, default=None, help="write the result as JSON")
 
     sub.add_parser("list", help="the tables and their experiments")
 
@@ -127,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
 
         state = sequential.run(a.number, a.scale, a.out_root, max_seeds=a.max_seeds, budget_min=a.budget_min,
                                round_seeds=a.round_seeds, logger=a.logger, extra=a.extra, hardware=a.hardware, jobs=a.jobs,
-                               zeroshot=a.zeroshot, table_dir=a.table_dir, dry_run=a.dry_run)
+                               zeroshot=a.zeroshot, table_dir=a.table_dir, dry_run=a.dry_run, restart=a.restart)
         return 0 if a.dry_run or not any(r.failed_commands for r in state.rounds) else 1
     if a.cmd == "run":
-        if a.max_seeds is not None or a.budget_min is not None or a.round_seeds is not None:
-            raise SystemExit("--max-seeds, --budget-min and --round-seeds go with --seeds auto")
+        if a.max_seeds is not None or a.budget_min is not None or a.round_seeds is not None or a.restart:
+            raise SystemExit("--max-seeds, --budget-min, --round-seeds and --restart go with --seeds auto")
         records = runner.run(a.number, a.scale, a.out_root, logger=a.logger, extra=a.extra, seeds=_seeds(a.seeds),
                              hardware=a.hardware, decode_json=a.decode_json, dry_run=a.dry_run, zeroshot=a.zeroshot,
                              table_dir=a.table_dir, jobs=a.jobs)
@@ -151,6 +169,24 @@ def main(argv: list[str] | None = None) -> int:
         path = report.write_summary(a.table_dir)
         print(path.read_text())
         print(f"wrote {path}")
+        return 0
+    if a.cmd == "rejudge":
+        from looplab.tables.rejudge import rejudge
+
+        for n in a.numbers:
+            for v in rejudge(n, a.table_dir, a.scale):
+                print(f"table {n}: {v.verdict:<20} {v.title()}")
+        print(f"wrote {report.write_summary(a.table_dir)}")
+        return 0
+    if a.cmd == "confirm":
+        from looplab.tables.confirm import confirm_c2
+
+        result = confirm_c2(a.out_root)
+        print(result["text"])
+        if a.out:
+            import json
+
+            a.out.write_text(json.dumps(result, indent=2) + "\n")
         return 0
     if a.cmd == "list":
         for n, t in spec.TABLES.items():

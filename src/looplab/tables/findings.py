@@ -13,7 +13,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from looplab.stats import Rule, SequentialDesign, adjusted_verdict, decisive_p, holm, judge, t_interval, z_quantile
+from looplab.stats import (BY_CONSTRUCTION, Rule, SequentialDesign, adjusted_verdict, decisive_p, holm,
+                           judge, t_interval, z_quantile)
 from looplab.tables.load import Unit, base_experiment, facet_is, sweep_protocol
 from looplab.tables.spec import Finding, TableSpec
 
@@ -53,6 +54,7 @@ class Verdict:
     status: str = ""
     stop: str = ""
     more_seeds: int | None = None
+    scale: str | None = None  # the paper's own scale compares with its unscaled effect
 
     @property
     def mean(self) -> float | None:
@@ -60,11 +62,20 @@ class Verdict:
 
     @property
     def rule(self) -> Rule:
-        return self.finding.rule if self.design is None else self.finding.sequential_rule
+        """The claim's rule for this line: its claimed effect in this setting's units (smaller than claimed) and, in a
+        sequential build, its δ (negligible)."""
+        return self.finding.rule_for(self.stratum, self.scale, sequential=self.design is not None)
+
+    @property
+    def claimed(self) -> float | None:
+        return self.finding.claimed(self.stratum, self.scale)
 
     @property
     def verdict(self) -> str:
-        return "not tested" if self.not_tested else judge(self.rule, self.lo, self.hi)
+        if self.not_tested:
+            return "not tested"
+        plain = judge(self.rule, self.lo, self.hi)
+        return BY_CONSTRUCTION if self.finding.by_construction and plain == "reproduced" else plain
 
     @property
     def holm_verdict(self) -> str:
@@ -83,14 +94,18 @@ class Verdict:
             return ""
         delta = (f"negligible band ±{self._fmt(fd.delta).lstrip('+')}"
                  if self.design is not None and fd.kind == "sign" and fd.delta else "")
-        if fd.size is None:
+        if fd.kind == "at_most" and fd.size is not None:
+            return f"bound: the paper's {self._fmt(fd.size)}"
+        if fd.kind == "near" and fd.size is not None:
+            return f"band: the paper's {self._fmt(fd.size)} ± {self._fmt(fd.tolerance).lstrip('+')}"
+        claimed = self.claimed
+        if claimed is None:
             return delta
-        x = self._fmt(fd.size)
-        if fd.kind == "at_most":
-            return f"bound: the paper's {x}"
-        if fd.kind == "near":
-            return f"band: the paper's {x} ± {self._fmt(fd.tolerance).lstrip('+')}"
-        inside = self.lo <= fd.size <= self.hi
+        raw = fd.effect if not isinstance(fd.effect, tuple) else dict(fd.effect).get(self.stratum)
+        x = self._fmt(claimed)
+        if raw is not None and abs(claimed - raw) > 1e-9:
+            x = f"{self._fmt(raw)} × {claimed / raw:.2f} = {x} in this setting's units"
+        inside = self.lo <= claimed <= self.hi
         return f"the paper's {x} is {'inside' if inside else 'outside'} the interval" + (f"; {delta}" if delta else "")
 
     def measured(self) -> str:
@@ -117,7 +132,7 @@ class Verdict:
         return f"{f.label}, {f.metric}" + (f" ({where})" if where else "")
 
     def holm_text(self) -> str:
-        if self.verdict in ("not tested",) or self.family is None:
+        if self.verdict in ("not tested", BY_CONSTRUCTION) or self.family is None:
             return "—"
         p = "" if self.p_holm is None else f", p_Holm {self.p_holm:.3g}"
         return f"{self.holm_verdict} (family {self.family}{p})"
@@ -136,10 +151,16 @@ class Verdict:
                 "missing": self.missing, "measured": self.measured(), "not_tested": self.not_tested,
                 "p": self.p, "p_holm": self.p_holm, "family": self.family,
                 "verdict": self.verdict, "holm_verdict": self.holm_verdict,
+                "claimed": self.claimed, "by_construction": self.finding.by_construction, "rule": _rule_dict(self.rule),
                 **({} if self.design is None else {
                     "delta": self.finding.delta, "delta_why": self.finding.delta_why, "examples_half_width": self.h_ex,
                     "critical_t": self.design.critical(len(self.diffs)), "look": self.look, "seeds_used": len(self.diffs),
                     "status": self.status, "stopped": self.stop, "more_seeds": self.more_seeds})}
+
+
+def _rule_dict(rule: Rule) -> dict[str, Any]:
+    return {"kind": rule.kind, "sign": rule.sign, "size": rule.size, "tolerance": rule.tolerance, "delta": rule.delta,
+            "claimed": rule.claimed}
 
 
 def decide(lo: float | None, hi: float | None, expected_sign: int) -> str:
@@ -286,6 +307,39 @@ def evaluate_finding(fd: Finding, units: list[Unit], design: SequentialDesign | 
     return out
 
 
+def _item_halves(fd: Finding, terms, reps: list[str], diffs: list[float],
+                 design: SequentialDesign | None) -> tuple[float, float, str] | str:
+    """Zero-shot: (seed half-width, item half-width, note) of the paired seed × item interval
+    (looplab.stats.paired_item_interval) from every unit's per-item outcomes (zeroshot.json 'items'), the items
+    weighed as the average over tasks weighs them; or why it cannot be used."""
+    from looplab.stats import paired_item_interval
+    from looplab.tables.load import zeroshot_outcomes
+
+    if fd.contrast == "ratio":
+        return "a ratio"
+    ref, d = None, [None] * len(reps)
+    for coef, us, _ in terms:
+        by = {u.rep: u for u in us}
+        for s, r in enumerate(reps):
+            out = zeroshot_outcomes(by[r].zeroshot)
+            if out is None:
+                return "an older zeroshot.json, without per-item outcomes"
+            ids = {t: x[0] for t, x in out.items()}
+            if ref is None:
+                ref = ids
+            elif ids != ref:
+                return "the runs' zeroshot.json score different items"
+            flat = [coef * x for t in sorted(out) for x in out[t][1]]
+            d[s] = flat if d[s] is None else [y + x for y, x in zip(d[s], flat)]
+    groups = [t for t in sorted(ref) for _ in ref[t]]
+    pi = paired_item_interval(d, groups=groups, critical=None if design is None else design.critical(len(reps)))
+    if pi is None:
+        return "too few items per task"
+    if abs(pi.mean - statistics.fmean(diffs)) > 1e-9:
+        return "the per-item outcomes do not give the runs' average_acc"
+    return pi.h_seeds, pi.h_items, f"item noise paired over {pi.n_items} items, arms differ on {100 * pi.disagree:.1f}%"
+
+
 def _paired(fd: Finding, stratum: str, arms: str, terms, design: SequentialDesign | None = None) -> Verdict:
     by_rep = [{u.rep: u.value(fd.metric, q) for u in us} for _, us, q in terms]
     all_reps = set().union(*by_rep)
@@ -307,23 +361,30 @@ def _paired(fd: Finding, stratum: str, arms: str, terms, design: SequentialDesig
         return v
     lo, hi = t_interval(diffs) if design is None else design.interval(diffs)
     if fd.metric in PROPORTIONS:
-        # ⊕ the test examples' sampling noise: each arm's seed-mean proportion p over n examples adds
-        # p(1 − p)/n to the variance of the difference (conservative: both arms score the same examples)
-        var, known = 0.0, True
-        for (_, us, _), m in zip(terms, by_rep):
-            p = statistics.fmean(m[r] for r in reps)
-            n = min((u.n_examples(fd.metric) or 0) for u in us)
-            if n <= 0:
-                known = False
-                continue
-            var += p * (1 - p) / n
-        h_t, h_ex = (hi - lo) / 2, z_quantile() * math.sqrt(var)
+        # zero-shot with per-item outcomes: the paired seed × item interval (the seed part is the t-interval above)
+        items = _item_halves(fd, terms, reps, diffs, design) if fd.metric == "zero-shot" else None
+        if isinstance(items, tuple):
+            h_t, h_ex, v.reason = items
+        else:
+            # ⊕ the test examples' sampling noise: each arm's seed-mean proportion p over n examples adds
+            # p(1 − p)/n to the variance of the difference (conservative: both arms score the same examples)
+            var, known = 0.0, True
+            for (_, us, _), m in zip(terms, by_rep):
+                p = statistics.fmean(m[r] for r in reps)
+                n = min((u.n_examples(fd.metric) or 0) for u in us)
+                if n <= 0:
+                    known = False
+                    continue
+                var += p * (1 - p) / n
+            h_t, h_ex = (hi - lo) / 2, z_quantile() * math.sqrt(var)
+            if not known:
+                v.reason = "test-example counts unknown: t over seeds only"
+            elif items:
+                v.reason = f"{items}: item noise of the arms taken as independent, conservative"
         h = math.sqrt(h_t ** 2 + h_ex ** 2)
         mid = statistics.fmean(diffs)
         lo, hi = mid - h, mid + h
         v.h_ex = h_ex
-        if not known:
-            v.reason = "test-example counts unknown: t over seeds only"
     v.lo, v.hi = lo, hi
     return v
 
@@ -353,6 +414,8 @@ def evaluate_findings(spec: TableSpec, units: list[Unit], scale: str | None = No
                     vs.append(Verdict(fd, stratum, "", reason="no runs of this experiment", design=design))
             vs = [v for v in vs if v.stratum or v.mean is not None or not any(x.stratum for x in vs)]
         out += vs
+    for v in out:
+        v.scale = scale
     adjust_family(out)
     return out
 
@@ -364,16 +427,31 @@ def adjust_family(verdicts: list[Verdict]) -> None:
     for v in verdicts:
         half = None if v.lo is None else (v.hi - v.lo) / 2
         df = len(v.diffs) - 1 if v.diffs else None
+        if v.not_tested or v.verdict == BY_CONSTRUCTION:  # nothing judged: no test joins the family
+            v.p = None
+            continue
         if v.design is None:
-            v.p = None if v.not_tested else decisive_p(v.finding.rule, v.mean, half, df)
+            v.p = decisive_p(v.rule, v.mean, half, df)
             continue
         c = v.design.critical(len(v.diffs))
-        v.p = (None if v.not_tested or c is None or half is None else
+        v.p = (None if c is None or half is None else
                v.design.repeated_p(decisive_p(v.rule, v.mean, half, df, quantile=c)))
     adjusted = holm([v.p for v in verdicts])
     family = sum(p is not None for p in adjusted)
     for v, pa in zip(verdicts, adjusted):
         v.p_holm, v.family = pa, (family if pa is not None else None)
+
+
+def p_of_file(f: dict[str, Any]) -> float | None:
+    """A stored line's decisive p-value: as stored, or (a file from before p-values were stored) from its interval
+    under the sign rule it was judged by; None for a line that judged nothing."""
+    if f.get("verdict") in ("not tested", BY_CONSTRUCTION):
+        return None
+    if "p" in f:
+        return f["p"]
+    lo, hi, diffs = f.get("lo"), f.get("hi"), f.get("diffs") or []
+    half = None if lo is None or hi is None else (hi - lo) / 2
+    return decisive_p(Rule("sign", int(f.get("expected_sign") or 1)), f.get("mean"), half, len(diffs) - 1 if diffs else None)
 
 
 def holm_of_file(findings: list[dict[str, Any]]) -> list[tuple[str, str]]:

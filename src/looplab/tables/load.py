@@ -89,6 +89,31 @@ def zeroshot_items(z: dict[str, Any]) -> int | None:
     return sum(ns) or None
 
 
+def zeroshot_outcomes(z: dict[str, Any] | None) -> dict[str, tuple[tuple[int, ...], list[int]]] | None:
+    """Per task of the zero-shot average (each task with an 'acc'): (document ids, each document's 0/1 acc) from
+    zeroshot.json's 'items' (looplab.eval.item_outcomes); None when the file predates them or any such task lacks them."""
+    items, tasks = (z or {}).get("items"), [t for t, r in ((z or {}).get("results") or {}).items() if "acc" in (r or {})]
+    if not isinstance(items, dict) or not tasks:
+        return None
+    out = {}
+    for t in tasks:
+        it = items.get(t) or {}
+        acc, ids = it.get("acc"), it.get("doc_ids")
+        if not isinstance(acc, str) or set(acc) - {"0", "1"} or not acc:
+            return None
+        if isinstance(ids, str) and ":" in ids:
+            start, stop = (int(x) for x in ids.split(":"))
+            ids = tuple(range(start, stop))
+        elif isinstance(ids, list):
+            ids = tuple(int(x) for x in ids)
+        else:
+            return None
+        if len(ids) != len(acc):
+            return None
+        out[t] = (ids, [int(c) for c in acc])
+    return out
+
+
 def sweep_protocol(sw) -> str | None:
     """Table 7's comparison protocol(s) of a sweep: 'isoparam', 'isoflop', or 'isoparam+isoflop' for a sweep
     that holds both (the tiny ones: the shared looped arm is trained once), from the experiment's tags or,
@@ -241,6 +266,14 @@ def _exit_fraction(u: Unit, q: str | None) -> float | None:
     return None if step is None or not R else step / R
 
 
+def _best_shallower_loop(u: Unit, q: str | None) -> float | None:
+    """Table 8's GATE_CAN_ACT: the fixed-loop body's best accuracy read at a loop r < R (per_depth.acc[r − 1])."""
+    R = finite_value(lambda d: d["model"]["loops"], u.data)
+    accs = [finite_value(lambda d, r=r: d["per_depth"]["acc"][r], u.data) for r in range(int(R or 1) - 1)]
+    accs = [a for a in accs if a is not None]
+    return max(accs) if accs else None
+
+
 def _accuracy_at_trained_depth(u: Unit, q: str | None) -> float | None:
     """Table 9's precondition: the final model at its trained depth (its test accuracy when no depth sweep ran)."""
     v = finite_value(lambda d: d["per_depth"]["eval_loops"][str(d["model"]["loops"])]["accuracy"], u.data)
@@ -259,6 +292,7 @@ METRICS: dict[str, Callable[[Unit, str | None], float | None]] = {
     # table 9: the final model tested at twice its trained depth
     "accuracy at 2R": _results(lambda d: d["per_depth"]["eval_loops"][str(2 * d["model"]["loops"])]["accuracy"]),
     "accuracy at R": _accuracy_at_trained_depth,
+    "best shallower loop accuracy": _best_shallower_loop,
     # table 12: each token's depth chosen causally, as decoding chooses it
     "causal perplexity": _results(lambda d: causal(d, "perplexity")),
     "causal accuracy": _results(lambda d: causal(d, "accuracy")),

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from looplab.stats import Stat
-from looplab.tables.findings import Verdict, holm_of_file
+from looplab.stats import Stat, adjusted_verdict, benjamini_hochberg
+from looplab.tables.findings import Verdict, holm_of_file, p_of_file
 from looplab.tables.spec import SCALES, TABLES, TableSpec
 
 DEFAULT_TABLE_DIR = Path("experiments/tables")
@@ -81,18 +81,24 @@ class Table:
                      "random numbers) with its repeated confidence interval at the look that decided it, or at the last "
                      "look (see Sequential seeds below). Sign claims: **reproduced** = the interval excludes 0 on the "
                      "paper's side, **contradicted** = on the other side, **negligible** = it contains 0 but lies inside "
-                     "(−δ, +δ), δ the claim's smallest effect of interest, **inconclusive** = none of these; claims of a "
+                     "(−δ, +δ), δ the claim's smallest effect of interest, **smaller than claimed** = it contains 0 but "
+                     "excludes the paper's effect carried to this setting's units (the scaling δ uses), **inconclusive** = "
+                     "none of these; claims of a "
                      "size are judged against it (at most X: the whole interval ≤ X; about X ± δ: inside the band); **not "
-                     "tested** = an arm missed the finding's precondition. A decision is final at the look that made it. "
+                     "tested** = an arm missed the finding's precondition; **by construction** = an accounting identity, "
+                     "computed rather than measured. A decision is final at the look that made it. "
                      f"Holm: the verdict after Holm's adjustment of the repeated p-values over this table's {judged} judged "
                      "line(s).")
         else:
             intro = ("The papers' claims (experiments/README.md), each checked as a paired difference "
                      "A − B with its 95% interval (arms with common random numbers: the same initial values of every shared "
                      "parameter and the same batches). Sign claims: **reproduced** = the interval excludes 0 on the paper's "
-                     "side, **contradicted** = on the other side, **inconclusive** = it contains 0 (or could not be computed); "
+                     "side, **contradicted** = on the other side, **smaller than claimed** = it contains 0 but excludes the "
+                     "paper's effect carried to this setting's units (the scaling δ uses), **inconclusive** = otherwise "
+                     "(or no interval); "
                      "claims of a size are judged against it (at most X: the whole interval ≤ X; about X ± δ: inside the band); "
-                     "**not tested** = an arm missed the finding's precondition (named with its figure). Holm: the verdict "
+                     "**not tested** = an arm missed the finding's precondition (named with its figure); **by construction** "
+                     "= an accounting identity, computed rather than measured. Holm: the verdict "
                      f"after Holm's adjustment over this table's {judged} judged line(s).")
         out += ["", "## Findings", "", intro, ""]
         out += [v.line() for v in self.verdicts] or ["(this table checks no finding)"]
@@ -169,7 +175,10 @@ def sequential_section(seq: dict[str, Any], verdicts: list[Verdict]) -> list[str
     d = seq["design"]
     out = ["## Sequential seeds", "",
            f"Design: Pocock repeated confidence intervals, looks at {d['first_look']}..{d['cap']} paired seeds, overall "
-           f"α = {d['alpha']:.2f}, nominal α′ = {d['nominal_alpha']:.4f} per look (calibrated on {d['simulations']:,} "
+           + (f"α = {d['alpha']:.2f}" if not d.get("spent_alpha") else f"α = {d['overall_alpha']:.2f} of which earlier "
+              f"designs on these runs spent {d['spent_alpha']:.4f} at their looks (α ledger), this one the {d['alpha']:.4f} "
+              "left") +
+           f", nominal α′ = {d['nominal_alpha']:.4f} per look (calibrated on {d['simulations']:,} "
            f"simulated paths, seed {d['seed']}); rounds of {seq['round_seeds']} seeds after the first; cap "
            f"{seq['max_seeds']} seeds" + (f"; time budget {seq['budget_min']:g} min" if seq.get("budget_min") is not None
                                           else "") + f". Training time so far: {seq['elapsed_s'] / 60:.1f} min.", "",
@@ -227,7 +236,12 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
               "contains 0 but lies inside (−δ, +δ), δ the claim's smallest effect of interest, named in advance. Such a "
               "table judges each finding with its repeated confidence interval at the look that decided it."]
              if sequential else []),
+           "- **smaller than claimed** — sign claims: the interval contains 0 but lies wholly on 0's side of the paper's "
+           "effect carried to this setting's units (the scaling δ uses; one-sided, fixed before any new look): any effect "
+           "here is smaller than the paper's.",
            "- **inconclusive** — anything else, or no interval could be computed.",
+           "- **by construction** — an accounting identity (KV-cache bytes of a schedule): computed, not measured, and in "
+           "no family.",
            "- **not tested** — an arm missed the finding's precondition (e.g. a language model above its unigram "
            "perplexity, a table-9 arm below 0.9 at its trained depth); the row names the arm and its figure, and "
            "no comparison is judged.", "",
@@ -236,33 +250,48 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
            "rests on: p < 0.05 exactly when the plain rule decides) is Holm step-down adjusted, and a decisive verdict "
            "whose adjusted p is ≥ 0.05 becomes inconclusive. Tables built before a finding's rule or precondition "
            "existed keep the verdict they were built with until they are rebuilt (their Holm column is computed from "
-           "the stored intervals under the sign rule). Methods and the findings per table: `experiments/README.md`.", ""]
+           "the stored intervals under the sign rule). The **BH** column is Benjamini–Hochberg over every judged line "
+           "of every table of that scale (q < 0.05: a discovery at a 5% false-discovery rate across all tables; a weaker "
+           "promise than Holm's, which bounds the chance of any false verdict within a table). Lines re-judged from a "
+           "committed table's stored intervals under today's rules (`python -m looplab.tables rejudge N`) say so in "
+           "their table. Methods and the findings per table: `experiments/README.md`.", ""]
     scales = [s for s in SCALES if any(k[0] == s for k in found)] or ["tiny"]
     for scale in scales:
         counts: dict[str, int] = {}
         holm_counts: dict[str, int] = {}
+        bh_counts: dict[str, int] = {}
         rows = []
+        every = [(n, f) for n in sorted(TABLES) if (scale, n) in found for f in found[(scale, n)]["findings"]]
+        bh = dict(zip((id(f) for _, f in every), benjamini_hochberg([p_of_file(f) for _, f in every])))
         for n in sorted(TABLES):
             d = found.get((scale, n))
             name = f"table{n}" + ("" if scale == "tiny" else f"-{scale}")
             if d is None:  # the findings it will check, until `report N` writes its tableN.findings.json
                 for f in TABLES[n].findings or ():
-                    rows.append(f"| [{n}]({name}.md) | {f.label}, {f.metric} | {f.claim} | — | not built yet | — |")
+                    rows.append(f"| [{n}]({name}.md) | {f.label}, {f.metric} | {f.claim} | — | not built yet | — | — |")
                 if not TABLES[n].findings:
-                    rows.append(f"| [{n}]({name}.md) | {TABLES[n].title} | — | — | not built yet | — |")
+                    rows.append(f"| [{n}]({name}.md) | {TABLES[n].title} | — | — | not built yet | — | — |")
                 continue
             if not d["findings"]:
-                rows.append(f"| [{n}]({name}.md) | {d['title']} | — | — | no finding | — |")
+                rows.append(f"| [{n}]({name}.md) | {d['title']} | — | — | no finding | — | — |")
             for f, (hv, htxt) in zip(d["findings"], holm_of_file(d["findings"])):
+                q = bh[id(f)]
+                bv = adjusted_verdict(f["verdict"], q)
                 counts[f["verdict"]] = counts.get(f["verdict"], 0) + 1
                 holm_counts[hv] = holm_counts.get(hv, 0) + 1
-                rows.append(f"| [{n}]({name}.md) | {f['title']} | {f['claim']} | {f['measured']} | **{f['verdict']}** | {htxt} |")
-        kinds = ("reproduced", "contradicted", *(("negligible",) if sequential else ()), "inconclusive", "not tested")
+                bh_counts[bv] = bh_counts.get(bv, 0) + 1
+                btxt = "—" if q is None else f"{bv} (q {q:.3g})"
+                rows.append(f"| [{n}]({name}.md) | {f['title']} | {f['claim']} | {f['measured']} | **{f['verdict']}** | {htxt} "
+                            f"| {btxt} |")
+        kinds = ("reproduced", "contradicted", *(("negligible",) if sequential else ()), "smaller than claimed",
+                 "inconclusive", "not tested", "by construction")
         tally = ", ".join(f"{counts.get(v, 0)} {v}" for v in kinds)
         htally = ", ".join(f"{holm_counts.get(v, 0)} {v}" for v in kinds)
-        out += [f"## {scale} scale — {tally}", "", f"Holm-adjusted: {htally}.", "",
-                "| table | finding (A − B) | paper | measured: mean [95% interval] | verdict | Holm-adjusted |",
-                "|---|---|---|---|---|---|"] + rows + [""]
+        btally = ", ".join(f"{bh_counts.get(v, 0)} {v}" for v in kinds)
+        out += [f"## {scale} scale — {tally}", "", f"Holm-adjusted (per table): {htally}.", "",
+                f"Benjamini–Hochberg (all tables, {sum(q is not None for q in bh.values())} judged lines): {btally}.", "",
+                "| table | finding (A − B) | paper | measured: mean [95% interval] | verdict | Holm-adjusted | BH, all tables |",
+                "|---|---|---|---|---|---|---|"] + rows + [""]
     path = table_dir / "README.md"
     path.write_text("\n".join(out))
     return path

@@ -18,17 +18,23 @@
   is run again and trains only its missing jobs. `report N` rebuilds the table from the same file.
 
 Stopping without a decision never raises an error rate, so the cap, the budget and the futility rule are free
-choices; the design's cap is not: a build may stop before it, never continue past it.
+choices; the design's cap is not: a build may stop before it, never continue past it. A larger cap needs a new
+design, and a new design on runs an earlier one looked at is charged the α that one spent (α-spending across
+restarts): `--restart` calibrates it at the α left, recorded with each design's looks in `alpha_ledger.json`
+beside the state file (tables/alpha_ledger.py), which moving sequential.json away does not reset; without
+`--restart` such a build is refused.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from looplab.stats import SequentialDesign
+from looplab.tables.alpha_ledger import LEDGER_FILE, AlphaLedger, ledger_path  # noqa: F401 (LEDGER_FILE re-exported)
 from looplab.tables.findings import Verdict
 from looplab.tables.sequential_state import (  # noqa: F401 (re-exported: the state and the judgement)
     DEFAULT_ROUND_SEEDS, PROJECTION_LIMIT, STATE_FILE, Round, SequentialState, _now, classify, judge_sequential,
@@ -89,33 +95,65 @@ def run(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, *, 
         budget_min: float | None = None, round_seeds: int | None = None, logger: str | None = None,
         extra: list[str] | None = None, hardware: str | None = None, jobs: int | None = None,
         zeroshot: bool | None = None, table_dir: Path | None = None, env: dict[str, str] | None = None,
-        dry_run: bool = False, clock=time.time) -> SequentialState:
+        dry_run: bool = False, restart: bool = False, clock=time.time) -> SequentialState:
     """Run table `number` in rounds of seeds until its findings are decided (see the module docstring); then write
-    its report. Resumes from sequential.json when there is one. Returns the final state."""
+    its report. Resumes from sequential.json when there is one. restart: a new design (capped at max_seeds) on the
+    runs an earlier design looked at, calibrated at the α it left (alpha_ledger.json keeps the account); without it
+    a build that needs a new design is refused. Returns the final state."""
     from looplab.tables import runner
     from looplab.tables.report import build, write
 
     spec = get(number)
     _check_supported(spec)
-    path = state_path(out_root, number, scale)
-    state = SequentialState.load(path)
+    path, lpath = state_path(out_root, number, scale), ledger_path(out_root, number, scale)
+    state, ledger = SequentialState.load(path), AlphaLedger.load(lpath)
     first = default_seeds(scale, number) or [1, 2, 3]
     if state is None:
         cap = max_seeds or DEFAULT_MAX_SEEDS
         if cap < len(first):
             raise ValueError(f"--max-seeds {cap} is below the first round's {len(first)} seeds ({first})")
-        state = SequentialState(number, scale, SequentialDesign(cap), cap, round_seeds or DEFAULT_ROUND_SEEDS, budget_min)
+        if ledger is not None and ledger.designs:  # sequential.json was moved away: the α its looks spent stays spent
+            if not restart:
+                raise ValueError(f"{lpath}: earlier sequential designs of table {number} looked at these runs and spent "
+                                 f"α = {ledger.spent:.4f} of {ledger.overall:.2f} ({ledger.looks_text()}); {path.name} is "
+                                 f"gone, but a new design would not reset that. Pass --restart to start a new design on the "
+                                 f"same runs at the α left ({ledger.left:.4f})")
+            design = ledger.restarted(cap)
+        else:
+            if restart:
+                raise ValueError(f"--restart: no earlier design of table {number} at {scale} scale to restart from "
+                                 f"(neither {path} nor {lpath})")
+            design = SequentialDesign(cap)
+            _warn_unaccounted_runs(spec, scale, out_root, path, lpath)
+        state = SequentialState(number, scale, design, cap, round_seeds or DEFAULT_ROUND_SEEDS, budget_min)
     else:
         if (state.table, state.scale) != (number, scale):
             raise ValueError(f"{path} belongs to table {state.table} at {state.scale} scale")
-        if max_seeds and max_seeds > state.design.cap:
+        if restart:
+            cap = max_seeds or state.design.cap
+            if cap <= len(state.all_seeds()):
+                raise ValueError(f"--restart --max-seeds {cap}: the new design needs a cap above the {len(state.all_seeds())} "
+                                 "seeds its rounds already hold")
+            state.restart(cap)
+        elif max_seeds and max_seeds > state.design.cap:
+            spent = state.alpha_spent()
             raise ValueError(f"{path}: this build's design is capped at {state.design.cap} seeds; its intervals do not cover "
-                             f"--max-seeds {max_seeds}. Stop earlier, or start a new design (move {path.name} away: the runs "
-                             "are reused, the looks start again)")
+                             f"--max-seeds {max_seeds}. Stop at {state.design.cap}, or pass --restart: a new design capped at "
+                             f"{max_seeds} goes on with these rounds at the α left — the looks so far (n = "
+                             f"{', '.join(map(str, state.design_looks())) or 'none'}) spent α = {spent:.4f} of "
+                             f"{state.design.overall:.2f}, leaving {state.design.overall - spent:.4f}. Moving {path.name} "
+                             f"away does not reset it: {lpath.name} keeps the account")
         state.max_seeds = max_seeds or state.max_seeds
         state.round_seeds = round_seeds or state.round_seeds
         state.budget_min = budget_min if budget_min is not None else state.budget_min
         state.stop = None  # resuming: the stop is decided again below
+    ledger = ledger or AlphaLedger(number, scale)
+    if not dry_run:  # the ledger first: a state file that is not its current design is refused before anything trains
+        new = not path.exists() or restart
+        ledger.record(state)
+        ledger.save(lpath)
+        if new:
+            state.save(path)
     jobs = (runner.default_jobs(scale) if jobs is None else jobs) if scale == "tiny" else 1
     logger = logger or runner.default_logger(scale)
     zeroshot = zeroshot if zeroshot is not None else number == 1
@@ -161,7 +199,7 @@ def run(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, *, 
                 return state
             rnd.started = _now()
             state.rounds.append(rnd)
-            state.save(path)
+            _save(state, path, ledger, lpath)
         cmds, reused = round_commands(spec, scale, out_root, rnd.seeds, **kw)
         print(f"{tag} round {rnd.number}: seeds {', '.join(map(str, rnd.seeds))} — {len(cmds)} command(s), "
               f"{reused} job(s) already on disk", flush=True)
@@ -177,18 +215,42 @@ def run(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, *, 
             dt = clock() - t0
             rnd.seconds += dt
             state.elapsed_s += dt
-            state.save(path)
+            _save(state, path, ledger, lpath)
     if dry_run:
         print(f"{tag} would stop after round {state.stop['after_round']}: {state.stop['reason']}", flush=True)
         return state
     state.stop["at"] = _now()
-    state.save(path)
+    _save(state, path, ledger, lpath)
     print(f"{tag} stopped after round {state.stop['after_round']}: {state.stop['reason']}", flush=True)
     table = build(number, scale, out_root, sequential=True)
     paths = write(table, table_dir) if table_dir else write(table)
     print(table.markdown(), flush=True)
     print(f"{tag} wrote " + ", ".join(str(p) for p in paths), flush=True)
     return state
+
+
+def _save(state: SequentialState, path: Path, ledger: AlphaLedger, lpath: Path) -> None:
+    """The state, then the α ledger brought up to its looks (each finished round is a look its design made)."""
+    state.save(path)
+    ledger.record(state)
+    ledger.save(lpath)
+
+
+def _warn_unaccounted_runs(spec: TableSpec, scale: str, out_root: Path, path: Path, lpath: Path) -> None:
+    """A first design on runs already on disk: they may be a fixed build's (fine: round 1 reuses them) or the runs of
+    an earlier sequential design whose state file was moved away before the α ledger existed — whose α nothing here
+    can charge. Said loudly, on stderr, naming the seeds."""
+    from looplab.runs import load_runs
+    from looplab.tables.runner import sweep_dir
+
+    seeds = sorted({int(r.seed) for sw in spec.sweeps_for(scale) for r in load_runs(sweep_dir(out_root, spec.number, scale, sw))
+                    if r.ok and str(r.seed).isdigit()})
+    if seeds:
+        print(f"[table{spec.number}] WARNING: ok runs of seeds {', '.join(map(str, seeds))} are on disk but neither {path.name} "
+              f"nor {lpath.name} is: this design starts at the full α. If an earlier sequential design looked at these runs "
+              "(its state file moved away before the α ledger existed), the α it spent is not charged and the overall "
+              "error rate exceeds α (simulated: 0.053 instead of 0.040 for a cap-9 design restarted at cap 20); a fixed "
+              "build's runs are fine to reuse", file=sys.stderr, flush=True)
 
 
 def _look(spec: TableSpec, scale: str, out_root: Path, state: SequentialState) -> list[Verdict]:
@@ -212,6 +274,8 @@ def _estimate(state: SequentialState, cmds: list) -> float:
 
 def _design_text(state: SequentialState) -> str:
     d = state.design
-    return (f"repeated confidence intervals (Pocock), looks at {d.first_look}..{d.cap} paired seeds, α = {d.alpha:.2f} "
-            f"overall, nominal α′ = {d.nominal:.4f} per look; rounds of {state.round_seeds} seeds after the first; "
+    alpha = (f"α = {d.alpha:.2f} overall" if not d.spent else f"α = {d.alpha:.4f}: the {d.overall:.2f} overall less the "
+             f"{d.spent:.4f} that {len(d.history)} earlier design(s) on these runs spent (α ledger)")
+    return (f"repeated confidence intervals (Pocock), looks at {d.first_look}..{d.cap} paired seeds, {alpha}, "
+            f"nominal α′ = {d.nominal:.4f} per look; rounds of {state.round_seeds} seeds after the first; "
             f"cap {state.max_seeds} seeds" + (f", budget {state.budget_min:g} min" if state.budget_min is not None else ""))

@@ -98,6 +98,34 @@ class SequentialState:
             out.append((r.number, set(seen)))
         return out
 
+    # ------------------------------------------------------------------ α-spending across restarts
+    def _restarted_after(self) -> int:
+        """The last round judged by an earlier design of this state (`--restart` keeps the rounds; 0: none)."""
+        return max((int(h["last_round"]) for h in self.design.history if h.get("last_round") is not None), default=0)
+
+    def design_at(self, round_number: int) -> SequentialDesign:
+        """The design that judged the look after round `round_number`: an earlier one for the rounds before a restart."""
+        for h in self.design.history:
+            if h.get("last_round") is not None and round_number <= int(h["last_round"]):
+                return SequentialDesign.from_dict(h)
+        return self.design
+
+    def design_looks(self) -> list[int]:
+        """The looks the current design has made: the seeds in all at each finished round after its restart."""
+        start = self._restarted_after()
+        return [len(seeds) for rnd, seeds in self.looks() if rnd > start]
+
+    def alpha_spent(self) -> float:
+        """α spent on these runs so far: by the earlier designs and by the current one at its looks."""
+        return self.design.spent + self.design.alpha_spent(self.design_looks())
+
+    def restart(self, cap: int) -> None:
+        """`--restart`: a new design capped at `cap` on the same rounds, calibrated at the α the current one left
+        (stats.SequentialDesign.restarted); the rounds so far keep the verdicts their design gave them."""
+        last = self.finished[-1].number if self.finished else 0
+        self.design = self.design.restarted(cap, self.design_looks(), last_round=last, closed=_now())
+        self.max_seeds, self.stop = cap, None
+
     def stop_text(self) -> str:
         if self.stop:
             return self.stop["reason"]
@@ -148,8 +176,8 @@ def judge_sequential(spec: TableSpec, units: list, scale: str | None, state: Seq
         adjust_family(vs)
         return vs
     per_look = []
-    for rnd, seeds in looks:
-        vs = evaluate_findings(spec, [u for u in units if u.rep in seeds], scale, design)
+    for rnd, seeds in looks:  # each look with the design that made it (an earlier one before a --restart)
+        vs = evaluate_findings(spec, [u for u in units if u.rep in seeds], scale, state.design_at(rnd))
         per_look.append((rnd, {_key(spec, v): v for v in vs}, vs))
     final = []
     last_round, _, last = per_look[-1]

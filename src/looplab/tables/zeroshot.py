@@ -2,7 +2,8 @@
 
 Writes `zeroshot.json` (run_zeroshot's result plus per-task intervals, see `add_intervals`)
 next to each ok run's results.json; the report reads it from there, so the table itself never
-imports lm-eval or the model.
+imports lm-eval or the model. Its 'items' (looplab.eval.item_outcomes: each document's 0/1 acc per task)
+let the findings pair the arms' item noise (looplab.stats.paired_item_interval, docs/tables.md#method).
 
 Default suite per scale: the paper's 8 hub tasks at paper scale; at tiny scale the offline
 `looplab_tiny` suite (looplab.eval.tiny_suite: 900 items on the held-out plays of lm_tiny), on

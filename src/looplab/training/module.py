@@ -91,6 +91,8 @@ class LoopedLMModule(L.LightningModule):
         check_optim(optim)  # optim.lr=-1 etc.: one line naming the key, not torch's traceback at fit
         self.optim_cfg, self.objective = optim, objective
         self.dataset_cfg = dataset or {}
+        # mixed-hop p-hop (TaskDataModule.hop_counts): answers are also scored per hop count (acc_by_hops)
+        self.hop_counts = [int(h) for h in self.dataset_cfg.get("_hop_counts") or []]
         self.R = self.model.config.n_loops
         # training depth per optimizer step (default: fixed at R, every loop backpropagated)
         self.depth = DepthSampler(**{**(depth or {}), "loops": self.R})
@@ -335,12 +337,17 @@ class LoopedLMModule(L.LightningModule):
         depths = range(1, R + 1) if per_depth else [R]
         mask = targets != IGNORE
         n_tok = int(mask.sum())
+        # mixed-hop p-hop: each scored answer's hop count, to score every hop count apart
+        hops = (batch["hops"][:, None].expand_as(answer_mask)[answer_mask]
+                if self.hop_counts and answer_mask is not None and "hops" in batch else None)
         for d, logits in zip(depths, loop_logits):
             nll = per_token_loss(logits, targets)
             self.metric(split, f"loss_loop{d}").update(nll.mean(), weight=max(n_tok, 1))
             if answer_mask is not None:
                 acc = (logits.argmax(-1) == targets)[answer_mask].float()
                 self.metric(split, f"acc_loop{d}").update(acc.mean(), weight=acc.numel())
+                if hops is not None:
+                    self._update_by_hops(split, f"acc_loop{d}", acc, hops)
         if self.model.router is not None and not at_r_prime:
             self._routed_eval(ids, targets, answer_mask, mask, n_tok, split, out)
         if self.model.exit_gate is not None and not at_r_prime:
@@ -358,6 +365,17 @@ class LoopedLMModule(L.LightningModule):
                     acc = (logits_q.argmax(-1) == targets)[answer_mask].float()
                     self.metric(split, f"exit_q{q}_acc").update(acc.mean(), weight=acc.numel())
                     self.metric(split, f"exit_q{q}_answer_step").update(chosen[answer_mask].float().mean(), weight=acc.numel())
+                    if hops is not None:
+                        self._update_by_hops(split, f"exit_q{q}_acc", acc, hops)
+                        self._update_by_hops(split, f"exit_q{q}_answer_step", chosen[answer_mask].float(), hops)
+
+    def _update_by_hops(self, split: str, name: str, values: torch.Tensor, hops: torch.Tensor) -> None:
+        """`<name>_hops<h>`: the mean of `values` (one per scored answer) over the answers of hop count h, for every
+        hop count of the dataset (weight 0 where a batch has none, so every rank keeps the same metrics)."""
+        for h in self.hop_counts:
+            sel = hops == h
+            n = int(sel.sum())
+            self.metric(split, f"{name}_hops{h}").update(values[sel].sum() / max(n, 1), weight=n)
 
     def _routed_eval(self, ids, targets, answer_mask, mask, n_tok: int, split: str, out) -> None:
         """depth_router: the metrics above route as training does (expert choice: top-k over the whole sequence,

@@ -1,0 +1,175 @@
+"""The verdict rules of docs/tables.md#verdicts added for findings that decide: the paper's effect in this setting's
+units and the smaller-than-claimed verdict at its boundary, Benjamini–Hochberg, accounting identities, the
+not-learned and cannot-act preconditions, the re-judging of committed tables and the pre-registered C2 analysis."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from looplab.stats import DECISIVE, Rule, benjamini_hochberg, decisive_p, holm, judge, t_quantile
+from looplab.tables.claims import FINDINGS, GATE_CAN_ACT, PAPER_PPL, PHOP_CLEARS_SHORTCUT, TINY_PPL
+from looplab.tables.findings import Verdict, check_preconditions, comparisons
+from looplab.tables.load import Unit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- smaller than claimed
+def test_smaller_than_claimed_at_its_boundary():
+    r = Rule("sign", -1, claimed=-0.88)
+    assert judge(r, -0.88, 0.5) == "inconclusive"  # the interval still holds the claim
+    assert judge(r, -0.8799, 0.5) == "smaller than claimed"
+    assert judge(r, -0.5, -0.01) == "reproduced"  # a decided sign comes first, even when smaller than the claim
+    assert judge(r, 0.01, 0.5) == "contradicted"
+    up = Rule("sign", +1, claimed=1.02)
+    assert judge(up, -0.3, 1.02) == "inconclusive" and judge(up, -0.3, 1.0199) == "smaller than claimed"
+    both = Rule("sign", -1, delta=0.44, claimed=-0.88)
+    assert judge(both, -0.43, 0.43) == "negligible"  # the stronger statement wins
+    assert judge(both, -0.43, 0.45) == "smaller than claimed"
+    with pytest.raises(ValueError, match="claimed"):
+        Rule("sign", -1, claimed=+0.5)  # a claimed effect has the claim's sign
+
+
+def test_the_p_value_decides_exactly_when_the_rule_does():
+    rng = random.Random(3)
+    for _ in range(3000):
+        sign = rng.choice((-1, 1))
+        rule = Rule("sign", sign, delta=rng.choice((None, 0.3)), claimed=sign * rng.uniform(0.2, 1.5))
+        mean, half, df = rng.uniform(-2, 2), rng.uniform(0.05, 1.5), rng.randint(2, 19)
+        p = decisive_p(rule, mean, half, df)
+        assert (p < 0.05) == (judge(rule, mean - half, mean + half) in DECISIVE), (rule, mean, half, p)
+
+
+def test_claims_are_carried_to_this_settings_units():
+    scale = TINY_PPL / PAPER_PPL
+    t1, t2, t3 = FINDINGS[1][0], FINDINGS[2], FINDINGS[3][0]
+    assert t1.claimed() == pytest.approx(-0.18 * scale, abs=1e-3) and t1.claimed(scale="paper") == -0.18
+    assert t2[0].claimed("R = 4") == pytest.approx(-0.18 * scale, abs=1e-3)  # −0.14 at R 3 … −0.30 at R 7, linear
+    assert t2[0].claimed("R = 6") == pytest.approx(-0.26 * scale, abs=1e-3)
+    assert t2[1].claimed() == pytest.approx(-0.16 * scale, abs=1e-3)
+    assert t3.claimed() == pytest.approx(0.21 * scale, abs=1e-3)
+    assert FINDINGS[1][1].claimed() == pytest.approx(0.0097)  # accuracy shares carry as they are
+    # the δ of a perplexity claim is half the same scaled effect: the two use one scaling
+    assert t1.delta == pytest.approx(abs(t1.claimed()) / 2, abs=0.01)
+    v = Verdict(t1, "", "stateloop 1⊗3 − looped 1⊗3", [0.1, -0.2, 0.4], ["1", "2", "3"], lo=-0.39, hi=0.62)
+    assert v.verdict == "smaller than claimed"
+    assert "−0.18".replace("−", "-") in v.size_note() and "this setting's units" in v.size_note()
+
+
+# --------------------------------------------------------------------------- Benjamini–Hochberg
+def test_benjamini_hochberg():
+    ps = [0.01, 0.04, 0.03, None, 0.5, 0.002]
+    q = benjamini_hochberg(ps)
+    assert q[3] is None
+    assert q == pytest.approx([0.025, 0.05, 0.05, None, 0.5, 0.01])
+    h = holm(ps)
+    assert all(qi <= hi + 1e-12 for qi, hi in zip(q, h) if qi is not None)  # never stricter than Holm
+
+
+# --------------------------------------------------------------------------- preconditions and identities
+def _exit_units(shallow: list[float], at_R: float, stage2: float) -> list[Unit]:
+    f = {"experiment": "exit_gate_llama", "N": 1, "R": 4}
+    out = []
+    for seed in ("1", "2", "3"):
+        out.append(Unit({**f, "mode": "fixed loops"}, seed, {"model": {"loops": 4}, "accuracy": at_R,
+                                                             "per_depth": {"acc": [*shallow, at_R]}}, 2048))
+        out.append(Unit({**f, "mode": "stage 2"}, seed, {"model": {"loops": 4}, "accuracy": stage2,
+                                                         "exit": {"0.5": {"acc": stage2 - 0.01 * int(seed)}}}, 2048))
+    return out
+
+
+def test_an_exit_gate_that_cannot_act_is_not_tested():
+    fd = FINDINGS[8][0]
+    assert GATE_CAN_ACT in fd.requires and GATE_CAN_ACT in FINDINGS[8][1].requires
+    (_, _, terms), = comparisons(fd, _exit_units([0.29, 0.47, 0.33], 0.999, 0.86))
+    why = check_preconditions(fd, terms)
+    assert "best shallower loop accuracy 0.47" in why and ">= 0.6" in why
+    (_, _, terms), = comparisons(fd, _exit_units([0.40, 0.71, 0.85], 0.999, 0.95))
+    assert check_preconditions(fd, terms) == ""  # loop 3 solves most items: exiting has something to choose
+
+
+def test_an_arm_that_never_cleared_the_shortcut_is_not_tested():
+    fd = next(f for f in FINDINGS[13] if f.label == "parallel gswa − parallel share_first (accuracy)")
+    assert PHOP_CLEARS_SHORTCUT in fd.requires
+
+    def units(a, b):
+        return [Unit({"experiment": "plt_phop", "kv": kv, "schedule": "parallel", "N": 1, "R": 4}, s, {"accuracy": acc}, 512)
+                for kv, acc in (("gswa", a), ("share_first", b)) for s in ("1", "2")]
+    (_, _, terms), = comparisons(fd, units(0.633, 0.489))
+    assert "share_first 1⊗4: accuracy 0.489, needs >= 0.6" in check_preconditions(fd, terms)
+    (_, _, terms), = comparisons(fd, units(0.95, 0.80))
+    assert check_preconditions(fd, terms) == ""
+
+
+def test_an_accounting_identity_is_by_construction_and_joins_no_family():
+    from looplab.tables.findings import adjust_family
+
+    fd = next(f for f in FINDINGS[13] if f.by_construction and f.kind == "sign")
+    v = Verdict(fd, "", "parallel own 1⊗2 − 1⊗1", [1.0, 1.0, 1.0], ["1", "2", "3"], lo=1.0, hi=1.0)
+    adjust_family([v])
+    assert v.verdict == "by construction" and v.p is None and v.holm_text() == "—"
+
+
+# --------------------------------------------------------------------------- re-judging committed tables
+def test_rejudge_applies_todays_rules_to_the_stored_intervals(tmp_path):
+    from looplab.tables.rejudge import rejudge
+
+    for n in (2, 8):
+        for ext in ("findings.json", "csv", "md"):
+            shutil.copy(ROOT / "experiments" / "tables" / f"table{n}.{ext}", tmp_path)
+        d = json.loads((tmp_path / f"table{n}.findings.json").read_text())
+        for f in d["findings"]:  # as the table was built, before the new rules
+            f.pop("rejudged", None)
+            f["verdict"] = f.get("verdict_before", f["verdict"])
+            f.pop("verdict_before", None)
+        (tmp_path / f"table{n}.findings.json").write_text(json.dumps(d))
+    t2 = rejudge(2, tmp_path)
+    by_R = {v.stratum: v for v in t2 if v.stratum}
+    for R in ("R = 4", "R = 6"):  # lower ends about −0.60 against −0.88 / −1.27
+        assert by_R[R].verdict == "smaller than claimed" and by_R[R].lo > by_R[R].claimed
+    assert by_R["R = 2"].verdict == "inconclusive"  # [−0.65, +0.15] still holds −0.49
+    t8 = rejudge(8, tmp_path)
+    judged = [v for v in t8 if v.stratum in ("experiment = exit_gate_llama", "experiment = exit_gate_stateloop")]
+    assert judged and all(v.verdict == "not tested" and "best shallower loop accuracy" in v.not_tested for v in judged)
+    stored = json.loads((tmp_path / "table8.findings.json").read_text())["findings"]
+    assert all("rejudged" in f and "verdict_before" in f for f in stored)
+    md = (tmp_path / "table8.md").read_text()
+    assert md.count("re-judged from the stored interval") == len(stored)
+
+
+# --------------------------------------------------------------------------- the pre-registered C2 analysis
+def _c2_values(gap: dict[int, float], noise: float, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    out = {}
+    for s in range(101, 111):
+        shared = rng.gauss(0, 1.0)
+        for R in (2, 4, 6):
+            base = 45 - R + shared
+            out[(s, R, "looped")] = base
+            out[(s, R, "stateloop")] = base + gap[R] + rng.gauss(0, noise)
+    return out
+
+
+def test_c2_follows_its_registration():
+    from looplab.tables.confirm import c2_from_values, c2_rule_pooled
+
+    assert c2_rule_pooled().claimed == pytest.approx(-0.18 * TINY_PPL / PAPER_PPL, abs=1e-3)
+    big = c2_from_values(_c2_values({2: -0.5, 4: -0.9, 6: -1.3}, 0.1))
+    assert big["primary"]["verdict"] == "reproduced" and big["primary"]["n"] == 10
+    assert [s["R"] for s in big["secondary"]] == [6, 4, 2]
+    assert big["secondary"][0]["verdict"] == "reproduced"
+    small = c2_from_values(_c2_values({2: -0.05, 4: -0.05, 6: -0.05}, 0.1))
+    assert small["primary"]["verdict"] in ("negligible", "smaller than claimed", "reproduced")
+    none = c2_from_values(_c2_values({2: 0.0, 4: 0.0, 6: 0.0}, 0.8))
+    if none["primary"]["verdict"] != "reproduced":  # the fixed sequence stops before any R
+        assert all(s["verdict"] == "not tested" for s in none["secondary"])
+    vals = _c2_values({2: -0.3, 4: -0.3, 6: -0.3}, 0.2)
+    del vals[(104, 6, "stateloop")]
+    lost = c2_from_values(vals, {(105, 2, "looped"): False})
+    assert 104 in lost["left_out"] and 105 in lost["left_out"] and lost["primary"]["n"] == 8
+    assert t_quantile(7) == pytest.approx(2.365, abs=1e-3)
