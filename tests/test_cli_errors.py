@@ -26,7 +26,7 @@ def cli(module: str, args: list[str], cwd: Path, **env: str) -> subprocess.Compl
     full = {k: v for k, v in os.environ.items() if k not in cli_errors.FULL_ERROR_ENV}
     full.update({"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd), **env})
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=1800)
 
 
 def clean_line(proc: subprocess.CompletedProcess, prog: str) -> str:

@@ -193,7 +193,7 @@ def test_hydra_multirun_ddp_children_run_only_their_job(tmp_path):
             "dataset.val_size=8", "dataset.test_size=8", "backbone.d_model=32", "backbone.n_heads=2", "backbone.ffn_hidden=64",
             "loop_depth=1x1,1x2", f"hydra.sweep.dir={tmp_path}/sweep"]
     proc = subprocess.run([sys.executable, "-m", "looplab.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert out.count("Launching 2 jobs") == 1, "a DDP child re-expanded the -m sweep"
@@ -223,7 +223,7 @@ def test_submitit_local_sweep_writes_every_job(tmp_path):
             "dataset.test_size=64", "backbone.d_model=32", "backbone.n_heads=2", "backbone.ffn_hidden=64",
             f"hydra.sweep.dir={tmp_path}/sweep"]
     proc = subprocess.run([sys.executable, "-m", "looplab.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "Submitit 'local' sweep output dir" in out
@@ -243,7 +243,7 @@ def test_paper_table_on_slurm_dry_run_composes(tmp_path):
     from conftest import compose
 
     proc = subprocess.run([sys.executable, "-m", "looplab.tables", "run", "1", "--scale", "paper", "--hardware", "slurm",
-                           "--dry-run", "--out-root", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                           "--dry-run", "--out-root", str(tmp_path)], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     commands = [shlex.split(line) for line in proc.stdout.splitlines() if "looplab.train" in line]
     assert commands, proc.stdout

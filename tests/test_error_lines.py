@@ -94,7 +94,7 @@ def test_negative_learning_rate_through_the_real_train_cli(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in cli_errors.FULL_ERROR_ENV}
     env.update({"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
     proc = subprocess.run([sys.executable, "-m", "looplab.train", *TINY, "optim.lr=-1", f"hydra.run.dir={tmp_path / 'r'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == cli_errors.EXIT_CODE, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("python -m looplab.train: error: ")]

@@ -141,7 +141,7 @@ def test_trains_resumes_evaluates_decodes_and_serves_from_the_command_line(packa
     refused = subprocess.run([sys.executable, "-c", decode], cwd=root, env=_env(root), capture_output=True, text=True)
     assert refused.returncode != 0 and f"--trust-variants {update.split('.')[0]}" in refused.stderr, refused.stderr[-2000:]
     trusted = {**_env(root), "LOOPLAB_TRUST_VARIANTS": update.split(".")[0]}
-    p = subprocess.run([sys.executable, "-c", decode], cwd=root, env=trusted, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", decode], cwd=root, env=trusted, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0 and "served" in p.stdout, p.stderr[-3000:]
 
 

@@ -44,7 +44,7 @@ def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, check: bo
     cmd = [sys.executable, "-m", "looplab.train", *args]
     if not wait:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     if check:
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -53,7 +53,7 @@ def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, check: bo
 def run_together(*arg_lists: list[str], cwd: Path) -> None:
     """Start the runs at once and wait for all: their start-up (imports, data, process group) overlaps."""
     procs = [run(args, cwd, wait=False) for args in arg_lists]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    logs = [p.communicate(timeout=1800)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
 
@@ -183,7 +183,7 @@ def test_two_nodes_of_one_process_train_like_one_node_of_two(phop_runs, tmp_path
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node), "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
         procs.append(run([*PHOP, "hardware=fsdp", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=2",
                           f"hydra.run.dir={out}"], tmp_path, env=env, wait=False))
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    logs = [p.communicate(timeout=1800)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in logs[1], logs[1][-3000:]

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from conftest import ROOT, compose
+
+HANG_GUARD_S = 3000  # subprocess limits of these tests: against a hang, never a bound on how long honest work may take
 from looplab import gpu_check
 from looplab.gpu_check import Check, build_checks, count_log_events, make_report, run_check, summary_table
 
@@ -27,7 +29,7 @@ def test_refuses_without_cuda_and_writes_nothing(tmp_path):
         pytest.skip("this machine can run the GPU checks")
     out = tmp_path / "gpu-check.json"
     proc = subprocess.run([sys.executable, "-m", "looplab.gpu_check", "--out", str(out), "--workdir", str(tmp_path / "w")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          capture_output=True, text=True, cwd=ROOT, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr
     assert "gpu-check refused" in proc.stderr
     if torch.version.cuda is None:
@@ -95,7 +97,7 @@ def test_training_commands_compose_with_the_real_configs(tmp_path, name):
 def test_bench_command_uses_flags_bench_has():
     check = next(c for c in build_checks(Path("/tmp/x"), python="python") if c.name == "bench")
     helptext = subprocess.run([sys.executable, "-m", "looplab.bench", "--help"], capture_output=True, text=True,
-                              cwd=ROOT, timeout=300).stdout
+                              cwd=ROOT, timeout=HANG_GUARD_S).stdout
     for flag in (a for a in check.cmd if a.startswith("--")):
         assert flag in helptext, flag
     assert check.cmd[check.cmd.index("--device") + 1] == "cuda"
@@ -306,7 +308,10 @@ def test_gpu_tests_collect_and_skip_on_the_cpu_with_their_reasons(tmp_path):
     if not gpu_check.cuda_problems():
         pytest.skip("this machine has CUDA: the GPU tests run")
     check = next(c for c in build_checks(tmp_path) if c.name == "gpu-tests")
-    r = run_check(check, tmp_path, gpu_check.time.monotonic() + 280)
+    check.timeout_s = HANG_GUARD_S
+    # a hang guard only, far beyond what the work takes on a loaded machine: the test bounds its work (collection
+    # of the gpu-marked tests), never the time it takes (a 280 s budget once failed `make test` on a busy 2-core box)
+    r = run_check(check, tmp_path, gpu_check.time.monotonic() + HANG_GUARD_S)
     files = {n.split("::")[0] for n in r["tests"]}
     assert {"tests/test_mamba2_kernels.py", "tests/test_gpu_decode.py"} <= files, files
     assert r["status"] == "skipped" and r["counts"] == {"skipped": r["collected"]} and r["returncode"] == 0
@@ -453,9 +458,9 @@ def test_a_real_training_check_on_the_cpu(tmp_path):
     check.cmd = [swap.get(a, a) for a in check.cmd]
     check.info["steps"] = 3
     check.info["expect_conv"] = "torch"  # on the CPU the torch conv must have run, and causal_conv1d never
-    check.timeout_s = 280
+    check.timeout_s = HANG_GUARD_S  # a hang guard, not a speed bound: the work is bounded (3 steps)
     check.env["OMP_NUM_THREADS"] = "1"
-    r = run_check(check, tmp_path, gpu_check.time.monotonic() + 300)
+    r = run_check(check, tmp_path, gpu_check.time.monotonic() + HANG_GUARD_S)
     assert r["status"] == "pass", r
     assert r["global_step"] == 3 and r["graph_breaks"] == 0 and r["mamba2_kernels"].startswith("torch")
     assert r["conv_calls"]["torch"] > 0 and "causal_conv1d" not in r["conv_calls"]
@@ -681,13 +686,13 @@ def test_make_gpu_check_refuses_on_a_cpu_machine_without_building(tmp_path):
     env = {k: v for k, v in env.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
 
     dry = subprocess.run(["make", "-s", "-n", "gpu-check", f"VENV={venv}"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60).stdout.splitlines()
+                         text=True, timeout=1800).stdout.splitlines()
     assert [line.split(" -m ")[-1] for line in dry if " -m " in line] == [
         "looplab.gpu_install --constraint constraints.txt", "looplab.gpu_check"]
 
     t0 = time.monotonic()
     proc = subprocess.run(["make", "gpu-check", f"VENV={venv}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=1800)
     assert proc.returncode != 0 and time.monotonic() - t0 < 60
     assert "gpu-check refused: " in proc.stderr and "nothing was built, run or written" in proc.stderr
     assert ("built without CUDA" if torch.version.cuda is None else "no CUDA device is visible") in proc.stderr

@@ -447,7 +447,7 @@ def test_prepare_cli_writes_manifests(tmp_path, jsonl):
     env = {**os.environ, "LOOPLAB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "looplab.data.prepare", "dataset=hf", "dataset.source=json", f"dataset.data_files={path}",
            "dataset.num_proc=1", f"hydra.run.dir={tmp_path / 'run'}"]
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-2000:]
     manifests = sorted((tmp_path / "cache").glob("*/*.json"))
     assert [m.name for m in manifests] == ["train.json", "validation.json"]

@@ -45,7 +45,7 @@ def execute(cwd: Path, monkeypatch, **env: str):
     for k, v in env.items():
         monkeypatch.setenv(k, v)  # the kernel inherits the environment
     nb = nbformat.read(cwd / "analysis.ipynb" if (cwd / "analysis.ipynb").exists() else NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream"), outputs

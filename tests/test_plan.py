@@ -41,7 +41,7 @@ def real_run(tmp_path_factory):
 
     def wait():
         if not result:
-            log = proc.communicate(timeout=600)[0]
+            log = proc.communicate(timeout=1800)[0]
             assert proc.returncode == 0, log[-4000:]
             result["ranks"] = [json.loads((out / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
         return result["ranks"]

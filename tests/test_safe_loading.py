@@ -307,7 +307,7 @@ def test_fsdp_resume_loads_a_genuine_sharded_checkpoint_and_refuses_a_crafted_on
 
     def train(steps: int) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "looplab.train", *args, f"trainer.max_steps={steps}"], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=600)
+                              env=env, capture_output=True, text=True, timeout=1800)
 
     first = train(1)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]

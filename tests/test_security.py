@@ -409,7 +409,7 @@ def test_an_impossible_depth_is_one_line_on_the_command_line(tmp_path):
     import subprocess
 
     p = subprocess.run([sys.executable, "-m", "looplab.train", "loop_depth.loops=1000000000000", "logger=none",
-                        f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
+                        f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=1800,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if "cannot fit" in line]

@@ -361,7 +361,7 @@ def test_hardware_slurm_multirun_submits_each_job_with_sbatch(slurm_jobs, slurm_
         job_ids |= {a["slurm_job_id"] for a in json.loads((slurm_jobs["sweep"]["dir"] / str(num) / "attempts.json").read_text())["attempts"]}
     assert len(job_ids) == 2 and None not in job_ids  # two SLURM jobs, one per configuration
     # submitit returns once the result files exist, which can be before SLURM records the jobs as done
-    assert all(slurm_cluster.wait_job(j, timeout=60)["JobState"] == "COMPLETED" for j in job_ids)
+    assert all(slurm_cluster.wait_job(j, timeout=1800)["JobState"] == "COMPLETED" for j in job_ids)
     done = (slurm_cluster.root / "log" / "jobcomp.txt").read_text()
     assert all(f"JobId={j} " in done for j in job_ids)
 

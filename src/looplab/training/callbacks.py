@@ -373,6 +373,12 @@ class AttemptClock(L.Callback):
         if trainer.is_global_zero and time.monotonic() - self._saved_at >= self.every_s:
             self.save(global_step=trainer.global_step)
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # the step of every checkpoint, so that an attempt killed hard (SIGKILL after a slow SIGTERM, an OOM kill)
+        # still says how far it got: at least to the checkpoint the next attempt resumes from
+        if trainer.is_global_zero:
+            self.save(global_step=trainer.global_step)
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if trainer.is_global_zero:
             failed = "error" not in self.entry and not isinstance(exception, Requeued)  # a requeue is no failure
