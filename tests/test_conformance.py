@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from looplab.models.registry import STATE_UPDATES
+from looplab.models.exit_rules import ExitRule
+from looplab.models.registry import EXIT_RULES, STATE_UPDATES
 from looplab.models.state import SelectiveState
 from looplab.testing.conformance import builtin_variants, checks, parametrize_checks
 
@@ -40,8 +41,43 @@ def test_the_kit_fails_a_variant_whose_cached_decoding_differs(monkeypatch):
     found = checks("state_update", "conformance_test.leaks_the_future", only=("cached_decoding",))
     assert found
     for check in found:
-        with pytest.raises(AssertionError, match="not close"):
+        with pytest.raises(AssertionError, match="not close") as err:
             check()
+        # the failure names the contract and where to look, not only torch's "Tensor-likes are not close!"
+        assert "broke the contract 'decoding from the caches equals full forwards" in str(err.value)
+        assert "look at the variant's cached path" in str(err.value)
+
+
+class PeeksAtTheLastLoop(ExitRule):
+    """A broken rule (the one a researcher wrote): it stops when the readout barely moves, but compares loop t − 1
+    with the last loop run, inputs[-1], instead of loop t, inputs[t - 1]. In a forward every loop has run, so it looks
+    ahead in depth; in decoding with skipped loops it cannot, and the two disagree."""
+
+    reads = "hidden"
+    example_thresholds = (0.5, 1.0)
+
+    @classmethod
+    def stops(cls, t, threshold, inputs):
+        if t < 2:
+            return cls.never(inputs)
+        return (inputs[-1] - inputs[t - 2]).norm(dim=-1) / inputs[t - 2].norm(dim=-1) < threshold
+
+
+def test_the_kit_fails_an_exit_rule_that_looks_ahead(monkeypatch):
+    monkeypatch.setattr(EXIT_RULES, "_classes", dict(EXIT_RULES._classes))
+    monkeypatch.setattr(EXIT_RULES, "_order", list(EXIT_RULES._order))
+    EXIT_RULES.register("conformance_test.peeks_at_the_last_loop")(PeeksAtTheLastLoop)
+    found = checks("exit_rule", "conformance_test.peeks_at_the_last_loop", only=("no_look_ahead",))
+    assert found
+    with pytest.raises(AssertionError) as err:
+        found[0]()
+    msg = str(err.value)
+    assert "broke the contract 'an exit rule decides after loop t from loops 1..t only'" in msg, msg
+    assert "PeeksAtTheLastLoop.stops(t, threshold, inputs) read loops 1..t only" in msg, msg
+    # the same rule reading loop t passes
+    monkeypatch.setattr(PeeksAtTheLastLoop, "stops", classmethod(
+        lambda cls, t, q, x: cls.never(x) if t < 2 else (x[t - 1] - x[t - 2]).norm(dim=-1) / x[t - 2].norm(dim=-1) < q))
+    assert found[0]() > 0
 
 
 def test_a_check_that_compares_nothing_reports_zero():

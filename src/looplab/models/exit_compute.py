@@ -173,7 +173,7 @@ def frozen_loop(model, frozen: FrozenInputs):
 def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor | None, handling: str,
                        attention_mask: torch.Tensor | None = None, *, rule: str | None = None,
                        threshold: float | None = None, min_loops: int = 1, n_loops: int | None = None,
-                       targets: torch.Tensor | None = None):
+                       targets: torch.Tensor | None = None, cache: LoopCache | None = None):
     """The reference: a full forward pass (no cache) in which each token stops at its exit step.
 
     exit_steps: (B, T) 1-based loop after which each token exits; or None with `rule`/`threshold`
@@ -184,6 +184,9 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
     ordinary, the deeper ones meaningless — logits (B, T, V) read at each token's exit step, and exit_steps.
     n_loops: the depth R′ to run (test-time depth; default the configured R). targets (B, T): exit-aware training's
     loss, each token's cross-entropy at its exit step (`token_loss`, models/loss.py) instead of any logits.
+    cache: a prefill under the same rule (generation.prefill with a skip handling): every loop's and depth's
+    entries are written from the frozen inputs, which is what the handling's copies leave there, so a prompt's
+    tokens are treated as decoded ones are (and as vLLM's plugin treats every token, chunked or cached).
     """
     if handling not in HANDLINGS:
         raise ValueError(f"handling={handling!r} is unknown; choose one of {HANDLINGS.names()}")
@@ -198,8 +201,12 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
             raise ValueError(f"exit rule {rule!r} needs a model with an exit gate (exit_gate=ouro)")
         exit_steps = torch.full(input_ids.shape, R, dtype=torch.long, device=input_ids.device)
         decided = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-    positions, valid = model.positions(input_ids, attention_mask)
-    stream = model.start(input_ids, positions, valid)
+    if cache is not None:
+        if targets is not None:
+            raise ValueError("forward_with_exits(targets=...) is a training loss; a prefill (cache=) reads logits")
+        cache.check_depth(R)
+    positions, valid = model.positions(input_ids, attention_mask, cache)
+    stream = model.start(input_ids, positions, valid, cache)
     frozen = FrozenInputs(handling, run=model.apply_layer)
     readouts, hidden, probs = [], [], []
     survival = None
@@ -212,7 +219,7 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
 
     def after(r, st, idx):
         nonlocal survival
-        readout = model.coda_at(model.readout(st), r, st.positions, st.valid, call=frozen.call)
+        readout = model.coda_at(model.readout(st), r, st.positions, st.valid, cache, call=frozen.call)
         readouts.append(readout)
         t = r + 1
         if online and t < R:
@@ -231,7 +238,7 @@ def forward_with_exits(model, input_ids: torch.Tensor, exit_steps: torch.Tensor 
                 state["steps"] = torch.where(new, torch.full_like(state["steps"], t), state["steps"])
                 state["decided"] = state["decided"] | new
 
-    model.run_loops(stream, range(R), step=frozen_loop(model, frozen), rows=rows, after=after)
+    model.run_loops(stream, range(R), cache, step=frozen_loop(model, frozen), rows=rows, after=after)
     exit_steps = state["steps"]
     loop_hidden = model.final_norm(torch.stack(readouts))  # (R, B, T, d)
     if targets is not None:

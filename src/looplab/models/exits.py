@@ -81,17 +81,19 @@ class ExitPolicy:
         return cls(exit_threshold, exit_rule, exit_min_loops, exit_at_step, bool(expected_exit), skip, exit_steps)
 
 
-def forward_with_skips(model, input_ids, attention_mask, policy: ExitPolicy, n_loops, targets=None,
+def forward_with_skips(model, input_ids, attention_mask, policy: ExitPolicy, n_loops, targets=None, cache=None,
                        **unsupported) -> LoopedLMOutput:
     """A forward in which each token stops running loops after its exit (exit_compute.forward_with_exits); the
-    output holds every loop's logits (with targets: each token's loss at its exit instead)."""
+    output holds every loop's logits (with targets: each token's loss at its exit instead). cache: a prefill under
+    the same rule (the cache's deeper entries of an exited token hold its exit loop's)."""
     unsupported = {**unsupported, "exit_at_step": policy.at_step, "expected_exit": policy.expected}
     bad = [k for k, v in unsupported.items() if v not in (None, False)]
     if bad:
         raise ValueError(f"skip_compute={policy.skip!r} runs the cache-free exit reference, which does not take "
                          f"{', '.join(bad)}; call the model without them")
-    return forward_with_exits(model, input_ids, policy.steps, policy.skip, attention_mask, rule=policy.rule,
-                              threshold=policy.threshold, min_loops=policy.min_loops, n_loops=n_loops, targets=targets)
+    return forward_with_exits(model, input_ids, policy.steps, policy.skip, attention_mask, rule=policy.rule_name,
+                              threshold=policy.threshold, min_loops=policy.min_loops, n_loops=n_loops, targets=targets,
+                              cache=cache)
 
 
 def read_depths(model, readouts: list[torch.Tensor], policy: ExitPolicy | None, return_all_loops: bool,

@@ -1,7 +1,8 @@
 """Cached decoding in gpt-fast's shape (docs/decoding.md): three functions over one LoopCache, and generation
 around them.
 
-    prefill(model, ids, cache, ...)              the prompt through every loop, filling every entry
+    prefill(model, ids, cache, ...)              the prompt through every loop (under a skip handling each
+                                                 token's up to its exit), filling every entry
     decode_one_token(model, tokens, cache, ...)  one token per row: plain, exit read-out, or skip handling
                                                  (exit_compute.SkipDecoding: a row whose token has exited
                                                  runs no deeper loop); optionally compiled over a static cache
@@ -197,8 +198,11 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     steps (B,) or None). exits: read each token at its exit depth (every depth's coda is filled, as the decoding
     steps will read them). draft_loops=k: speculation's draft also reads depth k, whose coda entries are filled."""
     if exits is not None or draft_loops is None or not len(model.coda):
-        read = None if exits is None else ExitPolicy(exits.threshold, exits.rule, exits.min_loops)
-        out = model(input_ids, attention_mask=attention_mask, cache=cache, n_loops=n_loops, exits=read)
+        # with a skip handling the prompt's tokens stop at their exits too, as decoded ones do (exit_compute.py)
+        read = None if exits is None or exits.skip is not None else ExitPolicy(exits.threshold, exits.rule,
+                                                                                exits.min_loops)
+        out = model(input_ids, attention_mask=attention_mask, cache=cache, n_loops=n_loops,
+                    exits=exits if read is None else read)
         return out.logits[:, -1], (out.exit_steps[:, -1] if out.exit_steps is not None else None)
     positions, valid = model.positions(input_ids, attention_mask, cache)
     st = model.start(input_ids, positions, valid, cache)
@@ -449,7 +453,7 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mas
         yield from _stream_speculative(model, input_ids, attention_mask, max_new_tokens, eos, speculation, R, sampling)
         return
     cache = model.allocate_cache(B, T + max_new_tokens, n_loops=R)
-    # prefill is parallel over the prompt, so it runs every loop even under a skip handling
+    # under a skip handling the prefill freezes each prompt token at its exit, as decoding does (exit_compute.py)
     logits, exit_steps = prefill(model, input_ids, attention_mask, cache, R, exits)
     skip = SkipDecoding(model, exits, R) if exits is not None and exits.skip is not None else None
     read = None if exits is None else ExitPolicy(exits.threshold, exits.rule, exits.min_loops)

@@ -4,8 +4,8 @@ The engine keeps `max_batch` rows of one cache. Each `step()`:
 
   1. admission: waiting requests (first come, first served) take free rows; the row is emptied
      (`LoopCache.reset_rows`) and the request's prompt is prefilled into that row alone
-     (`LoopCache.select_rows`), every loop run, exactly as `generate` prefills it at batch 1; its first
-     token comes from the prefill's logits;
+     (`LoopCache.select_rows`), exactly as `generate` prefills it at batch 1 (every loop, or under a skip
+     handling each prompt token's loops up to its exit); its first token comes from the prefill's logits;
   2. one decoding step for every running row that has a token to feed, in one batched call
      (`decode_one_token` under `select_rows(running)`): each row at its own length and position;
   3. a row whose request emitted eos or reached its token limit leaves; its row is free for the

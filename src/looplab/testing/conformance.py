@@ -16,6 +16,7 @@ state update with an exit gate, prelude/coda and GQA, on a hybrid block, with a 
 against what the variant DECLARES (models/registry.py Supports):
 
     init_equivalence   an untrained state update / mixer / injection computes the model without it (W_o = 0)
+    no_look_ahead      an exit rule's decision after loop t does not change when loops t+1..R change
     cached_decoding    greedy decoding from the caches equals full forwards over each row alone, in a left-padded
                        batch, plain and with the exit read-out (a gate, or the rule under test)
     prefill            a prefill and single steps give every loop's logits (and exit distribution) of a forward
@@ -30,9 +31,10 @@ against what the variant DECLARES (models/registry.py Supports):
     parallel_loops     under loop_schedule=parallel it decodes as its forward
     routing            under a depth router it decodes as its causal forward
 
-A capability the variant declares unsupported is checked as a refusal instead: the entry point must refuse
-it, naming the variant. A capability refused by another part of the context is not this variant's business
-and is skipped. Nothing here needs pytest except `parametrize_checks`.
+A failing check names the contract it checks and where a variant usually breaks it (`CONTRACTS`), as
+scikit-learn's check_estimator does. A capability the variant declares unsupported is checked as a refusal instead:
+the entry point must refuse it, naming the variant. A capability refused by another part of the context is not this
+variant's business and is skipped. Nothing here needs pytest except `parametrize_checks`.
 """
 
 from __future__ import annotations
@@ -360,8 +362,6 @@ def _applicable_handlings(cfg) -> list[str]:
 @torch.no_grad()
 def check_skip(ctx: Context, variant, handling: str) -> None:
     """Exits that skip compute equal the frozen-input reference at the exits decoding chose, in a left-padded batch."""
-    from looplab.models.exit_compute import forward_with_exits
-    from looplab.models.exit_gate import logits_at_depth
     from looplab.models.generation import generate
 
     model = ctx.build(seed=1)
@@ -369,7 +369,6 @@ def check_skip(ctx: Context, variant, handling: str) -> None:
     if not ctx.gated:
         raise Skip("no exit gate and no exit rule under test")
     ids, mask, _ = left_padded()
-    B, T = ids.shape
     where = cfg.unsupported("exits")
     if where is not None:
         raise Skip(f"exits refused here ({where})")
@@ -377,14 +376,31 @@ def check_skip(ctx: Context, variant, handling: str) -> None:
     out = generate(model, ids, 8, attention_mask=mask, return_logits=True, exits=exits)
     _require(bool((out.exit_steps < R).any()) and len(out.exit_steps.unique()) > 1,
              f"exits were meant to be mixed (threshold {exits.threshold}): {out.exit_steps.tolist()}")
+    _, want = skip_reference(model, out, ids, mask, exits)
+    _close(out.logits, want, atol=ATOL, rtol=RTOL)
+
+
+def skip_reference(model, out, prompt, mask, exits):
+    """What the cache-free reference (forward_with_exits) gives for the tokens that `generate(exits=exits)` with a
+    skip handling produced → (its output, the logits at each generated position (B, n, V)). The prompt's tokens stop
+    at their exits as the prefill decides them (online, from their own loops); each generated token at the exit step
+    decoding chose (given, so a decision within rounding of the threshold cannot flip between the two)."""
+    from looplab.models.exit_compute import forward_with_exits
+    from looplab.models.exit_gate import logits_at_depth
+
+    B, T = prompt.shape
     n = out.logits.shape[1]
-    fed = out.sequences[:, :T + n - 1]
-    full = torch.full((B, T), R, dtype=torch.long)
-    compute = torch.cat([full, out.exit_steps[:, 1:]], 1)  # the prefill runs every loop
-    readout = torch.cat([full[:, :-1], out.exit_steps], 1)  # the prompt's last token reads out at its exit
-    m = torch.cat([mask, torch.ones(B, n - 1, dtype=mask.dtype)], 1)
-    ref = forward_with_exits(model, fed, compute, handling, attention_mask=m)
-    _close(out.logits, logits_at_depth(ref.loop_logits, readout)[:, T - 1:], atol=ATOL, rtol=RTOL)
+    online = forward_with_exits(model, prompt, None, exits.skip, attention_mask=mask, rule=exits.rule_name,
+                                threshold=exits.threshold, min_loops=exits.min_loops)
+    prompt_steps = online.exit_steps
+    _require(torch.equal(prompt_steps[:, -1], out.exit_steps[:, 0]),
+             f"the prompt's last token exits at {out.exit_steps[:, 0].tolist()} in the prefill, at "
+             f"{prompt_steps[:, -1].tolist()} in the reference")
+    fed = out.sequences[:, :T + n - 1]  # the prompt, then every generated token but the last
+    compute = torch.cat([prompt_steps, out.exit_steps[:, 1:]], 1)
+    m = None if mask is None else torch.cat([mask, torch.ones(B, n - 1, dtype=mask.dtype)], 1)
+    ref = forward_with_exits(model, fed, compute, exits.skip, attention_mask=m)
+    return ref, logits_at_depth(ref.loop_logits, compute)[:, T - 1:]
 
 
 @torch.no_grad()
@@ -543,6 +559,42 @@ def _in_context(feature: str, change: dict) -> Callable:
     return check
 
 
+@torch.no_grad()
+def check_no_look_ahead(ctx: Context, variant) -> None:
+    """An exit rule decides after loop t from loops 1..t only: with loops t+1..R of its input replaced by another
+    model's, and with them cut off, every decision at t is the same (what the rule reads comes from a tiny model's
+    forward on a left-padded batch, at each of the rule's example thresholds)."""
+    from looplab.models.exit_rules import get_rule
+
+    name = ctx.rule
+    if name is None:
+        raise Skip("no exit rule under test")
+    cls = get_rule(name)
+    ids, _, _ = left_padded()
+    a, b = ctx.build(seed=0)(ids, return_all_loops=True), ctx.build(seed=7)(ids, return_all_loops=True)
+    pick = {"exit_probs": lambda o: o.exit_probs, "logits": lambda o: o.loop_logits, "hidden": lambda o: o.loop_hidden}
+    full, other = pick[cls.reads](a), pick[cls.reads](b)
+    loops_last = cls.reads == "exit_probs"  # (..., R); the others are (R, ...)
+    R = full.shape[-1] if loops_last else full.shape[0]
+    for q in tuple(cls.example_thresholds) or (1.0,):
+        cls.check_threshold(q)
+        for t in range(1, R):
+            if loops_last:
+                later, cut = torch.cat([full[..., :t], other[..., t:]], -1), full[..., :t]
+            else:
+                later, cut = torch.cat([full[:t], other[t:]], 0), full[:t]
+            want = cls.stops(t, q, full)
+            for how, inputs in (("replaced by another model's", later), ("cut off", cut)):
+                got = cls.stops(t, q, inputs)
+                changed = int((got != want).sum())
+                _require(changed == 0,
+                         f"decisions after loop {t} of {R} changed for {changed} of {want.numel()} tokens when loops "
+                         f"{t + 1}..{R} of its input were {how} (threshold {q}): the rule reads past loop t. "
+                         f"In {cls.__qualname__}.stops(t, threshold, inputs) read loops 1..t only: "
+                         + ("inputs[..., :t]" if loops_last else "inputs[:t] (inputs[t - 1] is loop t, "
+                                                                  "inputs[-1] the last loop run)"))
+
+
 check_parallel_loops = _in_context("parallel_loops", {"loop_schedule": "parallel", "loop_kv": "gswa", "loop_window": 4,
                                                       "exit_gate": "none", "prelude_layers": 0, "coda_layers": 0})
 check_routing = _in_context("routing", {"depth_router": "token_choice", "exit_gate": "none"})
@@ -571,7 +623,7 @@ class Check:
 
     def __call__(self) -> int:
         """Run it; returns how many comparisons and refusals it verified (raises AssertionError on the first that
-        fails, Skip when it does not apply)."""
+        fails, naming the contract and where to look; Skip when it does not apply)."""
         from looplab.models import LoopedLMConfig
         from looplab.models.registry import ConfigError
 
@@ -581,8 +633,42 @@ class Check:
             except ConfigError as e:
                 raise AssertionError(f"{self.id}: the context's model cannot be built: {e}") from e
             _verified[0] = 0
-            self.fn(self.context, self.variant, *self.args)
+            try:
+                self.fn(self.context, self.variant, *self.args)
+            except AssertionError as e:
+                contract, where = CONTRACTS[self.check.split(":")[0]]
+                raise AssertionError(f"{self.id}: broke the contract '{contract}' (look at {where}): {e}") from e
             return _verified[0]
+
+
+# each check's contract, and where a variant that breaks it usually goes wrong (a failure names both)
+CONTRACTS = {
+    "init_equivalence": ("an untrained variant computes the model without it",
+                         "its output projection / gate initialisation (zero W_o, identity injection) in __init__"),
+    "no_look_ahead": ("an exit rule decides after loop t from loops 1..t only",
+                      "the rule's stops(t, threshold, inputs)"),
+    "cached_decoding": ("decoding from the caches equals full forwards over each row alone",
+                        "the variant's cached path: what it writes to and reads from its cache entry per step"),
+    "prefill": ("a prefill and single steps give one forward's logits at every loop",
+                "the variant's cached path over T > 1 tokens (prefill) against T = 1 (steps)"),
+    "test_time_depth": ("R′ = R ± 1 decodes as a forward at R′", "anything in the variant sized by n_loops"),
+    "skip": ("exits that skip compute equal the frozen-input reference",
+             "what the variant leaves in a deeper loop's cache entry for an exited token (models/exit_compute.py)"),
+    "speculation": ("greedy self-speculative decoding gives plain decoding's tokens",
+                    "cache rollback: the variant's entry after rejected draft tokens"),
+    "serving": ("the engine's schedules give each request its solo tokens",
+                "per-row cache state: select_rows / reset_rows on the variant's entry"),
+    "checkpoint": ("a checkpoint and a hub folder load back with the same logits",
+                   "the variant's parameters and buffers (state_dict names, persistent=False buffers)"),
+    "export": ("the transformers remote-code folder gives looplab's logits",
+               "the variant's export (docs/extending.md#export), or declare export=False"),
+    "compile": ("a compiled decoding step gives plain decoding's tokens",
+                "host syncs or Python branches on tensor values in the variant's step"),
+    "parallel_loops": ("under loop_schedule=parallel it decodes as its forward",
+                       "state carried along a token's loops, which the parallel schedule puts at different steps"),
+    "routing": ("under a depth router it decodes as its causal forward",
+                "the variant's handling of rows that skip a loop (restrict/merge of its cache entry)"),
+}
 
 
 @contextlib.contextmanager
@@ -596,9 +682,9 @@ def _one_thread():
 
 
 # the checks of the axes that are not parts of the model: an exit rule or a skip handling is exercised by decoding
-AXIS_CHECKS = {"exit_rule": ("cached_decoding", "serving", "skip"), "handling": ("serving", "skip")}
-FIRST_ONLY = ("init_equivalence", "test_time_depth", "speculation", "serving", "checkpoint", "export", "compile",
-              "parallel_loops", "routing")
+AXIS_CHECKS = {"exit_rule": ("no_look_ahead", "cached_decoding", "serving", "skip"), "handling": ("serving", "skip")}
+FIRST_ONLY = ("init_equivalence", "no_look_ahead", "test_time_depth", "speculation", "serving", "checkpoint", "export",
+              "compile", "parallel_loops", "routing")
 
 
 def checks(axis: str, name: str, only: tuple[str, ...] | None = None) -> list[Check]:
@@ -608,7 +694,8 @@ def checks(axis: str, name: str, only: tuple[str, ...] | None = None) -> list[Ch
     REGISTRIES[axis].get(name)  # unknown names fail here, naming them
     v = (axis, name)
     out: list[Check] = []
-    table = {"init_equivalence": check_init_equivalence, "cached_decoding": check_cached_decoding,
+    table = {"init_equivalence": check_init_equivalence, "no_look_ahead": check_no_look_ahead,
+             "cached_decoding": check_cached_decoding,
              "prefill": check_prefill, "test_time_depth": check_test_time_depth, "speculation": check_speculation,
              "serving": check_serving, "checkpoint": check_checkpoint, "export": check_export,
              "compile": check_compile, "parallel_loops": check_parallel_loops, "routing": check_routing}
@@ -617,6 +704,8 @@ def checks(axis: str, name: str, only: tuple[str, ...] | None = None) -> list[Ch
             if i > 0 and cname in FIRST_ONLY:
                 continue
             if cname == "init_equivalence" and not (axis in NEUTRAL and name not in ("vanilla", "none")):
+                continue
+            if cname == "no_look_ahead" and axis != "exit_rule":
                 continue
             if (cname, axis) in (("parallel_loops", "loop_schedule"), ("routing", "depth_router")):
                 continue  # a schedule is not put under another schedule, nor a router under another router

@@ -12,6 +12,9 @@ why a configuration cannot be run exactly, or None.
 Settings a folder does not hold, set at load time with `hf_overrides` (docs/vllm.md):
     n_loops          the test-time depth R′ (any R′ >= 1)
     exit_threshold   q in (0, 1]: each token is read at the first loop whose exit CDF reaches q (exit_gate=ouro)
+    exit_skip        "kv_copy" (with exit_threshold): the loops after a token's exit do not run for it; each later
+                     (loop, layer) slot gets its exit loop's keys and values (looplab's ExitPolicy(skip="kv_copy"),
+                     vllm_plugin/exits.py). None (default): every loop runs for every token.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ EXIT_GATES = ("none", "ouro")
 LOOP_SCHEDULES = ("sequential", "parallel")
 LOOP_KV = ("own", "share_first", "gswa")  # parallel loops: what loop r >= 2 attends to (looplab/models/parallel.py)
 LOOP_GATES = ("query", "residual")
+EXIT_SKIPS = ("kv_copy",)  # what an exited token leaves in the later slots (looplab/models/exit_compute.py)
 PARALLEL_ARCHITECTURE = "LoopedLMParallelForCausalLM"  # the same folder under parallel loops: a model with a carry
 
 
@@ -102,6 +106,13 @@ def refusal(cfg, supported_head_sizes=None) -> str | None:
             return bad("exit_threshold", "needs a model with an exit gate (exit_gate=ouro)")
         if not isinstance(q, (int, float)) or isinstance(q, bool) or not 0 < float(q) <= 1:
             return bad("exit_threshold", "must lie in (0, 1]")
+    skip = getattr(cfg, "exit_skip", None)
+    if skip is not None:
+        if skip not in EXIT_SKIPS:
+            return bad("exit_skip", f"the plugin runs {', '.join(EXIT_SKIPS)} (attention-only models: ssm_skip and "
+                       "ssm_propagate fill Mamba-2 states, which the plugin does not build)")
+        if q is None:
+            return bad("exit_skip", "skips the loops after a token's exit, so it needs an exit_threshold")
     if supported_head_sizes is not None:
         hd = cfg.d_model // cfg.n_heads
         if hd not in supported_head_sizes:
@@ -123,7 +134,7 @@ class LoopedLMVLLMConfig(PretrainedConfig):
                  prelude_layers=0, coda_layers=0, ffn_hidden=None, backbone="llama", max_seq_len=2048,
                  rope_base=10000.0, norm_eps=1e-5, tie_embeddings=False, state_mode="vanilla", state_dim=None,
                  state_init="zeros", state_in_output=True, exit_gate="none", injection="none", exit_threshold=None,
-                 **kwargs):
+                 exit_skip=None, **kwargs):
         self.vocab_size, self.d_model, self.n_heads = vocab_size, d_model, n_heads
         self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.n_layers, self.n_loops = n_layers, n_loops
@@ -141,7 +152,7 @@ class LoopedLMVLLMConfig(PretrainedConfig):
         self.state_mode, self.state_dim = state_mode, d_model if state_dim is None else state_dim
         self.state_init, self.state_in_output = state_init, state_in_output
         self.exit_gate, self.injection = exit_gate, injection
-        self.exit_threshold = exit_threshold
+        self.exit_threshold, self.exit_skip = exit_threshold, exit_skip
         for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "max_position_embeddings", "rms_norm_eps", "num_hidden_layers"):
             kwargs.pop(k, None)  # derived from the looplab fields (`_derive`)

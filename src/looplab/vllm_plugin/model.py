@@ -19,10 +19,11 @@ layer. vLLM's scheduler, paged KV cache, continuous batching and sampler do the 
 
 Depth R′ is set at load time (`hf_overrides={"n_loops": R′}`; the slots follow). The exit gate (exit_gate=ouro)
 with `hf_overrides={"exit_threshold": q}` reads each token at the first loop whose exit CDF reaches q: the
-tokens of looplab's `generate(exits=ExitPolicy(threshold=q))`. Design choice: every loop still runs for every
-token (the later loops' keys and values are what later tokens attend to, as in looplab's generate without
-`skip`), so an exit changes which depth is read, not the compute; the coda then runs at every depth (its slots
-per depth), as looplab's does.
+tokens of looplab's `generate(exits=ExitPolicy(threshold=q))`: every loop still runs for every token (the later
+loops' keys and values are what later tokens attend to, as in looplab's generate without `skip`), so an exit
+changes which depth is read, not the compute; the coda then runs at every depth (its slots per depth), as
+looplab's does. With `"exit_skip": "kv_copy"` as well, the loops after a token's exit do not run for it and the
+later slots get its exit loop's keys and values (`ExitPolicy(threshold=q, skip="kv_copy")`; vllm_plugin/exits.py).
 
 Parallel loops (loop_schedule=parallel) keep a per-request carry in a Mamba-style state layer
 (looplab/vllm_plugin/parallel.py). What it cannot run exactly is refused when vLLM builds it, naming the field
@@ -74,7 +75,8 @@ def _supported_head_sizes(vllm_config: VllmConfig) -> list[int] | None:
 GRAPH_FIELDS = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "n_loops", "prelude_layers",
                 "coda_layers", "ffn_hidden", "max_seq_len", "rope_base", "norm_eps", "tie_embeddings", "state_mode",
                 "state_dim", "state_init", "state_in_output", "exit_gate", "injection", "exit_threshold",
-                "loop_schedule", "loop_kv", "loop_window", "loop_gate", "loop_mix", "loop_mix_learned", "loop_norm")
+                "exit_skip", "loop_schedule", "loop_kv", "loop_window", "loop_gate", "loop_mix", "loop_mix_learned",
+                "loop_norm")
 
 
 def _key_compile_cache(vllm_config: VllmConfig, cfg) -> None:
@@ -116,6 +118,17 @@ class SlotAttention(nn.Module):
         out, _ = self.out_proj(y)
         return out
 
+    def forward_rows(self, x, positions, slot: Attention, rows, key):
+        """The rows still looping (x, positions: theirs) with exits that skip compute (vllm_plugin/exits.py): their
+        projections only; the slot is called for every token, an exited one with its kept keys and values."""
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if x.shape[0]:  # (every row may have exited: the slot still gets the kept keys and values)
+            q, k = self.rotary_emb(positions, q, k)
+        y = slot(*rows.full(key, q, k, v))
+        out, _ = self.out_proj(rows.gather(y))
+        return out
+
 
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, prefix: str):
@@ -143,6 +156,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, slot):
         x = x + self.attn(self.attn_norm(x), positions, slot, residual=x)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_rows(self, x, positions, slot, rows, key):
+        x = x + self.attn.forward_rows(self.attn_norm(x), positions, slot, rows, key)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -197,6 +214,17 @@ class StateBranch(nn.Module):
         s = a * s_prev + (1 - a) * self.in_proj(h)[0]
         if self.mixer is not None:
             s = s + self.mixer(self.mixer_norm(s), positions, slot)
+        return s, h + self.state_out(s)[0]
+
+    def forward_rows(self, h, s_prev, positions, slot, rows):
+        """forward on the rows still looping (h, s_prev, positions: theirs); the mixer's slot sees every token."""
+        if self.reset_each_loop:
+            s_prev = self.initial_state(h)
+        dt = F.softplus(self.dt_proj(h)[0])
+        a = torch.exp(-dt * torch.exp(self.A_log))
+        s = a * s_prev + (1 - a) * self.in_proj(h)[0]
+        if self.mixer is not None:
+            s = s + self.mixer.forward_rows(self.mixer_norm(s), positions, slot, rows, ("mixer",))
         return s, h + self.state_out(s)[0]
 
 
@@ -273,6 +301,19 @@ class LoopedLMModel(nn.Module):
         self.carry = self.loop_input = None
         if self.parallel:
             self._build_parallel(cfg, prefix)
+        self.exit_loops = None
+        if getattr(cfg, "exit_skip", None) is not None:  # the loops as one eager op, found by name (exits.py)
+            from looplab.vllm_plugin.exits import ExitLoops
+
+            name = f"{prefix}.exit_loops"
+            context = vllm_config.compilation_config.static_forward_context
+            if name in context:
+                raise ValueError(f"Duplicate layer name: {name}")
+            context[name] = self.exit_loops = ExitLoops(self, name)
+        from looplab.vllm_plugin.graphs import CARRY_OPS, EXIT_OPS, keep_out_of_graphs
+
+        keep_out_of_graphs(vllm_config.compilation_config, (CARRY_OPS if self.parallel else ())
+                           + (EXIT_OPS if self.exit_loops is not None else ()))
 
     def _build_parallel(self, cfg, prefix: str) -> None:
         """Parallel loops: a·E + b·prev (`loop_input`, parameters with loop_mix_learned), the per-request carry,
@@ -304,6 +345,8 @@ class LoopedLMModel(nn.Module):
             x = layer(x, positions, slots[at["prelude"] + p])
         if self.parallel:
             return self._forward_parallel(x, positions)
+        if self.exit_loops is not None:
+            return torch.ops.vllm.looplab_exit_loops(x, positions, self.exit_loops.name)
         e = x
         s = self.state.initial_state(x) if self.state is not None else None
         N, R = cfg.n_layers, cfg.n_loops
@@ -351,6 +394,14 @@ class LoopedLMModel(nn.Module):
         C, start = self.cfg.coda_layers, self.layout["coda"]
         for c, layer in enumerate(self.coda):
             z = layer(z, positions, self.slots[start + depth * C + c])
+        return self.final_norm(z)
+
+    def head_input_rows(self, z, positions, depth: int, rows):
+        """_head_input on the rows still looping (exits that skip compute): depth `depth`'s coda slots see every
+        token, an exited one with its exit depth's keys and values."""
+        C, start = self.cfg.coda_layers, self.layout["coda"]
+        for c, layer in enumerate(self.coda):
+            z = layer.forward_rows(z, positions, self.slots[start + depth * C + c], rows, ("coda", c))
         return self.final_norm(z)
 
     def _exit_step(self, r: int, hidden: torch.Tensor, state):

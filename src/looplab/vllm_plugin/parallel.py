@@ -96,7 +96,11 @@ class LoopCarry(MambaBase):
             firsts.append(qsl[:-1])
             lasts.append(qsl[1:] - 1)
             slots.append(meta.state_indices_tensor_p)
-        return torch.cat(firsts), torch.cat(lasts), torch.cat(slots).long()
+        firsts, lasts, slots = torch.cat(firsts), torch.cat(lasts), torch.cat(slots).long()
+        # padded rows (a CUDA graph's batch rounded up to a captured size) carry slot −1 (PAD_SLOT_ID): indexing with
+        # it would read, and write over, the last state block, another request's carry
+        real = slots >= 0
+        return firsts[real], lasts[real], slots[real]
 
     def read(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """like (T, d) → (carried (T, R−1, d): each request's carry at its first token's row, zeros elsewhere;
