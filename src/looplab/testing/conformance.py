@@ -661,7 +661,7 @@ CONTRACTS = {
     "checkpoint": ("a checkpoint and a hub folder load back with the same logits",
                    "the variant's parameters and buffers (state_dict names, persistent=False buffers)"),
     "export": ("the transformers remote-code folder gives looplab's logits",
-               "the variant's export (docs/extending.md#export), or declare export=False"),
+               "the variant's export (docs/interop.md#transformers-with-remote-code), or declare export=False"),
     "compile": ("a compiled decoding step gives plain decoding's tokens",
                 "host syncs or Python branches on tensor values in the variant's step"),
     "parallel_loops": ("under loop_schedule=parallel it decodes as its forward",
