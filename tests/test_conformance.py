@@ -25,6 +25,14 @@ def test_builtin_variant_conforms(check):
     assert verified > 0, f"{check!r} passed without comparing or refusing anything"
 
 
+def register_for_this_test(monkeypatch, registry, name: str, cls) -> None:
+    """Register `cls` as `name` until the test ends (modules collected after this one build their parameter lists
+    from the registry, so it must not stay)."""
+    monkeypatch.setattr(registry, "_classes", dict(registry._classes))
+    monkeypatch.setattr(registry, "_order", list(registry._order))
+    registry.register(name)(cls)
+
+
 class LeaksTheFuture(SelectiveState):
     """A broken update: each token's state reads the mean of the whole sequence, which a full forward sees and a
     cached step (one token) does not."""
@@ -34,10 +42,7 @@ class LeaksTheFuture(SelectiveState):
 
 
 def test_the_kit_fails_a_variant_whose_cached_decoding_differs(monkeypatch):
-    # registered for this test only: modules collected after this one build their parameter lists from the registry
-    monkeypatch.setattr(STATE_UPDATES, "_classes", dict(STATE_UPDATES._classes))
-    monkeypatch.setattr(STATE_UPDATES, "_order", list(STATE_UPDATES._order))
-    STATE_UPDATES.register("conformance_test.leaks_the_future")(LeaksTheFuture)
+    register_for_this_test(monkeypatch, STATE_UPDATES, "conformance_test.leaks_the_future", LeaksTheFuture)
     found = checks("state_update", "conformance_test.leaks_the_future", only=("cached_decoding",))
     assert found
     for check in found:
@@ -64,9 +69,7 @@ class PeeksAtTheLastLoop(ExitRule):
 
 
 def test_the_kit_fails_an_exit_rule_that_looks_ahead(monkeypatch):
-    monkeypatch.setattr(EXIT_RULES, "_classes", dict(EXIT_RULES._classes))
-    monkeypatch.setattr(EXIT_RULES, "_order", list(EXIT_RULES._order))
-    EXIT_RULES.register("conformance_test.peeks_at_the_last_loop")(PeeksAtTheLastLoop)
+    register_for_this_test(monkeypatch, EXIT_RULES, "conformance_test.peeks_at_the_last_loop", PeeksAtTheLastLoop)
     found = checks("exit_rule", "conformance_test.peeks_at_the_last_loop", only=("no_look_ahead",))
     assert found
     with pytest.raises(AssertionError) as err:

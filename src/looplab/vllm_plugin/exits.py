@@ -90,7 +90,7 @@ class ExitLoops:
                 h = layer.forward_rows(h, pos, slots[at["block"] + r * N + l], rows, ("block", l))
             if m.state is not None:
                 mixer_slot = slots[at["state"] + r] if m.state.mixer is not None else None
-                s, x = m.state.forward_rows(h, s, pos, mixer_slot, rows)
+                s, x = m.state(h, s, pos, mixer_slot, rows)
                 readout = x if cfg.state_in_output else h
             else:
                 x = readout = h

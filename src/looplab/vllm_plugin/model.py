@@ -206,25 +206,18 @@ class StateBranch(nn.Module):
             return h.new_zeros(h.shape[0], self.state_dim)
         return self.s0.to(h.dtype).expand(h.shape[0], -1)
 
-    def forward(self, h, s_prev, positions, slot):
+    def forward(self, h, s_prev, positions, slot, rows=None):
+        """rows (exits that skip compute, vllm_plugin/exits.py): h, s_prev and positions are the rows still looping';
+        the mixer's slot still sees every token."""
         if self.reset_each_loop:
             s_prev = self.initial_state(h)
         dt = F.softplus(self.dt_proj(h)[0])
         a = torch.exp(-dt * torch.exp(self.A_log))
         s = a * s_prev + (1 - a) * self.in_proj(h)[0]
         if self.mixer is not None:
-            s = s + self.mixer(self.mixer_norm(s), positions, slot)
-        return s, h + self.state_out(s)[0]
-
-    def forward_rows(self, h, s_prev, positions, slot, rows):
-        """forward on the rows still looping (h, s_prev, positions: theirs); the mixer's slot sees every token."""
-        if self.reset_each_loop:
-            s_prev = self.initial_state(h)
-        dt = F.softplus(self.dt_proj(h)[0])
-        a = torch.exp(-dt * torch.exp(self.A_log))
-        s = a * s_prev + (1 - a) * self.in_proj(h)[0]
-        if self.mixer is not None:
-            s = s + self.mixer.forward_rows(self.mixer_norm(s), positions, slot, rows, ("mixer",))
+            z = self.mixer_norm(s)
+            s = s + (self.mixer(z, positions, slot) if rows is None
+                     else self.mixer.forward_rows(z, positions, slot, rows, ("mixer",)))
         return s, h + self.state_out(s)[0]
 
 
