@@ -455,3 +455,46 @@ def test_lm_eval_cli_equals_looplab_eval(trained_export, tmp_path):
         assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (*where, ll, own)
         checked += 1
     assert checked >= 3 * limit * 2  # three tasks, >= 2 choices per document
+
+
+def test_to_hf_vllm_writes_exits_as_the_folders_defaults_and_refuses_them_by_name(tmp_path):
+    """`to-hf --vllm --exit-threshold Q --exit-skip kv_copy` writes the plugin's exit settings into config.json (so
+    that `lm_eval --model vllm`, which cannot pass hf_overrides, serves with them; tests_engines/vllm runs it); looplab
+    still reads the folder at every loop. Refused by name before anything is written: the flags without --vllm, a
+    threshold outside (0, 1], a handling the plugin does not run, a skip without a threshold, a model without a gate.
+    A model that --vllm refuses too is not pointed to --vllm."""
+    from looplab.checkpoint import looplab_meta
+
+    def ckpt_of(m, name):
+        path = tmp_path / f"{name}.ckpt"
+        torch.save({"state_dict": {f"model.{k}": v for k, v in m.state_dict().items()},
+                    "looplab": looplab_meta(m.config, {"seq_len": 32})}, path)
+        return str(path)
+
+    m = looped(exit_gate="ouro")
+    ckpt = ckpt_of(m, "gated")
+    out = tmp_path / "v"
+    assert convert.main(["to-hf", ckpt, "--out", str(out), "--vllm", "--exit-threshold", "0.5",
+                         "--exit-skip", "kv_copy", "--no-check"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["exit_threshold"], cfg["exit_skip"]) == (0.5, "kv_copy")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        back = LoopedLM.from_pretrained(str(out)).eval()
+        assert torch.equal(back(ids, attention_mask=mask).logits, m(ids, attention_mask=mask).logits)
+
+    quiet = dict(log=lambda *_: None, check=False)
+    for kw, match in [(dict(exit_threshold=0.5), r"--exit-threshold set vLLM's serving defaults.*add --vllm"),
+                      (dict(vllm=True, exit_threshold=1.5), r"exit_threshold=1\.5.*\(0, 1\]"),
+                      (dict(vllm=True, exit_threshold=0.5, exit_skip="zeros"), r"exit_skip='zeros'.*kv_copy"),
+                      (dict(vllm=True, exit_skip="kv_copy"), r"exit_skip='kv_copy'.*needs an exit_threshold")]:
+        with pytest.raises(convert.ConversionError, match=match):
+            convert.to_hf(ckpt, tmp_path / "refused", **quiet, **kw)
+    with pytest.raises(convert.ConversionError, match=r"exit_threshold=0\.5.*needs a model with an exit gate"):
+        convert.to_hf(ckpt_of(looped(), "plain"), tmp_path / "refused", vllm=True, exit_threshold=0.5, **quiet)
+    assert not (tmp_path / "refused").exists()
+
+    ssm = ckpt_of(looped(backbone="mamba2", d_model=32, headdim=16, d_state=16, n_heads=2), "ssm")
+    with pytest.raises(convert.ConversionError) as refused:
+        convert.to_hf(ssm, tmp_path / "refused", **quiet)
+    assert "backbone=mamba2" in str(refused.value) and "--vllm" not in str(refused.value)

@@ -441,25 +441,34 @@ def train_overrides(cfg: LoopedLMConfig, folder: str | os.PathLike, dataset: str
 
 # --------------------------------------------------------------------------- to-hf
 def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = False, looplab_only: bool = False,
-          check: bool = True, tolerance: float = TOLERANCE, vllm: bool = False) -> LoopedLM:
+          check: bool = True, tolerance: float = TOLERANCE, vllm: bool = False, exit_threshold: float | None = None,
+          exit_skip: str | None = None) -> LoopedLM:
     """Export a training checkpoint (file, sharded or Hub-style folder) as a transformers folder with remote code
     (checked: the folder is loaded with transformers and its logits compared), or (looplab_only=True) as a folder
     only looplab reads, or (transformers=True) as a stock transformers Llama / Mamba-2 folder, unrolled and checked.
     vllm=True: the same remote-code folder, for vLLM with looplab's plugin: it must be what the plugin runs, and may
-    be what the remote code does not (parallel loops; transformers then refuses it at load, naming loop_schedule)."""
+    be what the remote code does not (parallel loops; transformers then refuses it at load, naming loop_schedule).
+    exit_threshold / exit_skip (vllm=True only): the plugin's exits as the folder's defaults, so that a command that
+    cannot pass hf_overrides (`lm_eval --model vllm`) serves with them (docs/vllm.md#exits-as-the-folders-defaults)."""
     from looplab.checkpoint import load_model
 
     if sum((transformers, looplab_only, vllm)) > 1:
         raise ConversionError("give one of --transformers, --looplab, --vllm")
+    exits = {k: v for k, v in (("exit_threshold", exit_threshold), ("exit_skip", exit_skip)) if v is not None}
+    if exits and not vllm:
+        flags = " and ".join(f"--{k.replace('_', '-')}" for k in exits)
+        raise ConversionError(f"{flags} set vLLM's serving defaults (looplab's plugin reads them from config.json); "
+                              "add --vllm (transformers' remote code and looplab read a folder at every loop and take "
+                              "exit_threshold per call)")
     model, meta = load_model(ckpt)
     if not (transformers or looplab_only):
         from looplab.remote_code import unsupported
 
         engine = "vllm" if vllm else "transformers"
-        reason = unsupported(model.config, engine)
+        reason = unsupported(model.config, engine, **exits)
         if reason:
-            hint = ("`to-hf --vllm` writes the folder for vLLM (looplab's plugin) when the plugin runs it; " if not vllm
-                    else "")
+            hint = ("`to-hf --vllm` writes the folder for vLLM (looplab's plugin), which runs it; "
+                    if not vllm and unsupported(model.config, "vllm") is None else "")
             raise ConversionError(f"cannot export for {engine}: {reason}; {hint}`to-hf --looplab` writes a folder "
                                   "that looplab reads")
     dataset = meta.get("dataset") or {}
@@ -482,7 +491,7 @@ def to_hf(ckpt: str, out: str | os.PathLike, log=print, transformers: bool = Fal
         model.save_pretrained(out, tokenizer=tokenizer)
     else:
         to_remote_code(model, out, tokenizer, eos_token=dataset.get("eos_token"), check=check, tolerance=tolerance,
-                       log=log, engine="vllm" if vllm else "transformers")
+                       log=log, engine="vllm" if vllm else "transformers", serving=exits)
         log("lm-eval on it (the numbers of `python -m looplab.eval CKPT --zeroshot`): "
             + lm_eval_command(out, dataset, model="vllm" if vllm else "hf"))
     c = model.config
@@ -525,13 +534,15 @@ def load_remote_code(folder: str | os.PathLike, trust_remote_code: bool = True, 
 
 
 def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_token: str | None = None,
-                   check: bool = True, tolerance: float = TOLERANCE, log=print, engine: str = "transformers"
-                   ) -> float | None:
+                   check: bool = True, tolerance: float = TOLERANCE, log=print, engine: str = "transformers",
+                   serving: dict | None = None) -> float | None:
     """Write the remote-code transformers folder (looplab.remote_code.write_folder); with `check`, the folder is
     first written to a staging folder, loaded by transformers and compared with `model` on random batches (one
     left-padded); it reaches `out` only if max |Δlogit| / RMS(logits) <= tolerance. Returns the difference.
     A folder for vLLM that the remote code cannot run (engine="vllm", parallel loops) is read back by looplab
-    instead (its weights and config.json); vLLM's exactness is tested in tests_engines/vllm (docs/vllm.md)."""
+    instead (its weights and config.json); vLLM's exactness is tested in tests_engines/vllm (docs/vllm.md).
+    serving: keys added to config.json that only vLLM's plugin reads (exit_threshold, exit_skip); the check reads the
+    folder at every loop, as looplab and transformers do."""
     import shutil
     import tempfile
 
@@ -543,6 +554,9 @@ def to_remote_code(model: LoopedLM, out: str | os.PathLike, tokenizer=None, eos_
     refused_by_transformers = unsupported(model.config) if engine == "vllm" else None
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
         write_folder(model, staging, tokenizer=tokenizer, eos_token=eos_token, engine=engine)
+        if serving:
+            config = json.loads((Path(staging) / "config.json").read_text())
+            (Path(staging) / "config.json").write_text(json.dumps({**config, **serving}, indent=2, sort_keys=True))
         card = model_card_text(model.config, sum(p.numel() for p in model.parameters()))
         (Path(staging) / "README.md").write_text(card.replace(
             "from looplab.models import LoopedLM\nmodel = LoopedLM.from_pretrained(PATH_OR_HUB_ID)",
@@ -708,6 +722,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--vllm", action="store_true",
                    help="write the folder for vLLM with looplab's plugin (every model the plugin runs, parallel "
                         "loops included; docs/vllm.md)")
+    t.add_argument("--exit-threshold", type=float, default=None, metavar="Q",
+                   help="with --vllm: vLLM reads each token at the first loop whose exit CDF reaches Q (the folder's "
+                        "default for hf_overrides' exit_threshold; docs/vllm.md)")
+    t.add_argument("--exit-skip", default=None, metavar="HANDLING",
+                   help="with --vllm and --exit-threshold: kv_copy, the loops after a token's exit do not run for it")
     t.add_argument("--no-check", action="store_true", help="skip loading the exported folder and comparing its logits")
     t.add_argument("--trust-variants", action="append", default=[], metavar="PKG",
                    help="let variant names in CKPT's config import package PKG (docs/training.md#what-looplab-trusts)")
@@ -721,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
                     coda=a.coda, check=not a.no_check, trust_remote_code=a.trust_remote_code)
         else:
             to_hf(a.ckpt, a.out, transformers=a.transformers, looplab_only=a.looplab, check=not a.no_check,
-                  vllm=a.vllm)
+                  vllm=a.vllm, exit_threshold=a.exit_threshold, exit_skip=a.exit_skip)
     except (ConversionError, ConfigError, OSError, ValueError) as e:  # OSError: no such folder, hub unreachable
         print(f"error: {e}", file=sys.stderr)
         return 1

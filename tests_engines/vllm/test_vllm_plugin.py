@@ -654,3 +654,46 @@ def test_lm_eval_vllm_equals_looplab_eval(text_export, tmp_path):
         checked += 1
     assert checked >= 3 * limit * 2  # three tasks, >= 2 choices per document
     RESULTS["lm_eval looplab_tiny"] = {"tokens_equal": [True], "max_dlogprob": worst, "n_logprobs": checked}
+
+
+def test_lm_eval_vllm_with_exits_that_skip_compute(text_export, tmp_path):
+    """lm-eval's `--model_args` cannot carry hf_overrides, so `to-hf --vllm --exit-threshold 0.5 --exit-skip kv_copy`
+    writes the exits into config.json: `lm_eval --model vllm` on that folder scores every choice with looplab's forward
+    under ExitPolicy(threshold=0.5, skip="kv_copy") within 1e-4, and (so that the defaults were read at all) some
+    choice differs from the every-loop score by more than that, with exits at more than one depth."""
+    from looplab import convert
+    from looplab.data.tokenizer import load_tokenizer
+    from looplab.eval import LOCAL_TASKS_DIR
+    from looplab.testing.lm_eval_samples import logged_loglikelihoods
+
+    m, ckpt, _ = text_export
+    folder = tmp_path / "exits"
+    assert convert.main(["to-hf", str(ckpt), "--out", str(folder), "--vllm", "--exit-threshold", "0.5",
+                         "--exit-skip", "kv_copy", "--no-check"]) == 0
+    limit = 4
+    cmd = [sys.executable, "-m", "looplab.vllm_plugin", "lm_eval", "--model", "vllm", "--model_args",
+           f"pretrained={folder},dtype=float32,max_model_len={SEQ_LEN + 2},enforce_eager=True",
+           "--tasks", "looplab_tiny", "--include_path", str(LOCAL_TASKS_DIR), "--limit", str(limit),
+           "--batch_size", "4", "--output_path", str(tmp_path / "out"), "--log_samples"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+
+    pol = ExitPolicy(threshold=0.5, skip="kv_copy")
+    depths = set()
+
+    def with_exits(ids):
+        out = m(ids, exits=pol)
+        depths.update(out.exit_steps.flatten().tolist())
+        return out
+
+    tok = load_tokenizer(TOK)
+    checked, worst = 0, 0.0
+    for where, ll, own in logged_loglikelihoods(tmp_path / "out", tok, with_exits, SEQ_LEN):
+        worst = max(worst, abs(ll - own))
+        assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (*where, ll, own)
+        checked += 1
+    assert checked >= 3 * limit * 2
+    moved = max(abs(ll - own) for _, ll, own in logged_loglikelihoods(tmp_path / "out", tok, m, SEQ_LEN))
+    assert moved > 1e-2 and len(depths) > 1, (moved, depths)
+    RESULTS["lm_eval looplab_tiny, exits skip compute (q 0.5)"] = {
+        "tokens_equal": [True], "max_dlogprob": worst, "n_logprobs": checked, "vs_every_loop": moved}

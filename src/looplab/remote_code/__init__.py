@@ -32,12 +32,13 @@ CODE_FILES = ("configuration_looplab.py", "modeling_looplab.py")
 ENGINES = ("transformers", "vllm")
 
 
-def unsupported(cfg, engine: str = "transformers") -> str | None:
+def unsupported(cfg, engine: str = "transformers", **serving) -> str | None:
     """Why the folder's engine cannot run this LoopedLMConfig (the field and its value), or None.
     transformers: the exported remote code, as the variants declare it (`export`, models/registry.py; a
     researcher's variant is refused until it declares how it exports). vllm: looplab's vLLM plugin
     (`looplab.vllm_plugin.config.refusal`, read on the config.json the folder would hold; it runs parallel loops,
-    which the remote code does not)."""
+    which the remote code does not; `serving`: the plugin's load-time settings written as the folder's defaults,
+    exit_threshold and exit_skip)."""
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {ENGINES}")
     if engine == "transformers":
@@ -46,7 +47,7 @@ def unsupported(cfg, engine: str = "transformers") -> str | None:
 
     d = hf_config_dict(cfg)
     d.pop("extra", None)
-    return refusal(LoopedLMVLLMConfig(**d))
+    return refusal(LoopedLMVLLMConfig(**d, **serving))
 
 
 def hf_config_dict(cfg, *, bos_token_id=None, eos_token_id=None) -> dict:
