@@ -73,19 +73,19 @@ def prompts(seed=1) -> list[list[int]]:
     return [torch.randint(1, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def check(llm, model, batch, n_loops=None, exits=None, prompt_logprobs: bool = True) -> dict:
+def check(llm, model, batch, n_loops=None, exits=None, prompt_logprobs: bool = True, new: int = NEW) -> dict:
     """vLLM's greedy tokens and log-probabilities against looplab's. Returns {'tokens_equal': [per prompt],
     'max_dlogprob': over every prompt and generated token, 'n_logprobs': how many were compared, 'cached_tokens':
     the prompt tokens vLLM's prefix cache served (0 with prompt_logprobs, which vLLM computes afresh)}."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=1, prompt_logprobs=1 if prompt_logprobs else None,
+    sp = SamplingParams(max_tokens=new, temperature=0.0, logprobs=1, prompt_logprobs=1 if prompt_logprobs else None,
                         detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
     equal, deltas = [], []
     for p, out in zip(batch, outs):
         got = list(out.outputs[0].token_ids)
-        want = generate(model, torch.tensor([p]), NEW, n_loops=n_loops, exits=exits)[0, len(p):].tolist()
+        want = generate(model, torch.tensor([p]), new, n_loops=n_loops, exits=exits)[0, len(p):].tolist()
         equal.append(got == want)
         full = torch.tensor([p + got])
         with torch.no_grad():
@@ -291,6 +291,50 @@ def test_exits_that_skip_compute_equal_looplab_kv_copy(case, tmp_path):
     assert passes(res), res
     ran, full = plugin_exits.ROWS["run"] - before.get("run", 0), plugin_exits.ROWS["full"] - before.get("full", 0)
     assert full > 0 and (ran < 0.9 * full if q < 1 else ran == full), (ran, full)
+
+
+# model, hf_overrides, looplab's policy, engine options, prompt lengths: the two ways the plugin keeps per-token state
+# across steps. Blocks of 32 tokens for the attention-only model; the carry's state layer makes vLLM pick blocks of
+# 128 for every group (hybrid page sizes), so those requests cross 128 tokens to need a second block.
+PREEMPTED = {
+    "exits_skip_kv_copy": (dict(exit_gate="ouro", sharp=True), {"exit_threshold": 0.5, "exit_skip": "kv_copy"},
+                           dict(exits=ExitPolicy(threshold=0.5, skip="kv_copy")),
+                           dict(num_gpu_blocks_override=6, block_size=32), (17, 20, 23, 26)),
+    "parallel_gswa_carry": (dict(PARALLEL, max_seq_len=256), {}, {},
+                            dict(num_gpu_blocks_override=20, max_model_len=256), (100, 104, 108, 112)),
+}
+
+
+@pytest.mark.parametrize("case", list(PREEMPTED))
+def test_preempted_requests_keep_the_semantics(case, tmp_path, monkeypatch):
+    """A KV cache too small for 4 requests once they grow by 40 tokens: vLLM's scheduler preempts running requests
+    (their blocks are freed; re-admitted, they are recomputed from their tokens, prompt and generated), and the greedy
+    tokens and log-probabilities still equal looplab's, for the exits that skip compute (the recompute's prefill
+    rebuilds the exited tokens' kept keys and values) and for parallel loops' per-request carry."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    kw, overrides, policy, opts, lens = PREEMPTED[case]
+    kw = dict(kw)
+    m = gated(sharp=kw.pop("sharp")) if "exit_gate" in kw else looped(**kw)
+    write_folder(m, tmp_path, engine="vllm")
+    preempted = []
+    original = Scheduler._preempt_request
+
+    def counting(self, request, *a, **k):
+        preempted.append(request.request_id)
+        return original(self, request, *a, **k)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(1, V, (n,), generator=g).tolist() for n in lens]
+    llm = engine(tmp_path, hf_overrides=overrides, max_num_seqs=4, **opts)
+    try:
+        res = RESULTS[f"preempted: {case}"] = check(llm, m, batch, prompt_logprobs=False, new=40, **policy)
+    finally:
+        close(llm)
+    assert preempted, "no request was preempted: the test did not test preemption"
+    res["preemptions"] = len(preempted)
+    assert passes(res), res
 
 
 def _drop_kv_copy(monkeypatch):
