@@ -18,6 +18,9 @@
       intervals and seed means under today's rules (smaller than claimed, by construction, new preconditions), without
       their runs; rewrites tableN.findings.json, the Findings of tableN.md and the summary README.md
   confirm c2 [--out-root outputs/confirm]   the pre-registered confirmatory analysis (docs/tables.md#confirmatory-runs)
+  compare MULTIRUN_DIR --pair KEY --metric M [--baseline V] [--sign +1|-1] [--delta D] [--require 'M<X' ...]
+        [--out DIR]   judge the arms of your own -m sweep (the values of override KEY) against the baseline arm,
+      paired by seed, with intervals, Holm and preconditions, without rerunning it (docs/extending.md#compare-your-arms)
   list                        the tables and their experiments at both scales
   isoflop (--target-flops F | --like NxR) [--backbone llama_410m] [--state-mode vanilla] [--seq-len T] [--tolerance 0.01]
   zeroshot N [--scale paper] [--tasks a,b] [--limit K]   zero-shot suite on every trained checkpoint of table N
@@ -97,6 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     cf.add_argument("name", choices=("c2",))
     cf.add_argument("--out-root", type=Path, default=Path("outputs/confirm"))
     cf.add_argument("--out", type=Path, default=None, help="write the result as JSON")
+
+    cp = sub.add_parser("compare", help="judge the arms of your own -m sweep, paired by seed (looplab/tables/compare.py)")
+    cp.add_argument("folder", type=Path, help="the sweep's multirun folder (its runs' results.json files below it)")
+    cp.add_argument("--pair", required=True, help="the override whose values are the arms, e.g. state_mode")
+    cp.add_argument("--metric", required=True, help="a results.json figure: perplexity, accuracy, a dotted path, or a "
+                    "logged metric such as test/ppl")
+    cp.add_argument("--baseline", default=None, help="the arm B every other arm is compared with (default: the sweep's "
+                    "first value)")
+    cp.add_argument("--sign", type=int, default=None, choices=(-1, 1), help="the sign you expect A − B to have "
+                    "(default: none, two-sided)")
+    cp.add_argument("--delta", type=float, default=None, help="the smallest |A − B| that matters, fixed before looking: "
+                    "an interval inside (−δ, +δ) is negligible")
+    cp.add_argument("--require", action="append", default=[], metavar="METRIC<X",
+                    help="a precondition on each arm's mean (e.g. 'perplexity<unigram_perplexity'); a line whose arm "
+                    "misses it is not tested")
+    cp.add_argument("--out", type=Path, default=None, help="where compare_<metric>.{md,csv} go (default: the folder)")
 
     sub.add_parser("list", help="the tables and their experiments")
 
@@ -187,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
             import json
 
             a.out.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
+    if a.cmd == "compare":
+        from looplab.tables import compare
+
+        res = compare.compare(a.folder, a.pair, a.metric, baseline=a.baseline, sign=a.sign, delta=a.delta,
+                              require=a.require)
+        print(compare.markdown(res))
+        print("wrote " + ", ".join(str(x) for x in compare.write(res, a.out)))
         return 0
     if a.cmd == "list":
         for n, t in spec.TABLES.items():
