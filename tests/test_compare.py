@@ -141,3 +141,63 @@ def test_a_real_sweep_is_judged_from_its_folder(tmp_path):
     want = np.mean([runs[("state_mode=stateloop", s)]["loss"] - runs[("state_mode=vanilla", s)]["loss"]
                     for s in (1, 2, 3)])
     assert diff == pytest.approx(want, abs=1e-9)
+
+
+TINY_TRAIN = ["dataset=phop", "dataset.task_args.n=12", "dataset.task_args.p=2", "dataset.batch_size=8",
+              "dataset.val_size=16", "dataset.test_size=16", "backbone.d_model=32", "backbone.n_heads=4", "logger=csv",
+              "trainer.max_steps=4", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
+              "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false",
+              "trainer.enable_model_summary=false", "hardware=cpu", "loop_depth=1x2"]
+
+
+def write_spec(tmp_path: Path, **kw) -> Path:
+    import yaml
+
+    spec = {"name": "mine", "train": TINY_TRAIN, "pair": "state_mode", "arms": ["vanilla", "stateloop"],
+            "metric": "loss", "claim": {"sign": -1, "delta": 0.05}} | kw
+    spec = {k: v for k, v in spec.items() if v is not None}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(arms=["vanilla"]), r"arms=\['vanilla'\] must list two or more distinct values of 'state_mode'"),
+    (dict(metric=None), r"missing \['metric'\]"),
+    (dict(armz=["a", "b"]), r"unknown key\(s\) \['armz'\]"),
+    (dict(seeds=[1, 2]), r"seeds=\[1, 2\]: a paired comparison needs at least 3 seeds"),
+    (dict(claim={"sign": 2}), r"claim.sign=2 must be \+1 or -1"),
+    (dict(train=["seed=4"]), r"train sets \['seed=4'\]"),
+    (dict(require=["loss=3"]), r"--require 'loss=3'"),
+])
+def test_a_bad_spec_is_refused_by_key_and_value_before_any_run(tmp_path, kw, match):
+    from looplab.tables import own
+
+    with pytest.raises(ValueError, match=match):
+        own.load(write_spec(tmp_path, **kw))
+
+
+@pytest.mark.slow
+def test_a_spec_of_ones_own_trains_resumes_and_judges(tmp_path, capsys):
+    """python -m looplab.tables run SPEC.yaml: 2 arms x 3 seeds trained one job per folder, judged with the spec's
+    claim; a second build trains nothing; a job whose folder is removed is trained again, alone."""
+    from looplab.tables import own
+
+    out = tmp_path / "own"
+    plan = own.run(write_spec(tmp_path, strata={"loop_depth.loops": [1, 2]}), out, dry_run=True)["records"]
+    assert len(plan) == 12 and all("looplab.train" in r["argv"] for r in plan)
+    assert [r["argv"][-2] for r in plan[:4]] == ["seed=1"] * 4  # seed-major: an interrupted build has whole pairs
+    assert "loop_depth.loops=2" in plan[2]["argv"] and plan[2]["argv"][-1].endswith("vanilla_loop_depth.loops-2_s1")
+
+    spec = write_spec(tmp_path)
+    assert tables_main(["run", str(spec), "--out-root", str(out), "--jobs", "2"]) == 0
+    rows = (out / "mine" / "compare_loss.csv").read_text().splitlines()
+    assert [r.split(",")[:4] for r in rows[1:]] == [["(all)", "stateloop", "vanilla", "3"]]
+    # StateLoop starts with W_o = 0: 4 steps leave it within 0.05 of Vanilla Looped (docs/formulations.md)
+    assert rows[1].split(",")[12] == "negligible", rows
+    import shutil
+
+    shutil.rmtree(out / "mine" / "stateloop_s3")
+    res = own.run(spec, out)
+    trained = [r for r in res["records"] if not r.get("done")]
+    assert len(trained) == 1 and "seed=3" in trained[0]["argv"] and trained[0]["returncode"] == 0

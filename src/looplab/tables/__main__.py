@@ -1,5 +1,7 @@
 """python -m looplab.tables {run,report,list,isoflop,zeroshot} ...
 
+  run SPEC.yaml [--dry-run] [--out-root outputs/own] [--jobs N]   a table of your own: the spec's arms trained per
+      seed (finished runs are not trained again), then judged by `compare` (looplab/tables/own.py, docs/extending.md)
   run N [--scale tiny|paper] [--dry-run] [--extra KEY=VALUE ...] [--seeds 1,2,3] [--logger csv|wandb|none]
         [--hardware fsdp|slurm|...] [--out-root outputs/tables] [--table-dir experiments/tables]
       every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report;
@@ -44,6 +46,15 @@ def _seeds(s: str | None) -> list[int] | None:
     return [int(x) for x in s.split(",")] if s else None
 
 
+def _table_or_spec(s: str):
+    """`run`'s argument: a paper table's number, or the path of a table spec of one's own (tables/own.py)."""
+    if s.isdigit():
+        return int(s)
+    if s.endswith((".yaml", ".yml")) or os.path.exists(s):
+        return Path(s)
+    raise argparse.ArgumentTypeError(f"{s!r} is neither a table number (1-14) nor a spec file (.yaml)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m looplab.tables", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,15 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     # `make tableN-report` passes no scale: take it from the environment (make exports SCALE=... given on its command line)
     default_scale = os.environ.get("SCALE", "tiny")
 
-    def common(sp):
-        sp.add_argument("number", type=int)
+    def common(sp, number=int):
+        sp.add_argument("number", type=number)
         sp.add_argument("--scale", default=default_scale, choices=spec.SCALES)
         sp.add_argument("--out-root", type=Path, default=runner.DEFAULT_OUT_ROOT, help="where the sweeps write their runs")
         sp.add_argument("--table-dir", type=Path, default=report.DEFAULT_TABLE_DIR, help="where tableN.{md,csv,png} go")
         sp.add_argument("--decode-json", type=Path, default=runner.DEFAULT_DECODE_JSON, help="table 4's benchmark output")
 
-    r = sub.add_parser("run", help="run the table's sweeps, then the report")
-    common(r)
+    r = sub.add_parser("run", help="run the table's sweeps, then the report (N, or a spec of your own: SPEC.yaml)")
+    common(r, number=_table_or_spec)
     r.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
     r.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides appended to every command")
     r.add_argument("--seeds", default=None, help="comma-separated seeds (default: 1,2,3 at tiny scale (table 2: 1..5), the experiment's "
@@ -159,6 +170,19 @@ def main(argv: list[str] | None = None) -> int:
         planned = plan_table(a.number, a.scale, gpu=a.gpu, nodes=a.nodes, devices=devices, hardware=a.hardware,
                              extra=a.extra, propose=not a.no_propose, out=a.out)
         return 0 if all("error" not in p for p in planned) else 1
+    if a.cmd == "run" and isinstance(a.number, Path):
+        from looplab.tables import compare, own
+
+        if a.seeds is not None or a.max_seeds is not None or a.restart:
+            raise SystemExit(f"{a.number}: a spec of one's own sets its seeds in the file (seeds: [...]); sequential "
+                             "seeds (--seeds auto) run the paper tables only for now")
+        out_root = a.out_root if a.out_root != runner.DEFAULT_OUT_ROOT else own.DEFAULT_OUT_ROOT
+        res = own.run(a.number, out_root, dry_run=a.dry_run, jobs=a.jobs or 1, extra=a.extra)
+        if a.dry_run:
+            return 0
+        print(compare.markdown(res))
+        print("wrote " + ", ".join(str(x) for x in res["paths"]))
+        return 0 if all(r["returncode"] == 0 for r in res["records"]) else 1
     if a.cmd == "run" and a.seeds == "auto":
         from looplab.tables import sequential
 

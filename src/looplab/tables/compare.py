@@ -124,8 +124,9 @@ def _stratum(run: Run, keys: list[str]) -> str:
 
 
 def compare(folder: str | Path, pair: str, metric: str, baseline: str | None = None, sign: int | None = None,
-            delta: float | None = None, require: list[str] | tuple = ()) -> dict:
-    """The comparison as data: {'lines': [Line], 'failed': [(run folder, error)], 'unpaired': [...], ...}."""
+            delta: float | None = None, require: list[str] | tuple = (), order: list[str] | None = None) -> dict:
+    """The comparison as data: {'lines': [Line], 'failed': [(run folder, error)], 'unpaired': [...], ...}.
+    order: the arms' order (a spec's `arms`); default the sweep's own (multirun.yaml), else sorted."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{str(folder)!r} is not a folder (give the sweep's multirun folder)")
@@ -154,7 +155,8 @@ def compare(folder: str | Path, pair: str, metric: str, baseline: str | None = N
                 raise ValueError(f"--require {str(q)!r}: {name!r} is in no finished run's results.json; its figures: "
                                  f"{_figures(ok)}")
     # the baseline: given, else the first value in the sweep's own order (its multirun.yaml), else sorted
-    order = _sweep_order(folder, pair) or arms_seen
+    order = [a for a in (order or _sweep_order(folder, pair) or arms_seen)]
+    order += [a for a in arms_seen if a not in order]
     base = baseline if baseline is not None else next(a for a in order if a in arms_seen)
     if base not in arms_seen:
         raise ValueError(f"--baseline {base!r} is not a value of {pair} among the finished runs: {arms_seen}")
