@@ -202,6 +202,38 @@ def test_serve_bench_cli_on_a_checkpoint_checks_every_request(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_serve_bench_serves_an_exit_rule_a_model_without_a_gate(tmp_path, capsys):
+    """`bench serve CKPT --exit-rule entropy --exit-threshold X` on a model without an exit gate: the exit arms run
+    with the zero-shot rule (exits at more than one depth, every request equal to decoding it alone with the same
+    rule), and the JSON names the rule; an unknown rule is refused by name before anything runs."""
+    from looplab.bench.__main__ import main as bench_main
+
+    torch.manual_seed(0)
+    model = LoopedLM(LoopedLMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, n_loops=3, max_seq_len=64)).eval()
+    with torch.no_grad():
+        model.head.weight.mul_(8)  # next-token entropies that differ across tokens and loops
+    ids = torch.randint(1, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # a threshold at which the rule stops tokens at different depths
+        spread = {x: set(model(ids, exits=ExitPolicy(threshold=x, rule="entropy")).exit_steps.flatten().tolist())
+                  for x in torch.linspace(2.0, 4.2, 23).tolist()}
+    x = max(spread, key=lambda k: len(spread[k]))
+    assert len(spread[x]) > 1, spread
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "serve.json"
+    bench_main(["serve", str(tmp_path / "ckpt"), "--exit-rule", "entropy", "--exit-threshold", str(x),
+                "--concurrency", "2", "--requests", "4", "--prompt-len", "4,8", "--new-tokens", "4,8", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["model"]["exit_rule"] == "entropy" and res["model"]["exit_gate"] == "none"
+    runs = {r["arm"]: r for r in res["runs"]}
+    assert "exits_lockstep" in runs and runs["plain"]["mean_depth"] == 3.0
+    for arm, r in runs.items():
+        assert r["solo_check"]["different"] == 0, (arm, r["solo_check"])
+    assert 1.0 <= runs["exits_lockstep"]["mean_depth"] < 3.0
+    with pytest.raises(ValueError, match="entropyy"):
+        bench_main(["serve", str(tmp_path / "ckpt"), "--exit-rule", "entropyy", "--out", str(tmp_path / "y.json")])
+    assert not (tmp_path / "y.json").exists()
+
+
 def test_serve_bench_refuses_bad_options_by_name(tmp_path, capsys):
     from looplab.bench.__main__ import main as bench_main
 

@@ -187,4 +187,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from looplab.cli_errors import run_cli
+
+    run_cli(main, "python -m looplab.bench")  # bad input (an unknown --exit-rule, ...): one line (looplab/cli_errors.py)

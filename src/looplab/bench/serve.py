@@ -1,14 +1,15 @@
 """Serving under load: looplab.serve.Engine on a generated request trace (docs/performance.md#serving-under-load).
 
     python -m looplab.bench serve CKPT|random [--concurrency 1,8,32] [--rate R] [--requests N] [--repeats K]
-                                   [--out FILE.json]
+                                   [--exit-rule NAME] [--exit-threshold X] [--out FILE.json]
     python -m looplab.bench --only serve        # make bench's part: `bench_model()`, 64 requests, 3 repeats
 
 The trace (seeded): prompt lengths uniform in --prompt-len a,b tokens, output lengths uniform in --new-tokens a,b,
 token ids uniform over the vocabulary (no eos: each request runs to its length). Arms, each at every concurrency c:
 
     plain             continuous batching, every loop for every token (schedule lockstep, no exits)
-    exits_lockstep    the same with the exit policy (threshold q, the backbone's skip handling); a step still runs
+    exits_lockstep    the same with the exit policy (the gate at threshold q, or --exit-rule at its threshold; the
+                      backbone's skip handling); a step still runs
                       until its deepest row has exited
     exits_depthwise   depth-wise batching (schedule depthwise, the same exit policy): one block call per step over
                       every in-flight token at its own loop
@@ -131,15 +132,21 @@ def run_arm(model, trace: list[dict], arm: str, concurrency: int, exits: ExitPol
 
 def serve_bench(model, *, concurrency=(1, 8, 32), requests: int = 64, rate: float | None = None,
                 exit_threshold: float = 0.5, prompt_len=(8, 24), new_tokens=(8, 32), seed: int = 0,
-                arms=ARMS, check: bool = True, progress: bool = True, repeats: int = 1) -> dict[str, Any]:
+                arms=ARMS, check: bool = True, progress: bool = True, repeats: int = 1,
+                exit_rule: str | None = None) -> dict[str, Any]:
+    """exit_rule: a registered exit rule (a researcher's too, by its dotted name) instead of the gate's CDF; a
+    zero-shot rule (kl, entropy, ...) serves a model without a gate. Refused before anything runs, naming the
+    option, when the model cannot run it (ExitPolicy.check)."""
     cfg = model.config
     exits = None
     skipped = {}
-    if cfg.exit_gate != "none":
-        exits = ExitPolicy(threshold=exit_threshold, skip=SKIP[cfg.backbone])
+    if cfg.exit_gate != "none" or exit_rule is not None:
+        exits = ExitPolicy(threshold=exit_threshold, rule=exit_rule, skip=SKIP[cfg.backbone])
+        exits.check(model, cfg.n_loops)
     for arm in arms:
         if arm != "plain" and exits is None:
-            skipped[arm] = f"exit_gate={cfg.exit_gate!r}: the model has no exit gate"
+            skipped[arm] = (f"exit_gate={cfg.exit_gate!r}: the model has no exit gate (a zero-shot --exit-rule "
+                            "serves it)")
         elif arm == "exits_depthwise":
             why = depthwise_unsupported(model, exits)
             if why:
@@ -182,7 +189,8 @@ def serve_bench(model, *, concurrency=(1, 8, 32), requests: int = 64, rate: floa
             summary[f"plain_c{c}_vs_one_at_a_time"] = statistics.median(xs)
     mismatched = sum(r["solo_check"]["different"] for r in runs if "solo_check" in r)
     return {"model": {"backbone": cfg.backbone, "loops": cfg.n_loops, "layers": cfg.n_layers, "d_model": cfg.d_model,
-                      "exit_gate": cfg.exit_gate, "exit_threshold": exit_threshold if exits else None},
+                      "exit_gate": cfg.exit_gate, "exit_threshold": exit_threshold if exits else None,
+                      "exit_rule": exits.rule_name if exits else None},
             "repeats": repeats,
             "trace": {"requests": requests, "prompt_len": list(prompt_len), "new_tokens": list(new_tokens),
                       "rate": rate, "seed": seed, "tokens": "uniform ids, no eos"},
@@ -248,7 +256,9 @@ def main(argv=None) -> dict[str, Any]:
     ap.add_argument("--concurrency", default="1,8,32", help="closed-loop concurrencies (default 1,8,32)")
     ap.add_argument("--rate", type=float, default=None, help="also an open-loop run: Poisson arrivals, requests/s")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--exit-threshold", type=float, default=0.5)
+    ap.add_argument("--exit-threshold", type=float, default=0.5, help="the exit rule's threshold (gate: q)")
+    ap.add_argument("--exit-rule", default=None, help="a registered exit rule instead of the gate (gate, kl, entropy, "
+                    "..., or a researcher's dotted name, e.g. myideas.hidden_norm); see python -m looplab.models")
     ap.add_argument("--prompt-len", default="8,24")
     ap.add_argument("--new-tokens", default="8,32")
     ap.add_argument("--seed", type=int, default=0)
@@ -275,7 +285,7 @@ def main(argv=None) -> dict[str, Any]:
     res = serve_bench(model, concurrency=conc, requests=a.requests, rate=a.rate, exit_threshold=a.exit_threshold,
                       prompt_len=parse_pair(ap, a.prompt_len, "prompt-len"),
                       new_tokens=parse_pair(ap, a.new_tokens, "new-tokens"),
-                      seed=a.seed, check=not a.no_check, repeats=a.repeats)
+                      seed=a.seed, check=not a.no_check, repeats=a.repeats, exit_rule=a.exit_rule)
     res["machine"] = machine_info(a.threads)
     res["ckpt"] = a.ckpt
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
