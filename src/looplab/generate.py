@@ -34,6 +34,8 @@ DEFAULTS: dict[str, Any] = {
     "trust_variants": None,  # PKG[,PKG]: variant names in the checkpoint may import these (docs/training.md#what-looplab-trusts)
 }
 
+INTEGERS = ("max_new_tokens", "top_k", "seed", "exit_min_loops", "speculative_loops", "draft_tokens")
+
 
 def parse_args(argv: list[str]) -> dict[str, Any]:
     args = dict(DEFAULTS)
@@ -56,12 +58,26 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             args[key] = True if v in ("1", "true", "yes", "on") else False if v in ("0", "false", "no", "off", "none", "") else v
         elif val.lower() in ("none", "null", ""):
             args[key] = None
+        elif key in INTEGERS:
+            try:
+                args[key] = int(val)
+            except ValueError:
+                raise ValueError(f"{key}={val!r} must be an integer") from None
         else:
-            args[key] = int(val) if key in ("max_new_tokens", "top_k", "seed", "exit_min_loops", "speculative_loops", "draft_tokens") else float(val)
+            try:
+                args[key] = float(val)
+            except ValueError:
+                raise ValueError(f"{key}={val!r} must be a number") from None
     if not args["ckpt"]:
         raise SystemExit("ckpt=PATH is required (a looplab training checkpoint)")
     if args["max_new_tokens"] is None or args["max_new_tokens"] < 0:  # before the checkpoint is loaded
         raise ValueError(f"max_new_tokens={args['max_new_tokens']!r} must be an integer >= 0")
+    if args["exit_min_loops"] is None or args["exit_min_loops"] < 1:  # read only with an exit: refused either way
+        raise ValueError(f"exit_min_loops={args['exit_min_loops']!r} must be an integer >= 1 (no exit before that loop)")
+    if args["exit_threshold"] is not None:  # the rule's name and its threshold's range, before the checkpoint loads
+        from looplab.models.exit_rules import check_rule
+
+        check_rule(args["exit_rule"] or "gate", args["exit_threshold"], 1, args["exit_min_loops"])
     return args
 
 

@@ -69,6 +69,19 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"--exit-rule: {e}")
     if rule is not None and not args.rule_thresholds:
         ap.error(f"--exit-rule {rule} needs --rule-thresholds (e.g. 0.01 0.05 0.2)")
+    # each threshold in its rule's range, before the checkpoint loads: one line naming the value (cli_errors)
+    from looplab.models.exit_rules import check_rule
+    from looplab.models.registry import ConfigError
+
+    if args.min_loops < 1:
+        raise ConfigError(f"--min-loops {args.min_loops} must be an integer >= 1 (no exit before that loop)")
+    for flag, name, values in (("--thresholds", "gate", args.thresholds),
+                               ("--rule-thresholds", rule, args.rule_thresholds if rule is not None else ())):
+        for value in values or ():
+            try:
+                check_rule(name, value, 1, 1)
+            except ValueError as e:
+                raise ConfigError(f"{flag} {value:g}: {e}") from e
 
     from looplab.checkpoint import load_model
     from looplab.data.registry import datamodule_from_meta

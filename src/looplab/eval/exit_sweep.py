@@ -73,6 +73,8 @@ def exit_sweep(
     gated = model.exit_gate is not None
     rows = [_Row(f"exit_at_step={k}", R) for k in range(1, R + 1)]
     q_rows = [_Row(f"q={q}", R) for q in thresholds] if gated else []
+    for q in thresholds if gated else ():  # a bad q is refused before any batch runs, naming it
+        check_rule("gate", q, 1, R)
     if rule is not None:
         if get_rule(rule).reads == "exit_probs":
             raise ValueError(f"exit rule {rule!r} reads the gate's exit distribution: it is the thresholds q of a gated "

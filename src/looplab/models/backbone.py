@@ -15,10 +15,8 @@ from looplab.models.registry import BACKBONES, LAYERS, ConfigError, Supports, Va
 
 
 class Backbone(Variant):
-    """The layer kinds of n layers (one letter each); what they support is their layer classes' (a backbone declares
-    only what its pattern itself changes)."""
-
-    supports = Supports(parallel_loops=True, export=True)
+    """The layer kinds of n layers (one letter each); what they support is their layer classes' and what the
+    backbone itself declares (`supports`: what its pattern changes; export and parallel loops only where it says so)."""
 
     @classmethod
     def layer_kinds(cls, config, n: int) -> str:
@@ -31,6 +29,8 @@ class Backbone(Variant):
 
 @BACKBONES.register("llama")
 class Llama(Backbone):
+    supports = Supports(parallel_loops=True, export=True)
+
     @classmethod
     def layer_kinds(cls, config, n):
         return "A" * n
@@ -38,6 +38,8 @@ class Llama(Backbone):
 
 @BACKBONES.register("mamba2")
 class Mamba2(Backbone):
+    supports = Supports(parallel_loops=True, export=True)
+
     @classmethod
     def layer_kinds(cls, config, n):
         return "M" * n

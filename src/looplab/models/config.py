@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from looplab.models.registry import (BACKBONES, DEPTH_ROUTERS, EXIT_GATES, INJECTIONS, LAYERS, LOOP_SCHEDULES,
-                                     STATE_MIXERS, STATE_UPDATES, ConfigError, names_from, option_values)
+                                     STATE_MIXERS, STATE_UPDATES, ConfigError, UnknownOptionError, names_from,
+                                     option_values, refuse_as_config_error)
 
 # a variant's options live in `LoopedLMConfig.options[axis]` (the axes whose variants build model parts)
 OPTION_AXES = {"state_update": STATE_UPDATES, "state_mixer": STATE_MIXERS, "backbone": BACKBONES,
@@ -257,7 +258,11 @@ class LoopedLMConfig:
             if axis not in OPTION_AXES:
                 raise ConfigError(f"options[{axis!r}]: unknown axis; choose one of {sorted(OPTION_AXES)}")
             cls = OPTION_AXES[axis].get(self.variant_name(axis))
-            kept = option_values(cls, values, f"{OPTION_AXES[axis].field}={self.variant_name(axis)!r}")
+            try:
+                kept = option_values(cls, values, f"{OPTION_AXES[axis].field}={self.variant_name(axis)!r}")
+            except UnknownOptionError as e:
+                e.axis = axis  # the Hydra front end names the keys as typed (training/compose.py)
+                raise
             if kept:
                 out[axis] = kept
         self.options = out
@@ -341,23 +346,24 @@ class LoopedLMConfig:
         INJECTIONS.get(self.injection)
         need(self.kernel in KERNELS, f"kernel={self.kernel!r} is unknown; choose one of {KERNELS}")
         need(self.state_init in ("zeros", "learned"), f"state_init={self.state_init!r} must be 'zeros' or 'learned'")
-        backbone.validate(self)
+        # every variant's own check refuses as a ConfigError, a researcher's raising a plain ValueError included
+        refuse_as_config_error(backbone.validate, self)
         for kind in dict.fromkeys(self.all_layer_types):  # each layer kind checks the widths it needs
             check = getattr(LAYERS.get(kind), "validate", None)
             if check is not None:
-                check(self)
+                refuse_as_config_error(check, self)
         if self.state_mixer != "none":
             need(STATE_UPDATES.get(self.state_update).builds_state,
                  f"state_mixer={self.state_mixer!r} with state_mode={self.state_update!r}: a mixer mixes the StateLoop "
                  "state, and this mode keeps none; choose a state update (e.g. state_mode=stateloop)")
-            STATE_MIXERS.get(self.state_mixer).validate(self)
+            refuse_as_config_error(STATE_MIXERS.get(self.state_mixer).validate, self)
         for name in ("state_A_init", "state_dt_init", "mamba_A_init", "mamba_dt_init"):
             lo, hi = getattr(self, name)
             need(0 < lo <= hi, f"{name}={getattr(self, name)} must satisfy 0 < a <= b")
         router = DEPTH_ROUTERS.get(self.depth_router.name)
         if hasattr(router, "validate"):
-            router.validate(self)
-        LOOP_SCHEDULES.get(self.loop_schedule).validate(self)
+            refuse_as_config_error(router.validate, self)
+        refuse_as_config_error(LOOP_SCHEDULES.get(self.loop_schedule).validate, self)
 
     def validate_mamba_fields(self) -> None:
         """The Mamba-2 settings, for a Mamba-2 layer or mixer anywhere in the model."""

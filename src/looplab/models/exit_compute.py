@@ -52,17 +52,21 @@ from looplab.models.registry import EXIT_GATES, HANDLINGS, Variant
 class SkipHandling(Variant):
     """What an exited token leaves in the deeper loops' cache entries (a registered class: HANDLINGS).
 
-    fills: the cache kinds (models/registry.py Supports.cache) it knows how to fill; a model keeping another
-    kind is refused. ssm_absent: at a deeper loop a Mamba-2 layer treats the token as absent (dt = 0);
+    fills: the cache kinds (models/registry.py Supports.cache) it knows how to fill (none until a handling declares
+    them); a model keeping another kind is refused. ssm_absent: at a deeper loop a Mamba-2 layer treats the token as absent (dt = 0);
     ssm_write: a deeper loop's Mamba-2 state is written from the token's exit-loop input."""
 
-    fills: frozenset = frozenset({"kv"})
+    fills: frozenset = frozenset()
     ssm_absent: bool = False
     ssm_write: bool = False
 
     @classmethod
     def refusal(cls, where: str, kind: str) -> str:
         """Why this handling cannot serve a model whose `where` keeps a `kind` cache entry it does not fill."""
+        if not cls.fills:
+            return (f"skip_compute={cls.name} declares no cache entries it fills, and {where} keeps a {kind!r} entry; "
+                    f"declare fills = frozenset({{{kind!r}}}) on its class once it fills them as its reference does "
+                    "(the conformance kit checks it; docs/extending.md#registries-and-capabilities)")
         return (f"skip_compute={cls.name} fills {sorted(cls.fills)} cache entries, but {where} keeps a {kind!r} entry; "
                 "choose a handling that fills it, or decode without skip_compute")
 

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from looplab.models.registry import EXIT_RULES, Variant
+from looplab.models.registry import EXIT_RULES, ConfigError, Variant, refuse_as_config_error
 
 READS = ("exit_probs", "logits", "hidden")
 
@@ -62,6 +62,14 @@ class ExitRule(Variant):
 class GateRule(ExitRule):
     reads = "exit_probs"
     example_thresholds = (0.3, 0.5, 0.7, 0.9)
+
+    @classmethod
+    def check_threshold(cls, threshold):
+        # q is a level of the exit CDF: 0 stops every token at exit_min_loops, q > 1 reads the last loop (1.01 is
+        # the sweeps' "no exit" row); below 0 it would stop every token too, which no one means
+        if threshold < 0:
+            raise ConfigError(f"exit_threshold={threshold!r} must be >= 0: the gate's q is a level of the exit "
+                              "distribution's CDF (0: every token stops at exit_min_loops; above 1: the last loop)")
 
     @classmethod
     def stops(cls, t, threshold, inputs):
@@ -150,7 +158,13 @@ def check_rule(rule: str, threshold: float, min_loops: int, n_loops: int) -> Non
     cls = get_rule(rule)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold):
         raise ValueError(f"exit_threshold={threshold!r} must be a number")
-    cls.check_threshold(threshold)
+    # a researcher's rule may refuse with a plain ValueError, naming the value or not: it is still bad input
+    try:
+        refuse_as_config_error(cls.check_threshold, threshold)
+    except ConfigError as e:
+        if "exit_threshold" in str(e):
+            raise
+        raise ConfigError(f"exit_threshold={threshold!r} with exit_rule={cls.name!r}: {e}") from e
     if isinstance(min_loops, bool) or not isinstance(min_loops, int) or not 1 <= min_loops <= n_loops:
         raise ValueError(f"exit_min_loops={min_loops!r} must be an integer in 1..{n_loops}")
 

@@ -14,20 +14,28 @@ documented in models/looped.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looplab.models.registry import INJECTIONS, Supports, Variant
+from looplab.models.registry import INJECTIONS, Supports, Variant, options_of
 
-# the parallel schedule re-enters the embedding itself (loop_mix a·E); every injection exports
+# the parallel schedule re-enters the embedding itself (loop_mix a·E), so no injection runs under it
 _INJECTING = Supports(parallel_loops="the parallel schedule has its own embedding term (loop_mix a·E); use "
-                      "injection=none", export=True)
+                      "injection=none")
+# looplab's own injections: the exported code (remote_code/modeling_looplab.py) computes each of them
+_EXPORTED = replace(_INJECTING, export=True)
 
 
 class Injection(nn.Module, Variant):
     """x_{r+1} ← Inject(x_{r+1}, e) before loops 2..R; must compute the un-injected model at init, drawing no random
-    numbers (so a seeded model's other parameters equal the un-injected model's)."""
+    numbers (so a seeded model's other parameters equal the un-injected model's).
+
+    Built as `cls(d_model)`, or `cls(d_model, options)` when the class declares `Options` (options: its instance,
+    from `loop_depth.injection_options`). `forward(x, e)`: x (B, T, d) the stream entering the next loop (after the
+    state branch), e (B, T, d) the embedding output (after the prelude, if any)."""
 
     supports = _INJECTING
 
@@ -51,6 +59,8 @@ class NoInjection(Variant):
 
 @INJECTIONS.register("add")
 class AddInjection(Injection):
+    supports = _EXPORTED
+
     def __init__(self, d: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(d, d))  # W_in
@@ -69,6 +79,8 @@ class AddInjection(Injection):
 
 @INJECTIONS.register("concat")
 class ConcatInjection(Injection):
+    supports = _EXPORTED
+
     def __init__(self, d: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(d, 2 * d))  # W_c over [x; e]
@@ -89,6 +101,8 @@ class ConcatInjection(Injection):
 
 @INJECTIONS.register("diag")
 class DiagInjection(Injection):
+    supports = _EXPORTED
+
     def __init__(self, d: int):
         super().__init__()
         self.gate = nn.Parameter(torch.zeros(d))  # g; the gain tanh(g) is bounded in (−1, 1)
@@ -104,7 +118,12 @@ class DiagInjection(Injection):
         return 2 * self.gate.numel()
 
 
-def build_injection(mode: str, d_model: int) -> nn.Module | None:
-    """The injection module of a registered mode (None: "none", or any mode that is not a module)."""
-    cls = INJECTIONS.get(mode)
-    return cls(d_model) if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+def build_injection(cfg) -> nn.Module | None:
+    """The injection module of cfg.injection (None: "none", or any mode that is not a module), given its options
+    (cfg.options["injection"], over the defaults of its Options) when it declares any."""
+    cls = INJECTIONS.get(cfg.injection)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        return None
+    if getattr(cls, "Options", None) is None:
+        return cls(cfg.d_model)
+    return cls(cfg.d_model, options_of(cls, cfg.options.get("injection")))

@@ -97,7 +97,7 @@ class LoopedLM(nn.Module, LoopedHubMixin):
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.tie_embeddings:
                 self.head.weight = self.embed.weight
-            self.inject = build_injection(cfg.injection, cfg.d_model)  # None: no parameters, no state-dict keys
+            self.inject = build_injection(cfg)  # None: no parameters, no state-dict keys
             self.router = build_router(cfg)  # depth_router (models/router.py); None: no parameters, no state-dict keys
             # the loop schedule (models/schedule.py) may add modules: loop_schedule=parallel (models/parallel.py) adds
             # what loops 2..R read and G-SWA's gate in each block attention layer; None under the sequential schedule

@@ -42,8 +42,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import importlib
 import os
+import pkgutil
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
@@ -91,17 +93,33 @@ class Supports:
     export: bool | str = False
 
     def why_not(self, feature: str) -> str | None:
-        """None when the feature is supported, else the reason."""
+        """None when the feature is supported, else the reason (one not declared: what declaring it takes)."""
         if feature not in FEATURES:
             raise KeyError(f"unknown capability {feature!r}; known: {sorted(FEATURES)}")
         value = getattr(self, feature)
         if value is True:
             return None
-        return value if isinstance(value, str) and value else f"does not declare support for {FEATURES[feature]}"
+        if isinstance(value, str) and value:
+            return value
+        return (f"does not declare support for {FEATURES[feature]}; declare {feature}=True in the class's own "
+                f"`supports`{_DECLARE_WHEN[feature]} (docs/extending.md#registries-and-capabilities)")
+
+
+# when a variant may declare a capability that is off by default (`Supports.why_not`)
+_DECLARE_WHEN = {f: "" for f in FEATURES} | {
+    "export": " only when the exported code (looplab/remote_code/modeling_looplab.py) computes it as looplab does",
+    "parallel_loops": " only when it computes the same under loop_schedule=parallel (the conformance kit checks it)",
+}
+# the capabilities a variant has only where its own class declares them (Variant.__init_subclass__)
+OPT_IN = tuple(f.name for f in dataclasses.fields(Supports) if f.name in FEATURES and f.default is not True)
 
 
 class Variant:
     """The base of every registered variant: its name (set at registration), what it supports and its options.
+
+    `supports`: what the class declares. A capability that is off by default (`OPT_IN`: export, parallel_loops)
+    holds only for the class whose own body declares it; a subclass that declares no `supports` of its own keeps
+    the rest of its base's and has those two off, until it declares them.
 
     `Options`: a dataclass of the variant's own hyperparameters (None: it has none). They are set in the config's
     `options[axis]` (Hydra: the variant's yaml keys) and enter the architecture hash only where they differ from
@@ -110,6 +128,16 @@ class Variant:
     name: str = ""
     supports: Supports = Supports()
     Options: type | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A capability that is off by default (OPT_IN: export, parallel_loops) is claimed by the class that declares
+        # it, never inherited: a subclass computes something else, which the exported code or the parallel schedule
+        # does not know (an out-of-tree Injection once claimed export=True through its base, until the export failed)
+        if "supports" not in cls.__dict__:
+            claimed = {f: False for f in OPT_IN if getattr(cls.supports, f) is True}
+            if claimed:
+                cls.supports = dataclasses.replace(cls.supports, **claimed)
 
     @classmethod
     def capabilities(cls, config) -> Supports:
@@ -200,14 +228,31 @@ class Registry(Generic[T]):
         cls = self._find_outside(name)
         if cls is not None:
             return cls
-        raise ConfigError(f"{self.named}={name!r} is unknown; choose one of {self.choices()}, or register your own "
-                          f"(a module that registers {name!r} with looplab.models.registry.{_registry_name(self)}; "
-                          "docs/extending.md)")
+        raise self._unknown(name)
+
+    def _unknown(self, name: str, imported: tuple[str, ...] = ()) -> ConfigError:
+        """The error for a name nothing registers: the closest registered names, the choices, how to register. The
+        modules named like it in the packages imported for it (the user's, trusted: they typed its name) are
+        imported first, so `my_pkg.mingur` finds `my_pkg.mingru` where my_pkg/__init__.py does not import it."""
+        for module in imported:
+            path = getattr(sys.modules.get(module), "__path__", None)
+            subs = [f"{module}.{m.name}" for m in pkgutil.iter_modules(path)] if path is not None else []
+            for sub in close_matches(name, subs, n=3):
+                try:
+                    _import_variant_module(sub)
+                except Exception:  # noqa: BLE001 - only a suggestion; the name itself is refused either way
+                    pass
+        seen = f"; {' and '.join(imported)} imported, registering no {name!r}" if imported else ""
+        return ConfigError(f"{self.named}={name!r} is unknown{did_you_mean(name, self.choices())}{seen}; choose one of "
+                           f"{self.choices()}, or register your own (a module that registers {name!r} with "
+                           f"looplab.models.registry.{_registry_name(self)}; docs/extending.md)")
 
     def _find_outside(self, name: str) -> type | None:
         """A researcher's variant: `module:Class`, or a dotted name whose module (or a parent package) registers it
         on import, or a module listed in the `looplab.variants` entry-point group. A name read from a model imports
-        nothing unless its package is trusted (`names_from`)."""
+        nothing unless its package is trusted (`names_from`). A dotted name typed by the user that is not found says
+        why: no module of it on the path, its module raising ImportError (VariantImportError, the error its cause),
+        or its modules registering no such name (the closest names)."""
         source = _UNTRUSTED_SOURCE.get()
         package = name.partition(":")[0].split(".")[0]
         if source is not None and package not in trusted_packages():
@@ -228,28 +273,104 @@ class Registry(Generic[T]):
         if ":" in name:
             module, _, attr = name.partition(":")
             try:
-                cls = getattr(_import_variant_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(f"{self.field}={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
-            return self._classes.get(name) or self.register(name)(cls)
+                found = _import_variant_module(module)
+            except ImportError as e:
+                if not _is_missing(module, e):
+                    raise VariantImportError(self._raised(name, _raising_module(module, e), e)) from e
+                raise VariantImportError(self._not_found(name, module)) from e
+            if not hasattr(found, attr):
+                raise ConfigError(f"{self.named}={name!r}: cannot import {attr!r} from {module!r}: the module has no "
+                                  f"such name{did_you_mean(attr, [a for a in vars(found) if not a.startswith('_')])}")
+            return self._classes.get(name) or self.register(name)(getattr(found, attr))
         parts = name.split(".")
+        imported: list[str] = []
         if len(parts) > 1 and parts[0] != "looplab":
             for i in range(len(parts), 0, -1):
                 module = ".".join(parts[:i])
                 try:
                     _import_variant_module(module)
-                except ModuleNotFoundError as e:
-                    if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+                except ImportError as e:
+                    if _is_missing(module, e):
                         continue  # this prefix is not a module: try a shorter one
-                    raise  # the module exists and failed inside: the researcher's traceback matters
+                    # the module exists and failed inside: its own import error, in one line (the traceback goes to
+                    # the log: cli_errors), not "unknown"
+                    raise VariantImportError(self._raised(name, _raising_module(module, e), e)) from e
+                imported.append(module)
                 if name in self._classes:
                     return self._classes[name]
         _load_entry_points()
-        return self._classes.get(name)
+        if name in self._classes:
+            return self._classes[name]
+        if len(parts) > 1 and parts[0] != "looplab":
+            if not imported:
+                raise VariantImportError(self._not_found(name, parts[0]))
+            raise self._unknown(name, tuple(imported))
+        return None
+
+    def _not_found(self, name: str, module: str) -> str:
+        top = module.split(".")[0]
+        path = os.environ.get("PYTHONPATH")
+        where = f"PYTHONPATH={path}" if path else "PYTHONPATH is not set"
+        return (f"{self.named}={name!r}: module not found: no module named {top!r} on the import path ({where}; the "
+                f"working directory is not searched); put the folder that holds {top}/ on PYTHONPATH or install the "
+                "package (docs/extending.md#from-the-command-line)")
+
+    def _raised(self, name: str, module: str, e: ImportError) -> str:
+        return (f"{self.named}={name!r}: module {module!r} was found but raised {type(e).__name__} while importing: "
+                f"{e}; install what it imports or fix its import")
 
 
 class UntrustedVariantError(ConfigError):
     """A variant name read from a model names a package that is not trusted; nothing was imported."""
+
+
+class VariantImportError(ConfigError):
+    """A variant's module could not be imported: not found on the import path, or found but raising while importing
+    (the original ImportError is the cause)."""
+
+
+def refuse_as_config_error(check: Callable, *args) -> None:
+    """Run a variant's input check (`validate`, `check_threshold`): a ValueError it raises refuses the input, as a
+    ConfigError with its message, wherever the variant's module lives. A researcher's check that raises a plain
+    ValueError is then reported as bad input in one line (looplab/cli_errors.py), not as a bug."""
+    try:
+        check(*args)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _raising_module(module: str, e: BaseException) -> str:
+    """Which of `module` and the packages above it was executing when `e` was raised (importing a.b.c runs a, a.b,
+    then a.b.c): the deepest frame of the traceback that belongs to one of them."""
+    prefixes = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)}
+    found, tb = module, e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") in prefixes:
+            found = tb.tb_frame.f_globals["__name__"]
+        tb = tb.tb_next
+    return found
+
+
+def _is_missing(module: str, e: ImportError) -> bool:
+    """Whether `module` (or a package above it) is itself what cannot be found, rather than something it imports."""
+    return (isinstance(e, ModuleNotFoundError) and e.name is not None
+            and (module == e.name or module.startswith(e.name + ".")))
+
+
+class UnknownOptionError(ConfigError):
+    """Options a variant does not declare: `where` (the variant, as the config names it), `unknown` (the keys given),
+    `known` (its Options' fields) and `axis` (the config's options axis, once LoopedLMConfig knows it), so a front
+    end can name the keys as its user typed them."""
+
+    def __init__(self, where: str, unknown: list[str], known: list[str], axis: str | None = None):
+        if known:
+            text = f"{where}: unknown option(s) {unknown}; its options: {known}{did_you_mean(unknown, known)}"
+        else:
+            text = f"{where} takes no options, got {unknown}"
+        super().__init__(text)
+        self.where, self.unknown, self.known, self.axis = where, unknown, known, axis
 
 
 # ------------------------------------------------------------------ trust (docs/training.md#what-looplab-trusts)
@@ -305,6 +426,23 @@ def _import_variant_module(module: str):
         sys.path[:] = saved + added
 
 
+def import_variant_modules(*modules: str) -> None:
+    """Import modules that register variants, as a dotted variant name's module is imported (the user named them:
+    their packages are trusted for the process), then the `looplab.variants` entry points. A module that cannot be
+    imported is refused in one line: not found, or found but raising ImportError."""
+    for module in modules:
+        _TRUSTED.add(module.split(".")[0])
+        try:
+            _import_variant_module(module)
+        except ImportError as e:
+            what = ("module not found" if _is_missing(module, e)
+                    else f"found but raised {type(e).__name__} while importing")
+            raise VariantImportError(f"--import {module}: {what}: {e} (PYTHONPATH="
+                                     f"{os.environ.get('PYTHONPATH', '')!r}; the working directory is not searched)"
+                                     ) from e
+    _load_entry_points()
+
+
 def _same_class(a: type, b: type) -> bool:
     """A module imported twice (e.g. as a script and as a module) registers an equal class twice."""
     return a.__module__ == b.__module__ and a.__qualname__ == b.__qualname__
@@ -348,17 +486,29 @@ def option_values(cls: type, given: dict[str, Any] | None, where: str) -> dict[s
     opts = getattr(cls, "Options", None)
     if opts is None:
         if given:
-            raise ConfigError(f"{where} takes no options, got {sorted(given)}")
+            raise UnknownOptionError(where, sorted(given), [])
         return {}
     known = {f.name: f for f in dataclasses.fields(opts)}
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {unknown}; its options: {sorted(known)}")
+        raise UnknownOptionError(where, unknown, sorted(known))
     try:
         defaults = opts()
     except TypeError as e:
         raise ConfigError(f"{where}: its Options need defaults for every field ({e})") from None
     return {k: v for k, v in given.items() if v != getattr(defaults, k)}
+
+
+def close_matches(given, choices, n: int = 1) -> list[str]:
+    """The `choices` closest to each given name (a typo's fix), without repeats."""
+    given = [given] if isinstance(given, str) else list(given)
+    return list(dict.fromkeys(m for g in given for m in difflib.get_close_matches(g, list(choices), n=n, cutoff=0.6)))
+
+
+def did_you_mean(given, choices, prefix: str = "") -> str:
+    """" (did you mean x?)" naming the closest of `choices` to the given names (each after `prefix`), or ""."""
+    close = close_matches(given, choices)
+    return f" (did you mean {' or '.join(prefix + c for c in close)}?)" if close else ""
 
 
 def options_of(cls: type, values: dict[str, Any] | None):

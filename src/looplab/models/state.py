@@ -235,5 +235,7 @@ class SelectiveState(StateBranch):
 class ResetState(SelectiveState):
     """The ablation: the selective update with s_{r−1} replaced by s_0 at every loop (nothing carried across loops)."""
 
+    supports = replace(_STATEFUL, export=True)
+
     carries_state = False
 

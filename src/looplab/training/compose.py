@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from looplab.models import ConfigError, LoopedLMConfig
+from looplab.models.registry import UnknownOptionError, did_you_mean
 from looplab.training.depth import DepthSampler
 
 # backbone.<key> → LoopedLMConfig field (same name unless listed)
@@ -22,6 +23,8 @@ _STATE_KEYS = {"name": "state_mode", "mixer": "state_mixer", "d_s": "state_dim",
 # keys hold the others' (models/registry.py OPTION_AXES)
 _OPTION_KEYS = {("state_mode", "mixer_options"): "state_mixer", ("loop_depth", "schedule_options"): "loop_schedule",
                 ("loop_depth", "injection_options"): "injection", ("backbone", "options"): "backbone"}
+# how the user typed an option of each axis, for errors: state_mode.<key>, loop_depth.injection_options.<key>, ...
+_TYPED = {axis: f"{group}.{key}." for (group, key), axis in _OPTION_KEYS.items()} | {"state_update": "state_mode."}
 _GATE_MODEL_KEYS = {"name": "exit_gate"}
 # loop_depth.<key> → LoopedLMConfig field: the loop schedule (models/parallel.py)
 _SCHEDULE_KEYS = {"schedule": "loop_schedule", "kv": "loop_kv", "window": "loop_window", "gate": "loop_gate",
@@ -96,11 +99,8 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
         fields["depth_router"] = router
     try:
         model_cfg = LoopedLMConfig(**fields)
-    except ConfigError as e:
-        if update_options and ("unknown option(s)" in str(e) or "takes no options" in str(e)):
-            keys = ", ".join(f"state_mode.{k}" for k in sorted(update_options))
-            raise ConfigError(f"{keys} is unknown: {e} (the keys every state_mode takes: {sorted(_STATE_KEYS)})") from None
-        raise
+    except UnknownOptionError as e:
+        raise ConfigError(unknown_options_message(e)) from None
     sampled = [f"loop_depth.{k}={loop.get(k)!r}" for k, ok in (("sampler", "fixed"), ("backprop_loops", None))
                if loop.get(k, ok) != ok]
     if sampled:
@@ -108,6 +108,24 @@ def model_config_from_cfg(cfg: DictConfig, vocab_size: int | None = None) -> Loo
         if reason:
             raise ConfigError(f"{', '.join(sampled)} with {reason}")
     return model_cfg
+
+
+def unknown_options_message(e: UnknownOptionError) -> str:
+    """The options a variant refused, named as they were typed (state_mode.forget_bais, loop_depth.injection_options.
+    rnk), with the closest valid key and every valid one."""
+    prefix = _TYPED.get(e.axis, "")
+    keys = ", ".join(prefix + k for k in e.unknown)
+    verb = "is not an option" if len(e.unknown) == 1 else "are not options"
+    hint = did_you_mean(e.unknown, e.known, prefix)
+    valid = f"its options: {', '.join(e.known)}" if e.known else "it takes no options"
+    if e.axis == "state_update":  # the keys of the state_mode group itself are valid too
+        valid += f"; every state_mode also takes {', '.join(state_mode_keys())}"
+    return f"{keys} {verb} of {e.where}{hint}; {valid}"
+
+
+def state_mode_keys() -> list[str]:
+    """The keys every state_mode takes, beside its update rule's own options."""
+    return sorted([*_STATE_KEYS, "mixer_options"])
 
 
 def router_from_cfg(cfg: DictConfig) -> dict[str, Any] | None:

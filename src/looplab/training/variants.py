@@ -9,6 +9,9 @@ registered:
     python -m looplab.train -m state_mode=vanilla,my_pkg.gru    # sweeps too
     python -m looplab.train state_mode=my_pkg.gru state_mode.gate_bias=2.0   # its own options (its Options' fields)
 
+A key its state mode does not have (`state_mode.gate_bais=2.0`) is refused here, naming the key and the valid ones,
+where Hydra would answer "use +state_mode.gate_bais" (which only moves the refusal to the model's config).
+
 Values that are not group options (state_mode.mixer=..., loop_depth.schedule=..., loop_depth.injection=...,
 exit_gate.eval_rule=...) need nothing of this: the registry imports them when the model is built. A yaml of the
 researcher's own, in a folder added with `hydra.searchpath=[file://my_conf]` (or `pkg://my_pkg.conf`), works as
@@ -54,6 +57,7 @@ def register_cli_variants(overrides: Iterable[str]) -> list[str]:
     yaml files); → the group/name entries stored."""
     from hydra.core.config_store import ConfigStore
 
+    overrides = list(overrides)
     cs = ConfigStore.instance()
     stored = []
     for group, name in _values(overrides):
@@ -64,6 +68,29 @@ def register_cli_variants(overrides: Iterable[str]) -> list[str]:
             opts = getattr(cls, "Options", None)
             if opts is not None:
                 node.update({f.name: getattr(opts(), f.name) for f in dataclasses.fields(opts)})
+            _refuse_unknown_keys(overrides, name, cls, node)
         cs.store(group=group, name=name, node=node)
         stored.append(f"{group}/{name}")
     return stored
+
+
+def _refuse_unknown_keys(overrides: list[str], name: str, cls: type, node: dict) -> None:
+    """`state_mode.KEY=v` for a key that neither the stored node nor any state mode has: refused naming the key and
+    the valid ones, before Hydra's hint to add it with `+`. An experiment or a yaml of the user's own may add keys to
+    the group, so then Hydra decides."""
+    from looplab.models.registry import ConfigError, UnknownOptionError
+    from looplab.training.compose import state_mode_keys, unknown_options_message
+
+    if any(a.lstrip("+~").startswith(("experiment=", "hydra.searchpath")) for a in overrides):
+        return
+    opts = getattr(cls, "Options", None)
+    own = sorted(f.name for f in dataclasses.fields(opts)) if opts is not None else []
+    valid = set(node) | set(state_mode_keys()) | set(own)
+    for arg in overrides:
+        key, eq, _ = arg.partition("=")
+        if not eq or not key.startswith("state_mode."):
+            continue
+        option = key[len("state_mode."):].split(".")[0]
+        if option not in valid:
+            raise ConfigError(unknown_options_message(
+                UnknownOptionError(f"state_mode={name!r}", [option], own, axis="state_update")))
