@@ -7,6 +7,8 @@ STAMP := $(VENV)/.looplab-installed
 GPU_STAMP := $(VENV)/.looplab-gpu-installed
 SCALE ?= tiny
 export WANDB_MODE ?= $(if $(WANDB_API_KEY),online,offline)
+# idle OpenMP threads sleep: on a shared machine spinning ones starve the threads they wait for (docs/performance.md#on-a-shared-machine)
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .DEFAULT_GOAL := help
 TABLES := 1 2 3 4 5 6 7 8 9 10 11 12 13 14

@@ -79,7 +79,7 @@ def test_conformance_kit_passes_on_the_researchers_variants(package):
     root, new = package
     tests = [rel for rel, _ in BLOCK.findall(PAGE.read_text()) if Path(rel).name.startswith("test_")]
     assert tests, "the page shows no test file for the conformance kit"
-    p = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests], root, timeout=900)
+    p = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests], root, timeout=1800)
     summary = p.stdout.strip().splitlines()[-1]
     passed = int(re.search(r"(\d+) passed", summary).group(1))
     assert "failed" not in summary and "error" not in summary, p.stdout[-3000:]

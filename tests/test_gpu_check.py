@@ -228,7 +228,7 @@ def _stand_in_suite(tmp_path) -> Path:
 
 def _tests_check(tmp_path, paths) -> Check:
     report = tmp_path / "gpu-tests.jsonl"
-    return Check("gpu-tests", "tests", gpu_check.pytest_command(report, sys.executable, paths), 120, report,
+    return Check("gpu-tests", "tests", gpu_check.pytest_command(report, sys.executable, paths), HANG_GUARD_S, report,
                  info={"tests_dir": str(paths[0])})
 
 
@@ -237,7 +237,7 @@ def test_pytest_outcomes_and_recorded_figures_reach_the_report(tmp_path):
     in the order collected, with the figures each test recorded; a crashed worker's test is an error, the rest
     of its file not reached, the other file's tests all run; the run's status is the worst of them."""
     suite = _stand_in_suite(tmp_path)
-    r = run_check(_tests_check(tmp_path, [suite]), tmp_path, gpu_check.time.monotonic() + 120)
+    r = run_check(_tests_check(tmp_path, [suite]), tmp_path, gpu_check.time.monotonic() + HANG_GUARD_S)
     names = {n.split("::")[1]: t for n, t in r["tests"].items()}
     assert list(names) == ["test_records_and_passes", "test_records_then_fails", "test_setup_error", "test_skipped",
                            "test_expected_failure", "test_param[1]", "test_param[2]", "test_crashes_its_process",
@@ -267,7 +267,7 @@ def test_pytest_outcomes_and_recorded_figures_reach_the_report(tmp_path):
 def test_a_module_that_does_not_import_is_an_error(tmp_path):
     suite = _stand_in_suite(tmp_path)
     (suite / "test_broken.py").write_text("import no_such_module_here\n")
-    r = run_check(_tests_check(tmp_path, [suite]), tmp_path, gpu_check.time.monotonic() + 120)
+    r = run_check(_tests_check(tmp_path, [suite]), tmp_path, gpu_check.time.monotonic() + HANG_GUARD_S)
     assert r["status"] == "error" and r["error"].startswith("a test module did not import: ")
     assert "test_broken.py" in r["error"] and "no_such_module_here" in r["error"]
 
@@ -325,7 +325,9 @@ def test_run_check_keeps_the_tests_that_finished_when_pytest_times_out(tmp_path)
     lines = _report_lines({"collected": [A, B, C]}, {"started": A},
                           {"nodeid": A, "outcome": "failed", "duration_s": 0.1, "message": "AssertionError: x",
                            "properties": {"tokens_per_s": 10.0}}, {"started": B})
-    check.cmd = [sys.executable, "-c", f"import time; open({str(check.output)!r}, 'w').write({lines!r}); time.sleep(120)"]
+    prewritten = tmp_path / "lines.jsonl"
+    prewritten.write_text(lines)  # sh + cat write them within the timeout even on a starved machine (a python would import first)
+    check.cmd = ["sh", "-c", f"cat '{prewritten}' > '{check.output}'; exec sleep 120"]
     check.timeout_s = 2
     r = run_check(check, tmp_path, gpu_check.time.monotonic() + 600)
     assert r["status"] == "error" and r["error"] == "timed out after 2 s" and r["returncode"] is None
@@ -690,10 +692,11 @@ def test_make_gpu_check_refuses_on_a_cpu_machine_without_building(tmp_path):
     assert [line.split(" -m ")[-1] for line in dry if " -m " in line] == [
         "looplab.gpu_install --constraint constraints.txt", "looplab.gpu_check"]
 
-    t0 = time.monotonic()
+    # refused at once is shown by what ran (the python-calls log below: the install step's check, no pip, no
+    # checks), not by how long it took: a loaded machine is allowed to be slow
     proc = subprocess.run(["make", "gpu-check", f"VENV={venv}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode != 0
     assert "gpu-check refused: " in proc.stderr and "nothing was built, run or written" in proc.stderr
     assert ("built without CUDA" if torch.version.cuda is None else "no CUDA device is visible") in proc.stderr
     assert log.read_text().splitlines() == ["-m looplab.gpu_install --constraint constraints.txt"]  # no pip, no checks

@@ -19,25 +19,28 @@ import pytest
 from conftest import ROOT
 from looplab.training.distributed import is_global_zero_from_env, recover_checkpoint
 
-# what each rank runs: train.py's call, then what it sees. Rank 0 calls it only once rank 1 is inside
-# it (and 1 s later), so rank 1 is seen to wait for rank 0 rather than rename itself.
+# what each rank runs: train.py's call, then what it sees. Rank 0 calls it only once rank 1 is polling inside
+# it, so rank 1 is seen to wait for rank 0 rather than rename itself, however slowly either process runs.
 RANK_SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
-from looplab.training.distributed import recover_checkpoint
+import looplab.training.distributed as distributed
 
 ckpt = Path(sys.argv[1])
-rank1_in = ckpt.with_name("rank1_in")
+waiting = ckpt.with_name("rank1_waiting")
+polls = []
 if os.environ["SLURM_PROCID"] == "0":
-    deadline = time.monotonic() + 60
-    while not rank1_in.exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 1800  # a hang guard: rank 0 renames only once rank 1 is polling
+    while not waiting.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(1.0)
 else:
-    rank1_in.touch()
-start = time.monotonic()
-recovered = recover_checkpoint(ckpt, timeout_s=60)
-print(json.dumps({"rank": int(os.environ["SLURM_PROCID"]), "recovered": recovered, "waited_s": time.monotonic() - start,
+    def sleep(s, _sleep=time.sleep):  # recover_checkpoint's poll: the first one says rank 1 is waiting, inside it
+        polls.append(s)
+        waiting.touch()
+        _sleep(s)
+    distributed.time = type("T", (), {"monotonic": staticmethod(time.monotonic), "sleep": staticmethod(sleep)})
+recovered = distributed.recover_checkpoint(ckpt, timeout_s=1800)
+print(json.dumps({"rank": int(os.environ["SLURM_PROCID"]), "recovered": recovered, "polls": len(polls),
                   "meta": (ckpt / "meta.pt").read_text(), "old_left": ckpt.with_name(".last.ckpt.old").exists()}))
 """
 
@@ -67,7 +70,7 @@ def test_two_slurm_ranks_recover_once_and_both_see_the_checkpoint(tmp_path):
         out[r] = json.loads(stdout.strip().splitlines()[-1])
     assert [r for r in (0, 1) if out[r]["recovered"]] == [0]  # exactly one recovery, by rank 0
     assert all(out[r]["meta"] == "step 3" and not out[r]["old_left"] for r in (0, 1))
-    assert out[1]["waited_s"] > 0.8  # rank 1 was inside first and waited for rank 0's rename
+    assert out[1]["polls"] >= 1  # rank 1 was inside first and waited for rank 0's rename (by events, not by the clock)
     assert (ckpt / "meta.pt").read_text() == "step 3" and not old.exists()
 
 

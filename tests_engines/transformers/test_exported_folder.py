@@ -130,7 +130,7 @@ def test_lm_eval_hf_model_equals_looplab_eval(manifest, tmp_path):
     cmd = [sys.executable, "-m"] + e["lm_eval_command"].split() + [
         "--limit", str(want["limit"]), "--device", "cpu", "--batch_size", "4", "--output_path", str(tmp_path / "out"),
         "--log_samples"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     theirs = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     assert sorted(want["results"]) == ["looplab_tiny_cloze", "looplab_tiny_next_line", "looplab_tiny_speaker"]

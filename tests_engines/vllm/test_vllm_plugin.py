@@ -560,7 +560,7 @@ def test_entry_point_registers_without_importing_the_model():
         "from vllm.transformers_utils.config import _CONFIG_REGISTRY\n"
         "assert _CONFIG_REGISTRY['looplab'].__name__ == 'LoopedLMVLLMConfig'\n"
         "print('ok')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
@@ -633,7 +633,7 @@ def test_vllm_serve_openai_completions_equal_looplab(text_export, tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 400
+        deadline = time.time() + 1800
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             try:
@@ -648,7 +648,7 @@ def test_vllm_serve_openai_completions_equal_looplab(text_export, tmp_path):
                 "return_token_ids": True}
         req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
+        with urllib.request.urlopen(req, timeout=1800) as r:
             choices = sorted(json.loads(r.read())["choices"], key=lambda c: c["index"])
     finally:
         proc.terminate()
