@@ -17,9 +17,10 @@ the `results.json` that records the failure); the CLIs without a run folder writ
 
 Anything else is unexpected (a bug) and keeps its full traceback on the terminal. `LOOPLAB_FULL_ERROR=1` (or
 Hydra's own `HYDRA_FULL_ERROR=1`) prints the traceback of input errors too. Hydra reports its own composition errors
-(an unknown option `backbone=foo`, an unknown key without `+`) itself, compactly and before any run folder exists;
-the variant names `python -m looplab.train` is given, and the keys of a researcher's state mode, are checked before
-Hydra composes (training/variants.py), so a typo there is one line naming the closest names, not Hydra's "use +".
+(an unknown option `backbone=foo`) itself, compactly and before any run folder exists; the variant names
+`python -m looplab.train` is given, and a key a group does not have (`loop_depth.loopz=3`, the keys of a
+researcher's state mode), are checked before Hydra composes (training/variants.py), so a typo there is one line
+naming the closest names and the valid ones, not Hydra's "use +". In a sweep Hydra reports key typos per job.
 
 In a `-m` sweep nothing changes: a failed job is recorded in its results.json and the sweep goes on
 (training.run_utils.task_wrapper); `clean_errors` only acts on a single run.

@@ -586,10 +586,11 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     from looplab.cli_errors import clean_errors
-    from looplab.training.variants import register_cli_variants
+    from looplab.training.variants import refuse_unknown_keys, register_cli_variants
 
     # a researcher's variant named on the command line (docs/extending.md); before Hydra composes, so there is no
     # run folder yet: a bad name is one line, its traceback in a temp log (cli_errors.default_log_file)
     with clean_errors("python -m looplab.train"):
         register_cli_variants(sys.argv[1:])
+        refuse_unknown_keys(sys.argv[1:])  # a key typo: the key, the closest ones and the valid ones, not Hydra's "use +"
     main()

@@ -94,3 +94,84 @@ def _refuse_unknown_keys(overrides: list[str], name: str, cls: type, node: dict)
         if option not in valid:
             raise ConfigError(unknown_options_message(
                 UnknownOptionError(f"state_mode={name!r}", [option], own, axis="state_update")))
+
+
+# config groups whose keys a typo can miss; Hydra's answer to `group.KEY=v` for a KEY the group does not have is
+# "use +group.KEY=v", which only moves the refusal to the model's config (or silently adds an ignored key)
+KEYED_GROUPS = ("backbone", "loop_depth", "state_mode", "exit_gate", "depth_router", "dataset", "optim", "trainer",
+                "hardware")
+
+
+def refuse_unknown_keys(overrides: Iterable[str], config_name: str = "train") -> None:
+    """`group.KEY=v` where the composed group has no KEY: one line naming the key, the closest ones and the valid
+    ones, before Hydra's "use +". Composes the config with the overrides (hydra.* but the search path left out);
+    a sweep is not checked here, and anything else that fails to compose is left for Hydra to report."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from looplab.models.registry import ConfigError, close_matches
+
+    overrides = list(overrides)
+    if any(a in ("-m", "--multirun") or _is_sweep(a) for a in overrides):
+        return  # a sweep's jobs compose one by one; Hydra reports there
+    given = [a for a in overrides if "=" in a and not a.startswith("-")
+             and (not a.startswith("hydra.") or a.startswith("hydra.searchpath="))]
+    typed = [a for a in given if "." in a.partition("=")[0] and a.partition("=")[0].split(".")[0] in KEYED_GROUPS]
+    if not typed:
+        return
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="check"):
+            try:
+                compose(config_name=config_name, overrides=given)
+                return
+            except ConfigCompositionException as e:
+                bad = _not_in_struct(e)
+                if bad is None or bad not in {a.partition("=")[0] for a in typed}:
+                    return
+                others = [a for a in given if a.partition("=")[0] != bad]
+                try:
+                    cfg = compose(config_name=config_name, overrides=others)
+                except Exception:
+                    return
+    except Exception:  # a config this check cannot compose: Hydra reports it as it would have
+        return
+    parent, _, key = bad.rpartition(".")
+    node = cfg
+    for part in parent.split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+    if not hasattr(node, "keys"):
+        return
+    valid = sorted(str(k) for k in node.keys())
+    close = close_matches(key, valid, n=3)
+    hint = f" (did you mean {', '.join(f'{parent}.{c}' for c in close)}?)" if close else ""
+    raise ConfigError(f"{bad} is not a key of {parent}{hint}; its keys: {', '.join(valid)} (a key of your own "
+                      f"yaml or experiment is added with +{bad}=...)")
+
+
+def _is_sweep(arg: str) -> bool:
+    """`key=a,b` or a sweep function (range(...), choice(...), glob(...)): not a list in brackets or quotes."""
+    value = arg.partition("=")[2]
+    if value.startswith(("range(", "choice(", "glob(", "interval(", "tag(")):
+        return True
+    depth, quoted = 0, None
+    for ch in value:
+        if quoted:
+            quoted = None if ch == quoted else quoted
+        elif ch in "'\"":
+            quoted = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return True
+    return False
+
+
+def _not_in_struct(e: Exception) -> str | None:
+    """The full key of Hydra's "Could not override 'a.b'. ... Key 'b' is not in struct", else None."""
+    import re
+
+    text = str(e) + " " + str(e.__cause__ or "")
+    m = re.search(r"Could not override '([\w.]+)'", text)
+    return m.group(1) if m and "is not in struct" in text else None
