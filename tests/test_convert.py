@@ -262,3 +262,20 @@ def test_to_transformers_refuses_what_transformers_cannot_run():
         cfg = LoopedLMConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1, n_loops=2, d_state=8, headdim=16, **change)
         with pytest.raises(convert.ConversionError, match=field):
             convert.transformers_config(cfg)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--loops", "0"], "--loops=0 must be >= 1"),
+    (["--prelude", "-2"], "--prelude=-2 must be >= 0"),
+    (["--coda", "-1"], "--coda=-1 must be >= 0"),
+    (["--block-layers", "0,-1"], "--block-layers=0,-1: layer indices are >= 0"),
+])
+def test_cli_value_errors_are_one_line_before_anything_is_read(tmp_path, capsys, args, says):
+    missing = tmp_path / "no-such-model"  # not read: the values are refused first
+    assert convert.main(["from-hf", str(tmp_path), "--out", str(tmp_path / "o"), *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {says}" or (err.startswith(f"error: {says}") and "\n" not in err)
+    assert convert.main(["from-hf", str(missing), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {str(missing)!r}: no such folder (a hub id is NAME or ORG/NAME)"
+    assert not (tmp_path / "o").exists()

@@ -322,11 +322,27 @@ def max_relative_logit_diff(looped: LoopedLM, reference, model_type: str, seed: 
 
 
 # --------------------------------------------------------------------------- from-hf
+def _check_from_hf_values(src: str, loops: int, block_layers: list[int] | None, prelude: int | None,
+                          coda: int | None) -> None:
+    """The values from-hf can refuse before it reads a model (and before a hub id is looked up)."""
+    if loops < 1:
+        raise ConversionError(f"--loops={loops} must be >= 1 (R, how often the block is applied)")
+    for name, v in (("--prelude", prelude), ("--coda", coda)):
+        if v is not None and v < 0:
+            raise ConversionError(f"{name}={v} must be >= 0 (a number of source layers)")
+    if block_layers and min(block_layers) < 0:
+        raise ConversionError(f"--block-layers={','.join(map(str, block_layers))}: layer indices are >= 0")
+    # a path that is not there: said as such, not as the hub's "Repo id must be in the form ..." for it
+    if not Path(src).exists() and (src.startswith(("/", ".", "~")) or src.count("/") > 1 or os.sep + os.sep in src):
+        raise ConversionError(f"{src!r}: no such folder (a hub id is NAME or ORG/NAME)")
+
+
 def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: list[int] | None = None,
             sharing: str | None = None, prelude: int | None = None, coda: int | None = None, check: bool = True,
             tolerance: float = TOLERANCE, log=print, trust_remote_code: bool = False) -> tuple[LoopedLM, float | None]:
     """Convert SRC into a looplab folder at OUT; returns (model, max relative logit difference). SRC's own code
     (an exported folder's modeling_looplab.py, a transformers folder's auto_map) runs only with trust_remote_code."""
+    _check_from_hf_values(src, loops, block_layers, prelude, coda)
     cfg_file = Path(src) / "config.json"
     if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("model_type") == "looplab":
         if loops != 1 or block_layers or sharing or prelude or coda:
@@ -336,8 +352,6 @@ def from_hf(src: str, out: str | os.PathLike, *, loops: int = 1, block_layers: l
     hf_model, hf_cfg = load_source(src)
     fam = family_of(hf_cfg)
     base = fam.to_config(hf_cfg)
-    if loops < 1:
-        raise ConversionError(f"--loops={loops} must be >= 1")
     P, C = prelude_coda(sharing, prelude, coda)
     layers = choose_block_layers(base.n_layers, loops, block_layers, sharing, P, C)
     pre, post = list(range(P)), list(range(base.n_layers - C, base.n_layers))
