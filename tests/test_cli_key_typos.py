@@ -1,4 +1,4 @@
-"""A key typo in any config group is one line naming the key, the closest keys and the valid ones (issue 59),
+"""A key typo in any config group is one line naming the key, the closest keys and the valid ones,
 not Hydra's "use +group.KEY", which only moves the refusal to the model's config or adds an ignored key."""
 
 from __future__ import annotations
