@@ -212,7 +212,7 @@ def test_export_and_parallel_loops_refuse_an_undeclared_variant_naming_it_and_th
 
 
 # what looplab's own variants declare, as docs/extending.md's table shows them
-EXPORTED = {"backbone": {"llama", "mamba2"}, "layer": {"A"}, "state_update": {"vanilla", "stateloop", "stateloop_reset"},
+EXPORTED = {"backbone": {"llama", "mamba2"}, "layer": {"A"}, "state_update": {"vanilla", "stateloop", "stateloop_reset", "gru"},
             "state_mixer": {"none", "attn"}, "exit_gate": {"none", "ouro"},
             "injection": {"none", "add", "concat", "diag"}, "depth_router": {"none"}, "loop_schedule": {"sequential"}}
 PARALLEL = {"backbone": {"llama", "mamba2", "hybrid"}, "layer": {"A"}, "state_update": {"vanilla"},

@@ -38,7 +38,8 @@ match the source; the retrofit check compares with the re-stacked source instead
 
 `to-hf` writes a training checkpoint as a transformers folder with remote code (looplab.remote_code):
 config.json with model_type/architectures/auto_map, configuration_looplab.py and modeling_looplab.py
-(torch and transformers only), model.safetensors with the shared block stored once, the model card,
+(torch and transformers only), looplab_variants.py with the export code a variant brings (its own torch-only file:
+docs/extending.md#bring-your-export-code), model.safetensors with the shared block stored once, the model card,
 and the tokenizer with its tokenizer_config.json; it is loaded back with transformers and its logits
 checked like from-hf before it is written. Models the exported code cannot run (Mamba-2 and hybrid
 blocks, the Mamba-2 state mixer, parallel loops, depth routers) are refused by name; `to-hf --looplab`

@@ -128,6 +128,9 @@ class Variant:
     name: str = ""
     supports: Supports = Supports()
     Options: type | None = None
+    # the module (dotted name) of the self-contained file an exported folder ships for this variant: torch and the
+    # standard library only, defining what the remote code calls for its axis (docs/extending.md#bring-your-export-code)
+    export_source: str | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

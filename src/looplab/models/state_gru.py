@@ -8,33 +8,27 @@ block output h_r and the state s_{r−1}, where StateLoop's selective update rea
 
 b_z starts at `update_bias` (σ(−1) ≈ 0.27: the state keeps most of its past at first); the other biases at 0.
 W_o is zero at init, as for every update rule: the untrained model is Vanilla Looped.
+
+The computation itself (`build_update`, `update`) lives in state_gru_export.py, the GRU's `export_source`: the file a
+`convert to-hf` folder ships for it (docs/extending.md#bring-your-export-code). Only what the export does not need
+(the init, the FLOP count, the options) is here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-import torch.nn as nn
+from dataclasses import dataclass, replace
 
 from looplab.models.state import StateBranch
+from looplab.models.state_gru_export import StateUpdate
 
 
-class GRUState(StateBranch):
+class GRUState(StateUpdate, StateBranch):
+    supports = replace(StateBranch.supports, export=True)  # its export code: export_source
+    export_source = "looplab.models.state_gru_export"
+
     @dataclass
     class Options:
         update_bias: float = -1.0  # b_z at init
-
-    def build_update(self, d, ds):
-        self.gate_in = nn.Linear(d, 2 * ds)  # [W_z; W_g], [b_z; b_g]
-        self.gate_state = nn.Linear(ds, 2 * ds, bias=False)  # [U_z; U_g]
-        self.cand_in = nn.Linear(d, ds, bias=False)  # W_c
-        self.cand_state = nn.Linear(ds, ds, bias=False)  # U_c
-
-    def update(self, h, s_prev):
-        z, g = torch.sigmoid(self.gate_in(h) + self.gate_state(s_prev)).chunk(2, dim=-1)
-        cand = torch.tanh(self.cand_in(h) + self.cand_state(g * s_prev))
-        return (1 - z) * s_prev + z * cand, 1 - z
 
     def reset_update_parameters(self, generator=None):
         ds = self.cand_state.weight.shape[0]

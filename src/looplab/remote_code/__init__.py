@@ -3,9 +3,10 @@
 `write_folder(model, out)` writes what `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`
 loads: config.json (looplab's fields plus `model_type`, `architectures`, `auto_map` and the
 transformers names), configuration_looplab.py and modeling_looplab.py (this package's files, copied
-verbatim: they import torch and transformers only), model.safetensors with the shared block stored
-once, and the tokenizer with a tokenizer_config.json. `LoopedLM.from_pretrained` reads the folder too
-(`looplab_state_dict`).
+verbatim: they import torch and transformers only), looplab_variants.py with the export code the model's
+variants bring (export_sources.py: a state update's own file, torch only; an empty table when none),
+model.safetensors with the shared block stored once, and the tokenizer with a tokenizer_config.json.
+`LoopedLM.from_pretrained` reads the folder too (`looplab_state_dict`).
 
 What the exported code cannot express is refused here, naming the field (`unsupported`); nothing is
 exported approximately.
@@ -42,7 +43,9 @@ def unsupported(cfg, engine: str = "transformers", **serving) -> str | None:
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {ENGINES}")
     if engine == "transformers":
-        return cfg.unsupported("export")
+        from looplab.remote_code.export_sources import refusal as source_refusal
+
+        return cfg.unsupported("export") or source_refusal(cfg)
     from looplab.vllm_plugin.config import LoopedLMVLLMConfig, refusal
 
     d = hf_config_dict(cfg)
@@ -110,6 +113,12 @@ def write_folder(model, out, tokenizer=None, eos_token: str | None = None, engin
             (out / "tokenizer_config.json").write_text(
                 json.dumps(tokenizer_config(out / "tokenizer.json", eos_token, cfg.max_seq_len), indent=2))
     config = hf_config_dict(cfg, bos_token_id=eos_id, eos_token_id=eos_id)
+    from looplab.remote_code.export_sources import write_sources
+
+    # every folder has the table modeling_looplab.py imports; one that only vLLM runs ships no variant code in it
+    shipped = write_sources(cfg, out, ship=engine == "transformers" or not unsupported(cfg))
+    if shipped:
+        config["looplab_variants"] = shipped  # the files and the variants' full options the remote code reads
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}, indent=2))

@@ -18,18 +18,32 @@ try:
 except ImportError:  # 4.x
     from transformers import PretrainedConfig as PreTrainedConfig
 
+# Not used here: imported so that transformers keys this config class by the variant code the folder ships too.
+# transformers names a folder's remote code by the folder's name and a hash of the file and its relative imports, and
+# reuses the model class it registered for a config class; without this import two folders of one name (runs/a/hf,
+# runs/b/hf) with different variant code would share one config class, and the second would run the first's model.
+from .looplab_variants import VARIANTS as _SHIPPED_VARIANTS  # noqa: F401,E402
+
+
+def state_mixer(config) -> str:
+    """The state's cross-token mixer: none or attn (state_mode=stateloop_attn names the attention mixer; another state
+    update names it in state_mixer, kept in config.json only when set)."""
+    if config.state_mode == "stateloop_attn":
+        return "attn"
+    return getattr(config, "state_mixer", None) or "none"
+
 
 def attention_slots(config) -> dict:
     """Where each attention call keeps its keys and values: slot = its index in the unrolled order.
 
     prelude layer p            → p
     block layer l in loop r    → P + r·N + l
-    StateLoop mixer in loop r  → P + R·N + r                  (state_mode=stateloop_attn)
+    StateLoop mixer in loop r  → P + R·N + r                  (the attention mixer: state_mixer)
     coda layer c at depth r    → P + R·N + R·M + r·C + c      (M = 1 with a mixer; the coda runs at each
                                                                depth whose output is read: exits)
     Returns {"prelude": P, "block": ..., ...} starts and the total as "total"."""
     P, N, C, R = config.prelude_layers, config.n_layers, config.coda_layers, config.n_loops
-    M = 1 if config.state_mode == "stateloop_attn" else 0
+    M = 1 if state_mixer(config) == "attn" else 0
     return {"prelude": 0, "block": P, "state": P + R * N, "coda": P + R * N + R * M,
             "total": P + R * N + R * M + R * C}
 
@@ -52,6 +66,9 @@ class LoopedLMHFConfig(PreTrainedConfig):
         self.state_mode, self.state_dim = state_mode, d_model if state_dim is None else state_dim
         self.state_init, self.state_in_output = state_init, state_in_output
         self.exit_gate, self.injection = exit_gate, injection
+        mixer = kwargs.pop("state_mixer", None)
+        if mixer is not None:  # kept only when set, as in looplab's config.json (read before super().__init__ sets it)
+            self.state_mixer = mixer
         # the names transformers, lm-eval and vLLM read
         for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "max_position_embeddings", "rms_norm_eps", "num_hidden_layers"):

@@ -1,7 +1,9 @@
 """A looplab LoopedLM as a transformers model, for `trust_remote_code=True` (docs/interop.md#transformers-with-remote-code).
 
 Copied verbatim, with configuration_looplab.py, into every folder `python -m looplab.convert to-hf`
-writes. It imports torch and transformers only: the folder runs where looplab is not installed.
+writes. It imports torch and transformers only, and the folder's looplab_variants.py: the table of the
+variants' own export code that to-hf writes beside it (a GRU state update, a researcher's; each file torch
+only: export_sources.py, docs/extending.md#bring-your-export-code). The folder runs where looplab is not installed.
 looplab's tests compare it with looplab's own LoopedLM for every configuration it accepts
 (tests/test_remote_code.py), logits and greedy generation, so the two cannot drift silently.
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -55,9 +58,13 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
-from .configuration_looplab import LoopedLMHFConfig, attention_slots
+from .configuration_looplab import LoopedLMHFConfig, attention_slots, state_mixer
+# the variants' own export code that this folder ships ({axis: {name: class}}; empty when none): a static relative
+# import, so that transformers copies looplab_variants.py, and the files it imports, with this file
+from .looplab_variants import VARIANTS
 
-SUPPORTED_STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_reset")
+SUPPORTED_STATE_MODES = ("vanilla", "stateloop", "stateloop_attn", "stateloop_reset")  # written here; others: VARIANTS
+SUPPORTED_STATE_MIXERS = ("none", "attn")
 SUPPORTED_INJECTIONS = ("none", "add", "concat", "diag")
 
 
@@ -177,18 +184,19 @@ class LoopedDecoderLayer(nn.Module):
 
 
 class StateBranch(nn.Module):
-    """StateLoop's per-token state: s_r = a_r ⊙ s_{r−1} + (1 − a_r) ⊙ W_u h_r, a_r = exp(−softplus(W_Δ h_r + b_Δ)·exp(A_log))."""
+    """StateLoop's per-token state around an update rule: s_r = update(h_r, s_{r−1}) (+ Mixer(Norm(s_r))), and
+    x_{r+1} = h_r + W_o s_r. The rule (`build_update`, `update`, as in looplab's StateBranch) is mixed in: StateLoop's
+    selective update below, or a variant's own `StateUpdate` from this folder's VARIANTS (`state_branch_class`)."""
 
-    def __init__(self, config):
+    def __init__(self, config, options: dict | None = None):
         super().__init__()
         d, ds = config.d_model, config.state_dim
-        self.reset_each_loop = config.state_mode == "stateloop_reset"
-        self.in_proj = nn.Linear(d, ds, bias=False)
-        self.dt_proj = nn.Linear(d, ds, bias=True)
-        self.A_log = nn.Parameter(torch.zeros(ds))
+        self.options = SimpleNamespace(**(options or {}))  # the variant's options, defaults included
+        self.reset_each_loop = config.state_mode == "stateloop_reset" or not getattr(self, "carries_state", True)
+        self.build_update(d, ds)
         self.state_out = nn.Linear(ds, d, bias=False)
         self.s0 = nn.Parameter(torch.zeros(ds)) if config.state_init == "learned" else None
-        if config.state_mode == "stateloop_attn":
+        if state_mixer(config) == "attn":
             self.mixer = LoopedAttention(ds, config.n_heads, config.n_heads, config.rope_base)
             self.mixer_norm = LoopedRMSNorm(ds, config.norm_eps)
         else:
@@ -201,14 +209,55 @@ class StateBranch(nn.Module):
             return h.new_zeros(B, T, self.state_dim)
         return self.s0.to(h.dtype).expand(B, T, -1)
 
+    def build_update(self, d, ds):
+        raise NotImplementedError
+
+    def update(self, h, s_prev):
+        """(h_r, s_{r−1}) → (s_r, retention)."""
+        raise NotImplementedError
+
     def forward(self, h, s_prev, ctx, slot):
         if self.reset_each_loop:
             s_prev = self.initial_state(h)
-        a = torch.exp(-F.softplus(self.dt_proj(h)) * torch.exp(self.A_log))
-        s = a * s_prev + (1 - a) * self.in_proj(h)
+        s, _ = self.update(h, s_prev)
         if self.mixer is not None:
             s = s + self.mixer(self.mixer_norm(s), ctx, slot)
         return s, h + self.state_out(s)
+
+
+class SelectiveUpdate:
+    """StateLoop's selective update: s_r = a_r ⊙ s_{r−1} + (1 − a_r) ⊙ W_u h_r, a_r = exp(−softplus(W_Δ h_r + b_Δ)·exp(A_log))."""
+
+    def build_update(self, d, ds):
+        self.in_proj = nn.Linear(d, ds, bias=False)
+        self.dt_proj = nn.Linear(d, ds, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(ds))
+
+    def update(self, h, s_prev):
+        a = torch.exp(-F.softplus(self.dt_proj(h)) * torch.exp(self.A_log))
+        return a * s_prev + (1 - a) * self.in_proj(h), a
+
+
+class SelectiveState(SelectiveUpdate, StateBranch):
+    pass
+
+
+def variant_code(axis: str, name: str):
+    """The export code that a variant shipped for `axis` in this folder (looplab_variants.py), or None."""
+    return VARIANTS.get(axis, {}).get(name)
+
+
+def state_branch_class(config) -> type:
+    """The state branch of config.state_mode: StateLoop's, or the variant's StateUpdate mixed into StateBranch."""
+    if config.state_mode in SUPPORTED_STATE_MODES:
+        return SelectiveState
+    code = variant_code("state_update", config.state_mode)
+    return type("VariantStateBranch", (code, StateBranch), {"__module__": __name__, "variant": config.state_mode})
+
+
+def variant_options(config, axis: str) -> dict:
+    """The options to-hf recorded for the variant it shipped for `axis` (config.json's looplab_variants)."""
+    return ((getattr(config, "looplab_variants", None) or {}).get(axis) or {}).get("options") or {}
 
 
 class AddInjection(nn.Module):
@@ -329,7 +378,8 @@ class LoopedLMPreTrainedModel(PreTrainedModel):
         elif isinstance(module, LoopedRMSNorm):
             init_(module.weight, lambda w: w.fill_(1.0))
         if isinstance(module, StateBranch):
-            init_(module.A_log, torch.Tensor.zero_)
+            if isinstance(module, SelectiveUpdate):
+                init_(module.A_log, torch.Tensor.zero_)
             init_(module.state_out.weight, torch.Tensor.zero_)
         elif isinstance(module, (AddInjection, DiagInjection)):
             init_(next(module.parameters()), torch.Tensor.zero_)
@@ -350,8 +400,11 @@ def check_config(config) -> None:
     """Refuse, naming the field, what this code cannot run (looplab's export refuses it first)."""
     if config.backbone != "llama":
         raise ValueError(f"backbone={config.backbone!r}: the exported code runs llama blocks only")
-    if config.state_mode not in SUPPORTED_STATE_MODES:
-        raise ValueError(f"state_mode={config.state_mode!r}: the exported code runs {SUPPORTED_STATE_MODES}")
+    if config.state_mode not in SUPPORTED_STATE_MODES and variant_code("state_update", config.state_mode) is None:
+        raise ValueError(f"state_mode={config.state_mode!r}: the exported code runs {SUPPORTED_STATE_MODES} and the "
+                         "state updates whose export code the folder ships (looplab_variants.py)")
+    if state_mixer(config) not in SUPPORTED_STATE_MIXERS:
+        raise ValueError(f"state_mixer={state_mixer(config)!r}: the exported code runs {SUPPORTED_STATE_MIXERS}")
     if config.injection not in SUPPORTED_INJECTIONS:
         raise ValueError(f"injection={config.injection!r}: the exported code runs {SUPPORTED_INJECTIONS}")
     for name, default in (("loop_schedule", "sequential"), ("depth_router", None)):
@@ -378,7 +431,8 @@ class LoopedLMModel(LoopedLMPreTrainedModel):
         self.prelude = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.prelude_layers))
         self.block = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.n_layers))
         self.coda = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.coda_layers))
-        self.state = StateBranch(config) if config.state_mode != "vanilla" else None
+        self.state = (state_branch_class(config)(config, variant_options(config, "state_update"))
+                      if config.state_mode != "vanilla" else None)
         self.inject = INJECTION_CLASSES[config.injection](d) if config.injection != "none" else None
         self.exit_gate = ExitGate(d) if config.exit_gate != "none" else None  # model.exit_gate.*: with the base model
         self.final_norm = LoopedRMSNorm(d, config.norm_eps)

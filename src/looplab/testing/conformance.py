@@ -40,6 +40,7 @@ variant's business and is skipped. Nothing here needs pytest except `parametrize
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -486,7 +487,8 @@ def check_checkpoint(ctx: Context, variant) -> None:
 
 @torch.no_grad()
 def check_export(ctx: Context, variant) -> None:
-    """The transformers remote-code folder gives looplab's logits; an unexportable variant is refused by name."""
+    """The transformers remote-code folder gives looplab's logits (a folder that ships a variant's own export code:
+    also in a process where looplab is not importable); an unexportable variant is refused by name."""
     from looplab import convert
     from looplab.checkpoint import looplab_meta
 
@@ -513,6 +515,12 @@ def check_export(ctx: Context, variant) -> None:
         want = model(ids, attention_mask=mask).logits
         real = mask.bool()
         _close(got[real], want[real], atol=1e-4, rtol=1e-4)
+        if json.loads((Path(tmp) / "hf" / "config.json").read_text()).get("looplab_variants"):
+            # the folder ships a variant's own export code: it must stand alone, where looplab is not importable
+            from looplab.testing.without_looplab import logits_without_looplab
+
+            got = logits_without_looplab(Path(tmp) / "hf", ids, mask)
+            _close(got[real], want[real], atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()
