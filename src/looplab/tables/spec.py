@@ -6,31 +6,32 @@ product of the experiment file's own `hydra.sweeper.params` and the sweep
 parameters the table adds here, so the report knows which runs *should* exist and
 can list the missing ones. Nothing here imports the model or the trainer.
 
-The parts, one concept each: tables/sweeps.py (a sweep, its grid, the default seeds), tables/catalog.py (each table's
-sweeps, notes and constants), tables/claims.py (the findings, their preconditions and smallest effects of interest).
-This module joins them into `TABLES` and keeps every name the runner, the builders and the tests import from it.
+The source of each table is its yaml spec, tables/specs/tableN.yaml: its sweeps per scale, metric, notes and
+findings (tables/paper_specs.py reads and writes them). The code parts, one concept each: tables/sweeps.py (a sweep,
+its grid, the default seeds), tables/catalog.py (`TableSpec` and the per-table constants), tables/claims.py
+(`Finding`, the named preconditions a spec's `require` names, the δ constants). This module loads the fourteen
+specs into `TABLES` and keeps every name the runner, the builders and the tests import from it.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import looplab.tables.retrofit as retrofit  # noqa: F401  (part of this module's surface)
 from looplab.tables.catalog import (  # noqa: F401
     DEFAULT_DECODE_JSON, DEFAULT_EXITS_JSON, DEFAULT_PLT_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SERVING_JSON,
     DEFAULT_SPECULATION_JSON, MOR_STEPS_TINY, PLT_KV, PLT_WINDOW_TINY, RETROFIT_FOLDER, SERVING_QUALITY_BOUND,
-    SERVING_TARGET, SERVING_TARGET_IDEAL, SKIP_TRAIN_PROB, SPECS, STAGE1_STEPS_TINY, TableSpec,
+    SERVING_TARGET, SERVING_TARGET_IDEAL, SKIP_TRAIN_PROB, STAGE1_STEPS_TINY, TableSpec,
 )
 from looplab.tables.claims import (  # noqa: F401
     FINDINGS, GATE_BODY_LEARNED, LM_LEARNED, MANO_TAUGHT, MOR_PARITY, PHOP_LEARNED_AT_R, PHOP_TAUGHT, PLT_DECODE_BOUND,
     PLT_DECODE_TOKENS, PLT_PARITY, Filter, Finding, Precondition, finding,
 )
+from looplab.tables.paper_specs import load_all
 from looplab.tables.sweeps import (  # noqa: F401
     CONF, DEFAULT_OUT_ROOT, DEFAULT_SEEDS, ROOT, SCALES, TINY_SEEDS_PER_TABLE, ZEROSHOT_TASKS, Sweep, default_seeds, sweep,
 )
 
-TABLES = {n: replace(t, findings=FINDINGS.get(n, ())) for n, t in SPECS.items()}
-
+TABLES: dict[int, TableSpec] = load_all()  # specs/table1.yaml … table14.yaml
+FINDINGS.update((n, t.findings) for n, t in TABLES.items() if t.findings)  # claims.FINDINGS: the same findings by table
 
 
 def get(number: int) -> TableSpec:
