@@ -88,11 +88,13 @@ def test_commands_shown_exist(page):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_file_names_shown_exist(page):
     """A backticked file name exists under the repo root, src/looplab/ or tests/ (module lists go stale)."""
-    bases = [ROOT, ROOT / "src", ROOT / "src" / "looplab", ROOT / "src" / "looplab" / "models", ROOT / "tests"]
+    bases = [ROOT, ROOT / "src", ROOT / "src" / "looplab", ROOT / "src" / "looplab" / "models",
+             ROOT / "src" / "looplab" / "remote_code", ROOT / "tests"]
     missing = [p for p in set(PATH.findall(page.read_text()))
                if not any((b / p).exists() for b in bases) and not p.startswith(("outputs/", "bench/", "RUN/"))
                and p not in {"results.json", "eval.json", "gpu-check.json", "findings.json", "config.json",
-                             "tokenizer_config.json", "generation_config.json", "runner.json", "attempts.json", "zeroshot.json", "meta.pt"}]
+                             "tokenizer_config.json", "generation_config.json", "runner.json", "attempts.json", "zeroshot.json", "meta.pt",
+                             "sequential.json", "alpha_ledger.json"}]
     assert not missing, f"{page.name} names files that do not exist: {sorted(missing)}"
 
 

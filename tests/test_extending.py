@@ -13,6 +13,7 @@ and the page's table of what combines with what is the registries' own.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -206,3 +207,27 @@ def test_a_table_of_your_own_from_the_pages_spec(package, tmp_path):
     shutil.rmtree(folder / "stateloop_s2")
     p = _run(cmd, root)
     assert p.stdout.count("[mingru_vs_stateloop] ") == 1 and "seed=2" in p.stdout, p.stdout[-2000:]
+
+    # the same spec with sequential seeds, capped at its 3 (one look): it trains nothing (every run is on disk), and
+    # judges them with the design's repeated interval, recomputed here from the runs' results.json; then the plot
+    from looplab.stats import SequentialDesign
+
+    p = _run([*cmd, "--seeds", "auto", "--max-seeds", "3"], root)
+    assert "looplab.train" not in p.stdout, p.stdout[-2000:]
+    state = json.loads((folder / "sequential.json").read_text())
+    assert [r["seeds"] for r in state["rounds"]] == [[1, 2, 3]] and state["design"]["cap"] == 3
+    (row,) = csv.DictReader((folder / "compare_accuracy.csv").open())
+    runs = [json.loads(f.read_text()) for f in folder.rglob("results.json")]
+    acc = {(r["model"]["state_mode"], r["seed"]): r["accuracy"] for r in runs}
+    d = [acc[("my_looped_ideas.mingru", s)] - acc[("stateloop", s)] for s in (1, 2, 3)]
+    if min(acc.values()) < 0.55:  # as above: the precondition decides, before any interval is judged
+        assert row["verdict"] == "not tested" and "misses accuracy >= 0.55" in row["reason"], row
+    else:  # (the rounds' arithmetic on chosen numbers, against scipy: tests/test_own_tables.py)
+        lo, hi = SequentialDesign(3).interval(d)
+        assert (float(row["ci_lo"]), float(row["ci_hi"])) == pytest.approx((lo, hi), abs=1e-9), row
+    assert float(row["mean_diff"]) == pytest.approx(sum(d) / 3, abs=1e-9), row
+    assert (folder / "compare_accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a larger cap on runs this design has looked at: refused before anything trains, unless --restart
+    r = subprocess.run([*cmd, "--seeds", "auto", "--max-seeds", "5"], cwd=root, env=_env(root), capture_output=True,
+                       text=True, timeout=1800)
+    assert r.returncode == 1 and "--restart" in r.stderr and "looplab.train" not in r.stdout, r.stderr[-2000:]

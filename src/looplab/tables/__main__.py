@@ -1,7 +1,9 @@
 """python -m looplab.tables {run,report,list,isoflop,zeroshot} ...
 
-  run SPEC.yaml [--dry-run] [--out-root outputs/own] [--jobs N]   a table of your own: the spec's arms trained per
-      seed (finished runs are not trained again), then judged by `compare` (looplab/tables/own.py, docs/extending.md)
+  run SPEC.yaml [--dry-run] [--out-root outputs/own] [--jobs N] [--logger wandb]   a table of your own: the spec's
+      arms trained per seed (finished runs are not trained again), then judged by `compare` (looplab/tables/own.py,
+      docs/extending.md); --seeds auto [--max-seeds 20] [--round-seeds 2] [--restart]: in rounds of seeds until every
+      line is decided (looplab/tables/own_sequential.py); --logger wandb: the verdicts as a W&B run
   run N [--scale tiny|paper] [--dry-run] [--extra KEY=VALUE ...] [--seeds 1,2,3] [--logger csv|wandb|none]
         [--hardware fsdp|slurm|...] [--out-root outputs/tables] [--table-dir experiments/tables]
       every multirun of table N in order (stage-2 sweeps after the runs they start from), then the report;
@@ -171,13 +173,24 @@ def main(argv: list[str] | None = None) -> int:
                              extra=a.extra, propose=not a.no_propose, out=a.out)
         return 0 if all("error" not in p for p in planned) else 1
     if a.cmd == "run" and isinstance(a.number, Path):
-        from looplab.tables import compare, own
+        from looplab.tables import compare, own, own_sequential
 
-        if a.seeds is not None or a.max_seeds is not None or a.restart:
-            raise SystemExit(f"{a.number}: a spec of one's own sets its seeds in the file (seeds: [...]); sequential "
-                             "seeds (--seeds auto) run the paper tables only for now")
+        if a.seeds not in (None, "auto"):
+            raise SystemExit(f"--seeds {a.seeds}: a spec of one's own sets its seeds in the file (seeds: [...]); "
+                             "--seeds auto adds more in rounds")
+        if a.budget_min is not None or (a.seeds is None and (a.max_seeds is not None or a.round_seeds is not None
+                                                             or a.restart)):
+            raise SystemExit("a spec of one's own takes --max-seeds, --round-seeds and --restart with --seeds auto, "
+                             "and no --budget-min")
+        if a.logger not in (None, "wandb", "csv", "none"):
+            raise SystemExit(f"--logger {a.logger}: choose wandb (the verdicts as a W&B run), csv or none")
         out_root = a.out_root if a.out_root != runner.DEFAULT_OUT_ROOT else own.DEFAULT_OUT_ROOT
-        res = own.run(a.number, out_root, dry_run=a.dry_run, jobs=a.jobs or 1, extra=a.extra)
+        if a.seeds == "auto":
+            res = own_sequential.run(a.number, out_root, max_seeds=a.max_seeds, round_seeds=a.round_seeds,
+                                     restart=a.restart, jobs=a.jobs or 1, extra=a.extra, logger=a.logger,
+                                     dry_run=a.dry_run)
+        else:
+            res = own.run(a.number, out_root, dry_run=a.dry_run, jobs=a.jobs or 1, extra=a.extra, logger=a.logger)
         if a.dry_run:
             return 0
         print(compare.markdown(res))

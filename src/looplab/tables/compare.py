@@ -19,7 +19,8 @@ from looplab.stats:
 
 Every decisive line is then Holm-adjusted across the comparison's lines (family-wise error 0.05; Benjamini–Hochberg
 q-values beside it), as the paper tables are. The result is printed as markdown and written beside the sweep
-(`compare_<metric>.md` and `.csv`, or under `--out`).
+(`compare_<metric>.md` and `.csv`, and `.png`: each line's per-seed differences, its mean and interval, or under
+`--out`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from looplab.runs import Run, load_runs
-from looplab.stats import (ALPHA, Rule, adjusted_verdict, benjamini_hochberg, decisive_p, holm, judge,
-                           t_interval)
+from looplab.stats import (ALPHA, Rule, SequentialDesign, adjusted_verdict, benjamini_hochberg, decisive_p, holm,
+                           judge, t_interval)
 
 MIN_SEEDS = 3  # as the paper tables: fewer paired seeds judge nothing
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
@@ -87,6 +88,8 @@ class Line:
     q_bh: float | None = None
     verdict: str = "inconclusive"
     reason: str = ""
+    look: int | None = None  # a sequential build (tables/own_sequential.py): the round whose look gave this line
+    status: str | None = None  # ... and whether it is decided, open, not tested or without an interval
 
     @property
     def mean_diff(self) -> float | None:
@@ -128,9 +131,12 @@ def _stratum(run: Run, keys: list[str]) -> str:
 
 
 def compare(folder: str | Path, pair: str, metric: str, baseline: str | None = None, sign: int | None = None,
-            delta: float | None = None, require: list[str] | tuple = (), order: list[str] | None = None) -> dict:
+            delta: float | None = None, require: list[str] | tuple = (), order: list[str] | None = None,
+            at_seeds=None, design: SequentialDesign | None = None) -> dict:
     """The comparison as data: {'lines': [Line], 'failed': [(run folder, error)], 'unpaired': [...], ...}.
-    order: the arms' order (a spec's `arms`); default the sweep's own (multirun.yaml), else sorted."""
+    order: the arms' order (a spec's `arms`); default the sweep's own (multirun.yaml), else sorted.
+    at_seeds: only the runs of these seeds (one look of a sequential build); design: judge with its repeated
+    confidence intervals and repeated p-values (stats.SequentialDesign) instead of the fixed-seed t-interval."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{str(folder)!r} is not a folder (give the sweep's multirun folder)")
@@ -140,6 +146,8 @@ def compare(folder: str | Path, pair: str, metric: str, baseline: str | None = N
         raise ValueError(f"--delta {delta!r}: the smallest difference that matters, a number > 0")
     reqs = [Requirement.parse(t) for t in require]
     runs = load_runs(folder)
+    if at_seeds is not None:
+        runs = [r for r in runs if str(r.seed) in {str(x) for x in at_seeds}]
     if not runs:
         raise FileNotFoundError(f"no results.json below {str(folder)!r}: not a looplab sweep, or none of its runs "
                                 "has finished")
@@ -195,22 +203,34 @@ def compare(folder: str | Path, pair: str, metric: str, baseline: str | None = N
             elif missed:
                 line.verdict = line.plain = "not tested"
                 line.reason = "; ".join(missed)
+            elif design is not None and design.interval(line.diffs) is None:  # past the cap (the rounds stop there)
+                line.reason = f"{len(seeds)} paired seeds: past the design's cap of {design.cap}"
             else:
-                line.interval = t_interval(line.diffs)
+                n = len(line.diffs)
+                line.interval = t_interval(line.diffs) if design is None else design.interval(line.diffs)
                 lo, hi = line.interval if line.interval else (None, None)
                 line.plain = judge(rule, lo, hi)
                 half = (hi - lo) / 2 if lo is not None else None
-                line.p = decisive_p(rule, line.mean_diff, half, len(line.diffs) - 1)
+                if design is None:
+                    line.p = decisive_p(rule, line.mean_diff, half, n - 1)
+                else:  # the look's nominal p on the design's scale: p < α exactly when the repeated interval decides
+                    line.p = design.repeated_p(decisive_p(rule, line.mean_diff, half, n - 1, quantile=design.critical(n)))
             lines.append(line)
+    adjust(lines, sign)
+    shared_data = _data_seeds_follow(ok)
+    return {"folder": str(folder), "pair": pair, "metric": metric, "baseline": base, "sign": sign, "delta": delta,
+            "require": [str(q) for q in reqs], "lines": lines, "failed": failed, "unpaired": unpaired,
+            "data_seed_follows_seed": shared_data}
+
+
+def adjust(lines: list[Line], sign: int | None) -> None:
+    """Holm (and Benjamini–Hochberg beside it) across the lines' p-values; each judged line's verdict is its plain
+    one where its Holm p still decides, in the words of the claim (confirmed) or of no claim (A > B, A < B)."""
     for line, ph, qb in zip(lines, holm([x.p for x in lines]), benjamini_hochberg([x.p for x in lines])):
         line.p_holm, line.q_bh = ph, qb
         if line.plain != "not tested":
             v = adjusted_verdict(line.plain, ph, ALPHA)
             line.verdict = (_CLAIM if sign else _NO_CLAIM).get(v, v)
-    shared_data = _data_seeds_follow(ok)
-    return {"folder": str(folder), "pair": pair, "metric": metric, "baseline": base, "sign": sign, "delta": delta,
-            "require": [str(q) for q in reqs], "lines": lines, "failed": failed, "unpaired": unpaired,
-            "data_seed_follows_seed": shared_data}
 
 
 def _seed_key(k: str):
@@ -266,8 +286,10 @@ def _fmt(x: float | None, digits: int = 4) -> str:
 def markdown(res: dict) -> str:
     pair, metric = res["pair"], res["metric"]
     claim = (f"expected sign of A − B: {res['sign']:+d}" if res["sign"] else "no expected sign (two-sided)")
+    seq = res.get("sequential")
+    interval = "repeated 95% confidence interval of the sequential design" if seq else "95% t-interval"
     head = [f"# {metric}: each {pair} against {pair}={res['baseline']}", "",
-            f"Sweep `{res['folder']}`. A − B paired by seed, 95% t-interval; {claim}"
+            f"Sweep `{res['folder']}`. A − B paired by seed, {interval}; {claim}"
             + (f"; negligible band ±{res['delta']:g}" if res["delta"] else "")
             + (f"; preconditions: {', '.join(res['require'])}" if res["require"] else "")
             + ". Holm across the lines below (family-wise 0.05), Benjamini–Hochberg q beside it.", ""]
@@ -275,13 +297,21 @@ def markdown(res: dict) -> str:
     head.append("Common random numbers: the arms of a pair share their initial values (the run seed)"
                 + (" and their batches (dataset.seed = the run seed)." if follows else
                    (", not their batches: dataset.seed does not follow the run seed." if follows is False else ".")))
+    if seq:
+        head += ["", f"Sequential seeds: {seq['design']}. Rounds: "
+                 + "; ".join(f"{r['number']}: seeds {', '.join(map(str, r['seeds']))}" for r in seq["rounds"])
+                 + f". Stopped: {seq['stop']}. Each line is read at the first look that decided it (p: the design's "
+                 "repeated p-value), else at the last."]
     head += ["", f"| stratum | A | B | seeds | A mean | B mean | A − B [95% CI] | p | Holm p | BH q | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in res["lines"]:
         ci = "–"
         if x.interval:
             ci = f"{x.mean_diff:+.4g} [{x.interval[0]:+.4g}, {x.interval[1]:+.4g}]"
-        verdict = x.verdict + (f" ({x.reason})" if x.reason else "")
+        why = [x.reason] if x.reason else []
+        if x.look is not None:
+            why.append(f"{x.status} at round {x.look}")
+        verdict = x.verdict + (f" ({'; '.join(why)})" if why else "")
         head.append(f"| {x.stratum} | {x.a} | {x.b} | {len(x.seeds)} | {_fmt(x.mean_a)} | {_fmt(x.mean_b)} | {ci} | "
                     f"{_fmt(x.p, 3)} | {_fmt(x.p_holm, 3)} | {_fmt(x.q_bh, 3)} | {verdict} |")
     if res["failed"]:
@@ -292,24 +322,32 @@ def markdown(res: dict) -> str:
 
 
 def csv_text(res: dict) -> str:
+    """One row per line; a sequential build's rows add the look (round) and status before the verdict."""
+    seq = bool(res.get("sequential"))
     out = io.StringIO()
     w = csv.writer(out)
     w.writerow(["stratum", "a", "b", "n_seeds", "mean_a", "mean_b", "mean_diff", "ci_lo", "ci_hi", "p", "p_holm",
-                "q_bh", "verdict", "reason"])
+                "q_bh", *(["look", "status"] if seq else []), "verdict", "reason"])
     for x in res["lines"]:
         lo, hi = x.interval if x.interval else (None, None)
-        w.writerow([x.stratum, x.a, x.b, len(x.seeds), x.mean_a, x.mean_b,
-                    x.mean_diff, lo, hi, x.p, x.p_holm, x.q_bh, x.verdict,
-                    x.reason])
+        w.writerow([x.stratum, x.a, x.b, len(x.seeds), x.mean_a, x.mean_b, x.mean_diff, lo, hi, x.p, x.p_holm, x.q_bh,
+                    *([x.look, x.status] if seq else []), x.verdict, x.reason])
     return out.getvalue()
 
 
-def write(res: dict, out: str | Path | None = None) -> tuple[Path, Path]:
-    """compare_<metric>.md and .csv in `out` (default: the sweep's folder); returns their paths."""
+def write(res: dict, out: str | Path | None = None, plot: bool = True) -> list[Path]:
+    """compare_<metric>.md, .csv and .png (the per-seed differences, tables/plots.py: plot_compare) in `out`
+    (default: the sweep's folder); returns their paths."""
     out = Path(out) if out is not None else Path(res["folder"])
     out.mkdir(parents=True, exist_ok=True)
     stem = "compare_" + re.sub(r"[^\w.-]+", "_", res["metric"])
     md, cs = out / f"{stem}.md", out / f"{stem}.csv"
     md.write_text(markdown(res))
     cs.write_text(csv_text(res))
-    return md, cs
+    paths = [md, cs]
+    if plot:
+        from looplab.tables.plots import plot_compare
+
+        png = plot_compare(res, out / f"{stem}.png")
+        paths += [png] if png else []
+    return paths

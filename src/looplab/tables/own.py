@@ -17,12 +17,22 @@ The spec (every key but `claim`, `require`, `strata` and `seeds` is required; an
 Each (arm, stratum, seed) is one `python -m looplab.train` job in its own folder, so a job whose ok results.json is
 on disk is not trained again (an interrupted build resumes), and a job that fails is recorded and leaves the others
 running. The arms of a seed share their common random numbers: the run seed fixes the shared parameters' initial
-values and, with `dataset.seed` following it, the batches. Then `tables compare` judges the folder with the spec's
+values and, with `dataset.seed` following it, the batches. Then `tables compare` judges the spec's seeds with its
 claim (paired t-intervals, Holm with Benjamini–Hochberg beside it, preconditions, verdicts) and writes
 compare_<metric>.{md,csv} beside the runs. The spec's claim and δ are read before any run is: fix them before
-looking, and keep the spec file under version control with the code it tests.
+looking, and keep the spec file under version control with the code it tests. compare_<metric>.png beside them
+plots each line's per-seed differences with their mean and interval (and the δ band).
 
-Not yet for own specs: sequential seeds (`--seeds auto`; the paper tables have them) and a plot.
+    python -m looplab.tables run path/to/spec.yaml --seeds auto [--max-seeds 20] [--round-seeds 2] [--restart]
+
+trains the seeds in rounds until every line is decided, as the paper tables do (tables/own_sequential.py: the
+spec's seeds first, then R more a round; repeated confidence intervals; sequential.json and alpha_ledger.json
+beside the runs).
+
+W&B: when the spec's `train` sets logger=wandb, or with `--logger wandb` (which adds only this summary; the runs
+log as the spec says), one more W&B run, `<name>-verdicts` in group `<name>`, holds the lines as a table, the
+verdicts in its summary and the plot (offline under <out-root>/<name>/wandb without WANDB_API_KEY; `make
+sync-wandb` uploads it). `--logger csv` or `none` turns it off.
 """
 
 from __future__ import annotations
@@ -54,11 +64,19 @@ class OwnSpec:
     require: list[str] = field(default_factory=list)
     path: Path | None = None
 
-    def jobs(self) -> list[tuple[str, dict[str, str], int]]:
-        """(arm, stratum overrides, seed) of every run, seed-major so that an interrupted build has whole pairs."""
+    def jobs(self, seeds: list[int] | None = None) -> list[tuple[str, dict[str, str], int]]:
+        """(arm, stratum overrides, seed) of every run (of `seeds`, default the spec's), seed-major so that an
+        interrupted build has whole pairs."""
         keys = list(self.strata)
         combos = [dict(zip(keys, c)) for c in itertools.product(*(self.strata[k] for k in keys))] or [{}]
-        return [(arm, combo, seed) for seed in self.seeds for combo in combos for arm in self.arms]
+        return [(arm, combo, seed) for seed in (self.seeds if seeds is None else seeds) for combo in combos
+                for arm in self.arms]
+
+    def logs_to_wandb(self, logger: str | None = None) -> bool:
+        """Whether the verdicts go to W&B: `--logger` when given, else whether the spec's runs log there."""
+        if logger is not None:
+            return logger == "wandb"
+        return any(o.split("=", 1)[0].lstrip("+~") == "logger" and o.split("=", 1)[1] == "wandb" for o in self.train)
 
     def folder(self, out_root: Path, arm: str, combo: dict[str, str], seed: int) -> Path:
         parts = [arm] + [f"{k}-{v}" for k, v in combo.items()] + [f"s{seed}"]  # no '=': Hydra's grammar
@@ -133,27 +151,27 @@ def _finished(folder: Path) -> bool:
     return any(r.ok for r in load_runs(folder))
 
 
-def run(path: str | Path, out_root: Path = DEFAULT_OUT_ROOT, *, dry_run: bool = False, jobs: int = 1,
-        extra: list[str] | None = None) -> dict:
-    """Train the spec's missing runs (`jobs` at a time), then judge the folder. Returns compare's result plus
-    'records' (one per job: argv, returncode, or 'done' when it was already on disk)."""
-    from looplab.tables import compare
-
-    spec = load(path)
+def plan(spec: OwnSpec, out_root: Path, seeds: list[int] | None = None, extra: list[str] | None = None,
+         jobs: int = 1) -> tuple[list[list[str]], list[dict]]:
+    """The commands of the runs of `seeds` (default the spec's) that have no ok results.json yet, and a record of
+    each one that has ('done')."""
     extra = list(extra or [])
     if jobs > 1 and not any(o.split("=", 1)[0] == "hardware.num_threads" for o in spec.train + extra):
         extra.append(f"hardware.num_threads={max(1, (os.cpu_count() or 1) // jobs)}")  # the cores split between jobs
     todo, records = [], []
-    for arm, combo, seed in spec.jobs():
+    for arm, combo, seed in spec.jobs(seeds):
         argv = spec.command(out_root, arm, combo, seed) + extra
         if _finished(spec.folder(out_root, arm, combo, seed)):
             records.append({"argv": argv, "returncode": 0, "done": True})
         else:
             todo.append(argv)
+    return todo, records
+
+
+def train(todo: list[list[str]], jobs: int = 1, tag: str = "") -> list[dict]:
+    """Run the commands, `jobs` at a time; one record (argv, returncode) each. A failed job stops nothing."""
     for argv in todo:
-        print(f"[{spec.name}] {' '.join(argv[1:])}", flush=True)
-    if dry_run:
-        return {"records": records + [{"argv": a, "returncode": None} for a in todo]}
+        print(f"[{tag}] {' '.join(argv[1:])}", flush=True)
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
 
     def execute(argv):
@@ -163,12 +181,44 @@ def run(path: str | Path, out_root: Path = DEFAULT_OUT_ROOT, *, dry_run: bool = 
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(jobs) as pool:
-            records += list(pool.map(execute, todo))
-    else:
-        records += [execute(a) for a in todo]
-    res = compare.compare(out_root / spec.name, spec.pair, spec.metric, baseline=spec.arms[0], sign=spec.sign,
-                          delta=spec.delta, require=spec.require, order=spec.arms)
-    res["records"] = records
-    res["paths"] = compare.write(res)
-    return res
+            return list(pool.map(execute, todo))
+    return [execute(a) for a in todo]
 
+
+def judge(spec: OwnSpec, out_root: Path, **kw) -> dict:
+    """The spec's folder judged with its claim (tables/compare.py); kw: compare's at_seeds and design."""
+    from looplab.tables import compare
+
+    return compare.compare(out_root / spec.name, spec.pair, spec.metric, baseline=spec.arms[0], sign=spec.sign,
+                           delta=spec.delta, require=spec.require, order=spec.arms, **kw)
+
+
+def publish(spec: OwnSpec, res: dict, logger: str | None = None) -> list[Path]:
+    """compare_<metric>.{md,csv,png} beside the runs, and the W&B summary when the spec logs there."""
+    from looplab.tables import compare
+
+    paths = compare.write(res)
+    if spec.logs_to_wandb(logger):
+        from looplab.tables.wandb_summary import log_verdicts
+
+        png = next((p for p in paths if p.suffix == ".png"), None)
+        paths.append(log_verdicts(res, spec.name, Path(res["folder"]), png))
+    return paths
+
+
+def run(path: str | Path, out_root: Path = DEFAULT_OUT_ROOT, *, dry_run: bool = False, jobs: int = 1,
+        extra: list[str] | None = None, logger: str | None = None) -> dict:
+    """Train the spec's missing runs (`jobs` at a time), then judge the folder. Returns compare's result plus
+    'records' (one per job: argv, returncode, or 'done' when it was already on disk) and 'paths' (what it wrote)."""
+    spec = load(path)
+    todo, records = plan(spec, out_root, extra=extra, jobs=jobs)
+    if dry_run:
+        for argv in todo:
+            print(f"[{spec.name}] {' '.join(argv[1:])}", flush=True)
+        return {"records": records + [{"argv": a, "returncode": None} for a in todo]}
+    records += train(todo, jobs, spec.name)
+    res = judge(spec, out_root, at_seeds=spec.seeds)  # the spec's seeds only: a sequential build's later rounds
+    # may share the folder, and a fixed t-interval over seeds added because earlier looks were undecided is not valid
+    res["records"] = records
+    res["paths"] = publish(spec, res, logger)
+    return res

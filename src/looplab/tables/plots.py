@@ -4,7 +4,8 @@
 - exit gate (table 8): accuracy vs mean exit depth, fixed loops / stage 1 / stage 2 per backbone;
 - task tables (5, 6): accuracy vs R per experiment (bars when N varies);
 - LM tables (1, 3, 7): perplexity per configuration (bars);
-- one run's test-time depth sweep (loop_depth.eval_loops): its metric against R′, the trained R marked.
+- one run's test-time depth sweep (loop_depth.eval_loops): its metric against R′, the trained R marked;
+- a comparison of one's own arms (tables/compare.py): each line's per-seed differences A − B, mean and interval.
 
 Error bars are the rows' 95% t-intervals over seeds (none with one seed).
 """
@@ -268,4 +269,49 @@ def plot_eval_loops(results: dict, path: Path) -> Path:
     ax.set_title(f"{results.get('dataset')} · {m['backbone']} {m['layers']}⊗{R} · {m['state_mode']} · sampler {sampler}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
+    return _save(fig, path)
+
+
+def plot_compare(res: dict, path: Path) -> Path | None:
+    """compare_<metric>.png: one row per comparison line (tables/compare.py), its per-seed differences A − B as dots,
+    their mean with the line's interval (the fixed-seed t-interval, or a sequential build's repeated one) as a bar,
+    0 as a vertical rule and the negligible band (−δ, +δ) shaded; the verdict at the right. None without lines."""
+    lines = res["lines"]
+    if not lines:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 1.8 + 0.6 * len(lines)))
+    delta = res.get("delta")
+    if delta:
+        ax.axvspan(-delta, delta, color="0.88", zorder=0, label=f"negligible band ±{delta:g}")
+    ax.axvline(0.0, color="k", lw=0.8)
+    labelled: set[str] = set()
+
+    def once(label: str) -> str | None:  # each kind of mark once in the legend
+        if label in labelled:
+            return None
+        labelled.add(label)
+        return label
+
+    interval = "repeated 95% interval" if res.get("sequential") else "95% t-interval"
+    for i, x in enumerate(lines):
+        y = len(lines) - 1 - i  # the first line on top, as in the markdown table
+        if x.diffs:  # the seeds just above their mean, spread a little so equal differences stay visible
+            ax.scatter(x.diffs, [y + 0.2 + 0.05 * (k % 3) for k in range(len(x.diffs))], s=14, color="tab:blue",
+                       alpha=0.7, zorder=2, label=once("per-seed A − B"))
+        if x.interval:
+            lo, hi = x.interval
+            ax.errorbar([x.mean_diff], [y], xerr=[[x.mean_diff - lo], [hi - x.mean_diff]], fmt="D", color="tab:red",
+                        capsize=4, zorder=3, label=once(f"mean, {interval}"))
+        ax.annotate(x.verdict, (1.01, y), xycoords=("axes fraction", "data"), va="center", fontsize=7,
+                    annotation_clip=False)
+    ax.set_yticks(range(len(lines)), [f"{x.a} − {x.b}" + ("" if x.stratum == "(all)" else f"\n{x.stratum}")
+                                      for x in reversed(lines)], fontsize=7)
+    ax.set_ylim(-0.6, len(lines) - 0.2)
+    ax.set_xlabel(f"A − B in {res['metric']} (paired by seed)")
+    claim = f"expected sign {res['sign']:+d}" if res.get("sign") else "two-sided"
+    ax.set_title(f"{res['metric']}: each {res['pair']} against {res['baseline']} ({claim})", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6, loc="best")
     return _save(fig, path)
