@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 HANG_GUARD_S = 1800  # a hang guard only: the child loads a tiny model
 
@@ -41,13 +42,14 @@ CHILD = textwrap.dedent("""\
     from transformers import AutoModelForCausalLM
     folder, inputs, out = sys.argv[1:4]
     hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-    x = torch.load(inputs)
+    from safetensors.torch import load_file, save_file  # tensors as data both ways: nothing unpickled
+    x = load_file(inputs)
     with torch.no_grad():
         logits = hf(input_ids=x["ids"], attention_mask=x["mask"]).logits
     loaded = [m for m in sys.modules if m == "looplab" or m.startswith("looplab.")]
     if loaded:
         raise SystemExit(f"looplab modules loaded: {loaded}")
-    torch.save(logits, out)
+    save_file({"logits": logits.contiguous()}, out)
     """)
 
 
@@ -58,13 +60,13 @@ def logits_without_looplab(folder: str | os.PathLike, ids: torch.Tensor, mask: t
         (tmp / "blocker").mkdir()
         (tmp / "blocker" / "sitecustomize.py").write_text(BLOCKER)
         (tmp / "run").mkdir()
-        torch.save({"ids": ids, "mask": mask}, tmp / "inputs.pt")
+        save_file({"ids": ids.contiguous(), "mask": mask.contiguous()}, tmp / "inputs.safetensors")
         env = {**os.environ, "PYTHONPATH": str(tmp / "blocker"), "HF_MODULES_CACHE": str(tmp / "modules"),
                "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([sys.executable, "-c", CHILD, str(Path(folder).resolve()), str(tmp / "inputs.pt"),
-                            str(tmp / "out.pt")], cwd=tmp / "run", env=env, capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-c", CHILD, str(Path(folder).resolve()), str(tmp / "inputs.safetensors"),
+                            str(tmp / "out.safetensors")], cwd=tmp / "run", env=env, capture_output=True, text=True,
                            timeout=HANG_GUARD_S)
         if r.returncode != 0:
             raise AssertionError(f"the folder {str(folder)!r} does not load where looplab is not importable:\n"
                                  f"{r.stderr[-3000:]}")
-        return torch.load(tmp / "out.pt")
+        return load_file(tmp / "out.safetensors")["logits"]
