@@ -41,6 +41,7 @@ class AlphaLedger:
     table: int
     scale: str
     designs: list[dict[str, Any]] = field(default_factory=list)
+    table_key = staticmethod(int)  # what `table` is read back as: a paper table's number (own_sequential: a name)
 
     @classmethod
     def load(cls, path: Path) -> AlphaLedger | None:
@@ -48,7 +49,7 @@ class AlphaLedger:
         if not path.exists():
             return None
         d = json.loads(path.read_text())
-        return cls(int(d["table"]), d["scale"], list(d.get("designs") or []))
+        return cls(cls.table_key(d["table"]), d["scale"], list(d.get("designs") or []))
 
     def save(self, path: Path) -> None:
         path = Path(path)

@@ -25,7 +25,6 @@ The paper tables' sequential build (tables/sequential.py), for a spec (tables/ow
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -42,28 +41,13 @@ SCALE = "own"  # the state's and the ledger's `scale`; their `table` is the spec
 class OwnState(SequentialState):
     """sequential.json of a spec: the paper tables' state (rounds, design, stop) named by the spec, not a number."""
 
-    @classmethod
-    def load(cls, path: Path) -> OwnState | None:
-        path = Path(path)
-        if not path.exists():
-            return None
-        d = json.loads(path.read_text())
-        return cls(table=d["table"], scale=d["scale"], design=SequentialDesign.from_dict(d["design"]),
-                   max_seeds=int(d["max_seeds"]), round_seeds=int(d.get("round_seeds", DEFAULT_ROUND_SEEDS)),
-                   budget_min=d.get("budget_min"), rounds=[Round(**r) for r in d.get("rounds", [])], stop=d.get("stop"),
-                   elapsed_s=float(d.get("elapsed_s", 0.0)))
+    table_key = staticmethod(str)
 
 
 class OwnLedger(AlphaLedger):
     """alpha_ledger.json of a spec, named by the spec."""
 
-    @classmethod
-    def load(cls, path: Path) -> OwnLedger | None:
-        path = Path(path)
-        if not path.exists():
-            return None
-        d = json.loads(path.read_text())
-        return cls(d["table"], d["scale"], list(d.get("designs") or []))
+    table_key = staticmethod(str)
 
 
 def status(line, design: SequentialDesign) -> str:

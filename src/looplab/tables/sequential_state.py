@@ -59,13 +59,15 @@ class SequentialState:
     elapsed_s: float = 0.0
 
     # ------------------------------------------------------------------ persistence
+    table_key = staticmethod(int)  # what `table` is read back as: a paper table's number (own_sequential: a name)
+
     @classmethod
     def load(cls, path: Path) -> SequentialState | None:
         path = Path(path)
         if not path.exists():
             return None
         d = json.loads(path.read_text())
-        return cls(table=int(d["table"]), scale=d["scale"], design=SequentialDesign.from_dict(d["design"]),
+        return cls(table=cls.table_key(d["table"]), scale=d["scale"], design=SequentialDesign.from_dict(d["design"]),
                    max_seeds=int(d["max_seeds"]), round_seeds=int(d.get("round_seeds", DEFAULT_ROUND_SEEDS)),
                    budget_min=d.get("budget_min"), rounds=[Round(**r) for r in d.get("rounds", [])], stop=d.get("stop"),
                    elapsed_s=float(d.get("elapsed_s", 0.0)))
