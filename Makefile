@@ -58,7 +58,7 @@ test-fast: $(STAMP) ## the suite without tests marked slow
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP) ## training/decoding/data benchmarks side by side -> bench/results.json
-	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m looplab.bench
+	$(PY) -m looplab.bench  # OMP_WAIT_POLICY: exported above (PASSIVE unless set)
 
 # Explicit rules: GNU make never searches pattern rules (table%:) for .PHONY targets, so
 # `make table3` used to print "Nothing to be done" and run nothing.
