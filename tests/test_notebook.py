@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 from conftest import ROOT
@@ -39,13 +41,22 @@ def execute(cwd: Path, monkeypatch, **env: str):
     """Run the notebook in a kernel started in `cwd`; (its printed text, its outputs)."""
     import nbformat
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     for k in SETTINGS:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)  # the kernel inherits the environment
     nb = nbformat.read(cwd / "analysis.ipynb" if (cwd / "analysis.ipynb").exists() else NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    # The kernel talks over Unix sockets in a folder of its own, not TCP ports: a port is picked by binding port 0
+    # and releasing it, so two suites starting kernels in the same second (two clones' `make test` at once) could
+    # both take it and wait forever on a kernel that never answered them.
+    with tempfile.TemporaryDirectory(prefix="nbk") as sockets:  # short: a socket path has at most 107 bytes
+        config = Config()
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.connection_file = os.path.join(sockets, "kernel.json")
+        NotebookClient(nb, timeout=600, kernel_name="python3", config=config,
+                       resources={"metadata": {"path": str(cwd)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream"), outputs
