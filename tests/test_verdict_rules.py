@@ -175,3 +175,100 @@ def test_c2_follows_its_registration():
     lost = c2_from_values(vals, {(105, 2, "looped"): False})
     assert 104 in lost["left_out"] and 105 in lost["left_out"] and lost["primary"]["n"] == 8
     assert t_quantile(7) == pytest.approx(2.365, abs=1e-3)
+
+
+# --------------------------------------------------------------------------- the pre-registered C1 and P analyses
+def test_c1_follows_its_registration():
+    """C1: 20 seeds, StateLoop − Vanilla Looped perplexity, table 1's δ 0.44, smaller than claimed against −0.88."""
+    from looplab.tables.confirm import C1_SEEDS, c1_from_values, c1_rule
+
+    rule = c1_rule()
+    assert (rule.sign, rule.delta) == (-1, 0.44) and rule.claimed == pytest.approx(-0.18 * TINY_PPL / PAPER_PPL, abs=1e-3)
+    assert C1_SEEDS == tuple(range(201, 221))
+    rng = random.Random(1)
+
+    def values(gap: float, noise: float) -> dict:
+        out = {}
+        for s in C1_SEEDS:
+            base = 44 + rng.gauss(0, 1)
+            out[(s, 0, "looped")], out[(s, 0, "stateloop")] = base, base + gap + rng.gauss(0, noise)
+        return out
+
+    assert c1_from_values(values(-1.5, 0.3))["primary"]["verdict"] == "reproduced"
+    assert c1_from_values(values(0.0, 0.1))["primary"]["verdict"] == "negligible"
+    # an interval that holds 0, reaches past −δ and excludes the claimed −0.88: smaller than claimed
+    diffs = [-0.2 + (0.8 if i % 2 else -0.8) for i in range(20)]  # mean −0.2, SD 0.82: [−0.58, +0.18]
+    mid = c1_from_values({k: v for s, d in zip(C1_SEEDS, diffs) for k, v in (((s, 0, "looped"), 44.0),
+                                                                          ((s, 0, "stateloop"), 44.0 + d))})["primary"]
+    assert -0.88 < mid["lo"] < -0.44 and mid["hi"] > 0
+    assert mid["verdict"] == "smaller than claimed"
+    lost = values(-0.3, 0.2)
+    del lost[(203, 0, "stateloop")]
+    res = c1_from_values(lost, {(207, 0, "looped"): False})
+    assert res["primary"]["n"] == 18 and set(res["left_out"]) == {203, 207}
+    assert "missing stateloop" in res["left_out"][203] and "unigram" in res["left_out"][207]
+
+
+def test_p_moves_only_past_root_two_on_the_same_seeds():
+    from looplab.tables.confirm import P_FACTOR, P_SEEDS, p_from_values
+
+    assert P_FACTOR == pytest.approx(1.41, abs=0.01) and P_SEEDS == (101, 102, 103, 104, 105)
+
+    def pair(diffs):
+        return {k: v for s, d in zip(P_SEEDS, diffs) for k, v in (((s, 6, "looped"), 40.0), ((s, 6, "stateloop"), 40.0 + d))}
+
+    short = pair([-0.2, -0.4, 0.1, -0.3, -0.2])  # |mean| / SD = 0.2 / 0.187 ≈ 1.07
+    strong = pair([-0.4, -0.5, -0.3, -0.45, -0.35])  # 0.4 / 0.079 ≈ 5.06: factor ≈ 4.7
+    weak = pair([-0.25, -0.45, 0.05, -0.35, -0.25])  # 0.25 / 0.187 ≈ 1.34: factor 1.25 < √2
+    assert p_from_values(strong, short)["decision"] == "move to 1,200 steps"
+    res = p_from_values(weak, short)
+    assert res["decision"] == "stay at 600 steps" and 1.0 < res["factor"] < P_FACTOR
+    # a seed that lacks its 600-step pair is left out of both ratios
+    del short[(105, 6, "stateloop")]
+    res = p_from_values(strong, short)
+    assert res["seeds_used"] == [101, 102, 103, 104] and len(res["values_1200"]) == 4 and "600 steps: missing" in res["left_out"][105]
+    assert p_from_values({}, short)["decision"].startswith("not decided")
+
+
+def _results(folder: Path, seed: int, arm: str, R: int, ppl: float, *, status: str = "ok", uni: float = 700.0):
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"status": status, "seed": seed, "perplexity": ppl, "unigram_perplexity": uni,
+            "model": {"loops": R, "state_mode": "stateloop" if arm == "stateloop" else "vanilla"},
+            "state_diagnostics": {"state_to_stream": [0.1] * R} if arm == "stateloop" else {}}
+    (folder / "results.json").write_text(json.dumps(data))
+
+
+def test_confirm_reads_the_lanes_folders_and_the_cli_prints_each_analysis(tmp_path):
+    """The folders lane.sh writes (r_<arm>[_R<R>]_s<seed>) are what confirm c2 / c1 / p read: every run found, a
+    failed run left out of its seed, the diagnostic per arm, and `python -m looplab.tables confirm NAME` prints it."""
+    import subprocess
+    import sys
+
+    from looplab.tables import confirm
+
+    rng = random.Random(3)
+    for s in confirm.C2_SEEDS:
+        for R in (2, 4, 6):
+            base = 45 - R + rng.gauss(0, 1)
+            for arm, d in (("looped", 0.0), ("stateloop", -1.0 + (0.3 if s % 2 else -0.3))):  # R 6: |mean| / SD ≈ 3.2
+                _results(confirm.c2_folder(tmp_path) / f"r_{arm}_R{R}_s{s}", s, arm, R, base + d,
+                         status="failed" if (s, R, arm) == (110, 4, "looped") else "ok")
+    for s in confirm.C1_SEEDS:
+        for arm, d in (("looped", 0.0), ("stateloop", rng.gauss(0, 0.1))):
+            _results(confirm.c1_folder(tmp_path) / f"r_{arm}_s{s}", s, arm, 3, 44 + d)
+    for s in confirm.P_SEEDS:
+        for arm, d in (("looped", 0.0), ("stateloop", -1.0 + (0.05 if s % 2 else -0.05))):  # ≈ 18: factor > √2
+            _results(confirm.p_folder(tmp_path) / f"r_{arm}_R6_s{s}", s, arm, 6, 38 + d)
+
+    c2 = confirm.confirm_c2(tmp_path)
+    assert c2["runs_found"] == 59 and c2["seeds_used"] == list(range(101, 110)) and "missing R 4 looped" in c2["left_out"][110]
+    assert c2["primary"]["verdict"] == "reproduced" and c2["state_to_stream"]["R 6 stateloop"] == pytest.approx([0.1] * 6)
+    c1 = confirm.confirm_c1(tmp_path)
+    assert c1["runs_found"] == 40 and c1["primary"]["n"] == 20 and c1["primary"]["verdict"] == "negligible"
+    p = confirm.confirm_p(tmp_path)
+    assert p["seeds_used"] == list(confirm.P_SEEDS) and p["decision"] == "move to 1,200 steps"
+    for name, want in (("c2", "primary, pooled gap G"), ("c1", "StateLoop − Vanilla Looped perplexity: negligible"),
+                       ("p", "move to 1,200 steps")):
+        out = subprocess.run([sys.executable, "-m", "looplab.tables", "confirm", name, "--out-root", str(tmp_path)],
+                             capture_output=True, text=True, check=True).stdout
+        assert want in out, out

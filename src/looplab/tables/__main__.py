@@ -21,7 +21,7 @@
   rejudge N [N ...] [--table-dir experiments/tables] [--scale tiny]   re-judge committed tables from their stored
       intervals and seed means under today's rules (smaller than claimed, by construction, new preconditions), without
       their runs; rewrites tableN.findings.json, the Findings of tableN.md and the summary README.md
-  confirm c2 [--out-root outputs/confirm]   the pre-registered confirmatory analysis (docs/tables.md#confirmatory-runs)
+  confirm c2|c1|p [--out-root outputs/confirm]   a pre-registered confirmatory analysis (docs/tables.md#confirmatory-runs)
   compare MULTIRUN_DIR --pair KEY --metric M [--baseline V] [--sign +1|-1] [--delta D] [--require 'M<X' ...]
         [--out DIR]   judge the arms of your own -m sweep (the values of override KEY) against the baseline arm,
       paired by seed, with intervals, Holm and preconditions, without rerunning it (docs/extending.md#compare-your-arms)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     rj.add_argument("--scale", default=default_scale, choices=spec.SCALES)
 
     cf = sub.add_parser("confirm", help="the pre-registered confirmatory analyses (docs/tables.md#confirmatory-runs)")
-    cf.add_argument("name", choices=("c2",))
+    cf.add_argument("name", choices=("c2", "c1", "p"))
     cf.add_argument("--out-root", type=Path, default=Path("outputs/confirm"))
     cf.add_argument("--out", type=Path, default=None, help="write the result as JSON")
 
@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {report.write_summary(a.table_dir)}")
         return 0
     if a.cmd == "confirm":
-        from looplab.tables.confirm import confirm_c2
+        from looplab.tables import confirm
 
-        result = confirm_c2(a.out_root)
+        result = {"c2": confirm.confirm_c2, "c1": confirm.confirm_c1, "p": confirm.confirm_p}[a.name](a.out_root)
         print(result["text"])
         if a.out:
             import json

@@ -1,4 +1,4 @@
-"""The pre-registered confirmatory analyses (docs/tables.md#confirmatory-runs): `python -m looplab.tables confirm c2`.
+"""The pre-registered confirmatory analyses (docs/tables.md#confirmatory-runs): `python -m looplab.tables confirm c2|c1|p`.
 
 Each analysis is written down before its runs start and is computed here exactly as registered: its outcome, its
 seeds, one look, its rule. Nothing here chooses a threshold, a δ or a seed from the data.
@@ -8,6 +8,18 @@ seeds 101–110; the 95% t-interval of the G's, judged by the sign rule with δ 
 than claimed against the paper's gap carried to this setting (−0.10 / −0.18 / −0.26 at R = 2 / 4 / 6, × 44 / 9.04,
 mean −0.88); then, only if the pooled gap is reproduced, each R in the order 6, 4, 2 (fixed-sequence testing, each
 at 0.05, stopping at the first that is not reproduced).
+
+C1 — table 1, perplexity, two arms: per seed, StateLoop − Vanilla Looped test perplexity of `stateloop_main_tiny` on
+seeds 201–220; the 95% t-interval, the sign rule with table 1's δ and smaller than claimed against the paper's −0.18
+carried to this setting (−0.88). A seed is left out as in C2.
+
+P — longer-training pilot: the paired R = 6 differences (StateLoop − Vanilla Looped) of seeds 101–105 at 1,200 steps
+against the same seeds' at 600 steps (C2's runs). A table moves to 1,200 steps only if |mean| / SD at 1,200 exceeds
+|mean| / SD at 600 by more than √2 (1.41×).
+
+The runs are the ones `experiments/confirm/lane.sh` trains: one folder per run, r_<arm>[_R<R>]_s<seed>, below
+OUT_ROOT/table2/tiny/stateloop_depth_tiny (C2), OUT_ROOT/table1/tiny/stateloop_main_tiny (C1) and
+OUT_ROOT/pilot/stateloop_depth_tiny_1200 (P).
 """
 
 from __future__ import annotations
@@ -23,6 +35,23 @@ C2_SEEDS = tuple(range(101, 111))
 C2_DEPTHS = (2, 4, 6)
 C2_ORDER = (6, 4, 2)  # the secondary tests' fixed order
 C2_EXPERIMENT = "stateloop_depth_tiny"
+C1_SEEDS = tuple(range(201, 221))
+C1_EXPERIMENT = "stateloop_main_tiny"
+P_SEEDS = tuple(range(101, 106))
+P_R = 6
+P_FACTOR = 2 ** 0.5  # doubling the steps costs what doubling the seeds does, which raises the t-statistic by √2
+
+
+def c2_folder(out_root: Path) -> Path:
+    return Path(out_root) / "table2" / "tiny" / C2_EXPERIMENT
+
+
+def c1_folder(out_root: Path) -> Path:
+    return Path(out_root) / "table1" / "tiny" / C1_EXPERIMENT
+
+
+def p_folder(out_root: Path) -> Path:
+    return Path(out_root) / "pilot" / f"{C2_EXPERIMENT}_1200"
 
 
 def _c2_finding():
@@ -51,26 +80,30 @@ def _judge(values: list[float], rule: Rule) -> dict[str, Any]:
             "p": decisive_p(rule, mean, half, n - 1), "t": t_quantile(n - 1), "claimed": rule.claimed, "delta": rule.delta}
 
 
+def _paired(ppl: dict[tuple, float], learned: dict[tuple, bool], seeds, strata) -> tuple[dict, dict]:
+    """seed -> {stratum: StateLoop − Vanilla Looped} for the seeds with every run of every stratum, each arm below its
+    unigram perplexity; the others -> why they are left out (reported, not replaced)."""
+    diffs, left_out = {}, {}
+    for s in seeds:
+        keys = [(s, R, arm) for R in strata for arm in ("stateloop", "looped")]
+        missing = [k for k in keys if k not in ppl]
+        unlearned = [k for k in keys if learned.get(k) is False]
+        if missing or unlearned:
+            what = lambda ks: ", ".join(" ".join(x for x in (f"R {R}" if R else "", arm) if x) for _, R, arm in ks)
+            left_out[s] = f"missing {what(missing)}" if missing else f"above its unigram perplexity: {what(unlearned)}"
+            continue
+        diffs[s] = {R: ppl[(s, R, "stateloop")] - ppl[(s, R, "looped")] for R in strata}
+    return diffs, left_out
+
+
 def c2_from_values(ppl: dict[tuple[int, int, str], float], learned: dict[tuple[int, int, str], bool] | None = None,
                    seeds=C2_SEEDS) -> dict[str, Any]:
     """The C2 analysis on per-run perplexities keyed (seed, R, arm) with arm 'stateloop' | 'looped'. A seed missing a
     run, or with an arm above its unigram perplexity (learned False), is reported and left out, not replaced."""
-    learned = learned or {}
-    used, left_out, per_R = [], {}, {R: [] for R in C2_DEPTHS}
-    pooled = []
-    for s in seeds:
-        keys = [(s, R, arm) for R in C2_DEPTHS for arm in ("stateloop", "looped")]
-        missing = [k for k in keys if k not in ppl]
-        unlearned = [k for k in keys if learned.get(k) is False]
-        if missing or unlearned:
-            left_out[s] = ("missing " + ", ".join(f"R {R} {arm}" for _, R, arm in missing) if missing else
-                           "above its unigram perplexity: " + ", ".join(f"R {R} {arm}" for _, R, arm in unlearned))
-            continue
-        diffs = {R: ppl[(s, R, "stateloop")] - ppl[(s, R, "looped")] for R in C2_DEPTHS}
-        for R in C2_DEPTHS:
-            per_R[R].append(diffs[R])
-        pooled.append(statistics.fmean(diffs.values()))
-        used.append(s)
+    diffs, left_out = _paired(ppl, learned or {}, seeds, C2_DEPTHS)
+    used = list(diffs)
+    per_R = {R: [diffs[s][R] for s in used] for R in C2_DEPTHS}
+    pooled = [statistics.fmean(diffs[s].values()) for s in used]
     primary = {**_judge(pooled, c2_rule_pooled()), "values": pooled}
     secondary = []
     go_on = primary["verdict"] == "reproduced"
@@ -85,26 +118,63 @@ def c2_from_values(ppl: dict[tuple[int, int, str], float], learned: dict[tuple[i
             "per_R": {R: _judge(per_R[R], c2_rule_at(R)) for R in C2_DEPTHS}}
 
 
-def _fmt(r: dict[str, Any]) -> str:
-    if r.get("lo") is None:
-        return f"{r['verdict']} (n {r.get('n', 0)})"
-    return (f"{r['verdict']}: {r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}], n {r['n']}, sd {r['sd']:.3f}; "
-            f"claimed {r['claimed']:+.2f}, δ {r['delta']:.2f}")
+def c1_rule() -> Rule:
+    fd = FINDINGS[1][0]  # StateLoop − Vanilla Looped perplexity: its δ and its claimed effect
+    assert fd.metric == "perplexity", fd.label
+    return Rule("sign", fd.sign, delta=fd.delta, claimed=fd.claimed(None))
 
 
-def confirm_c2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
-    """C2 on the runs of `python -m looplab.tables run 2 --seeds 101,...,110 --out-root OUT_ROOT`."""
+def c1_from_values(ppl: dict[tuple[int, int, str], float], learned: dict[tuple[int, int, str], bool] | None = None,
+                   seeds=C1_SEEDS) -> dict[str, Any]:
+    """The C1 analysis on per-run perplexities keyed (seed, 0, arm) (table 1 has one depth, R = 3)."""
+    diffs, left_out = _paired(ppl, learned or {}, seeds, (0,))
+    values = [d[0] for d in diffs.values()]
+    return {"name": "c1", "seeds_used": list(diffs), "left_out": left_out,
+            "primary": {**_judge(values, c1_rule()), "values": values}}
+
+
+def _signal(values: list[float]) -> float | None:
+    """|mean| / SD of paired differences (None below two values or at SD 0)."""
+    if len(values) < 2 or statistics.stdev(values) == 0:
+        return None
+    return abs(statistics.fmean(values)) / statistics.stdev(values)
+
+
+def p_from_values(ppl_1200: dict[tuple[int, int, str], float], ppl_600: dict[tuple[int, int, str], float],
+                  learned_1200: dict | None = None, learned_600: dict | None = None, seeds=P_SEEDS) -> dict[str, Any]:
+    """The pilot's rule on R = 6 perplexities keyed (seed, 6, arm) at 1,200 and at 600 steps. Only seeds with both
+    pairs (each arm below its unigram perplexity) count, so the two ratios come from the same seeds."""
+    long, left_long = _paired(ppl_1200, learned_1200 or {}, seeds, (P_R,))
+    short, left_short = _paired(ppl_600, learned_600 or {}, seeds, (P_R,))
+    both = [s for s in seeds if s in long and s in short]
+    left_out = {s: "; ".join(f"{steps} steps: {left[s]}" for steps, left in (("1,200", left_long), ("600", left_short))
+                             if s in left) for s in seeds if s not in both}
+    at_1200, at_600 = [long[s][P_R] for s in both], [short[s][P_R] for s in both]
+    r_long, r_short = _signal(at_1200), _signal(at_600)
+    if r_long is None or r_short is None:
+        decision, factor = "not decided (fewer than two seeds with both pairs, or an SD of 0)", None
+    else:
+        factor = r_long / r_short if r_short > 0 else float("inf")
+        decision = "move to 1,200 steps" if factor > P_FACTOR else "stay at 600 steps"
+    return {"name": "p", "seeds_used": both, "left_out": left_out, "values_1200": at_1200, "values_600": at_600,
+            "signal_1200": r_long, "signal_600": r_short, "factor": factor, "threshold": P_FACTOR, "decision": decision}
+
+
+def _read(folder: Path, *, depth_from_model: bool = True) -> tuple[dict, dict, dict]:
+    """(perplexity, learned, ‖W_o s‖ / ‖h‖ per loop) per run under `folder`, keyed (seed, R or 0, arm)."""
     from looplab.runs import load_runs
     from looplab.tables.load import finite_value
 
-    folder = Path(out_root) / "table2" / "tiny" / C2_EXPERIMENT
     ppl, learned, diag = {}, {}, {}
     for r in load_runs(folder):
         if not r.ok:
             continue
         d = r.data
-        arm = "stateloop" if (d.get("model") or {}).get("state_mode") == "stateloop" else "looped"
-        key = (int(d["seed"]), int(d["model"]["loops"]), arm)
+        model = d.get("model") or {}
+        arm = {"stateloop": "stateloop", "vanilla": "looped"}.get(model.get("state_mode"))
+        if arm is None or model.get("state_mixer") not in (None, "none"):
+            continue  # the confirmatory runs have these two arms only
+        key = (int(d["seed"]), int(model["loops"]) if depth_from_model else 0, arm)
         p, uni = finite_value(lambda x: x["perplexity"], d), finite_value(lambda x: x["unigram_perplexity"], d)
         if p is None:
             continue
@@ -113,10 +183,59 @@ def confirm_c2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
         ratio = (d.get("state_diagnostics") or {}).get("state_to_stream")
         if ratio:
             diag.setdefault((key[1], arm), []).append(ratio)
+    return ppl, learned, diag
+
+
+def _diag_lines(diag: dict) -> tuple[dict, list[str]]:
+    per = {(f"R {R} {arm}" if R else arm): [statistics.fmean(x) for x in zip(*v)] for (R, arm), v in sorted(diag.items())}
+    return per, [f"  ‖W_o s‖ / ‖h‖ per loop, {k}: " + " ".join(f"{x:.3f}" for x in v) for k, v in per.items()]
+
+
+def confirm_c1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """C1 on the runs of `experiments/confirm/lane.sh c1 ...` below OUT_ROOT."""
+    folder = c1_folder(out_root)
+    ppl, learned, diag = _read(folder, depth_from_model=False)
+    result = c1_from_values(ppl, learned)
+    result["runs_found"] = len(ppl)
+    result["state_to_stream"], diag_text = _diag_lines(diag)
+    result["text"] = "\n".join([
+        f"C1 (docs/tables.md#confirmatory-runs): {len(ppl)} runs found under {folder}; seeds used "
+        f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
+        f"StateLoop − Vanilla Looped perplexity: {_fmt(result['primary'])}", *diag_text])
+    return result
+
+
+def confirm_p(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """P on the runs of `experiments/confirm/lane.sh p ...` (1,200 steps) and C2's R = 6 runs (600 steps)."""
+    long, learned, diag = _read(p_folder(out_root))
+    short, learned_short, _ = _read(c2_folder(out_root))
+    result = p_from_values(long, short, learned, learned_short)
+    result["runs_found"] = len(long)
+    result["state_to_stream"], diag_text = _diag_lines(diag)
+    fmt = lambda x: "–" if x is None else f"{x:.3f}"
+    result["text"] = "\n".join([
+        f"P (docs/tables.md#confirmatory-runs): {len(long)} runs at 1,200 steps under {p_folder(out_root)}; seeds "
+        f"used {result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
+        f"|mean| / SD of the R = 6 differences: {fmt(result['signal_1200'])} at 1,200 steps, {fmt(result['signal_600'])} "
+        f"at 600; factor {fmt(result['factor'])} (threshold {P_FACTOR:.2f}): {result['decision']}", *diag_text])
+    return result
+
+
+def _fmt(r: dict[str, Any]) -> str:
+    if r.get("lo") is None:
+        return f"{r['verdict']} (n {r.get('n', 0)})"
+    return (f"{r['verdict']}: {r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}], n {r['n']}, sd {r['sd']:.3f}; "
+            f"claimed {r['claimed']:+.2f}, δ {r['delta']:.2f}")
+
+
+def confirm_c2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """C2 on the runs of `experiments/confirm/lane.sh c2 ...` (or `tables run 2 --seeds 101,...,110 --out-root OUT_ROOT`)."""
+    folder = c2_folder(out_root)
+    ppl, learned, diag = _read(folder)
     result = c2_from_values(ppl, learned)
     result["runs_found"] = len(ppl)
     # the StateLoop diagnostic ‖W_o s‖ / ‖h‖ per loop, mean over seeds: is the state used at all?
-    result["state_to_stream"] = {f"R {R} {arm}": [statistics.fmean(x) for x in zip(*v)] for (R, arm), v in sorted(diag.items())}
+    result["state_to_stream"], diag_text = _diag_lines(diag)
     lines = [f"C2 (docs/tables.md#confirmatory-runs): {len(ppl)} runs found under {folder}; seeds used "
              f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
              f"primary, pooled gap G (StateLoop − Vanilla Looped, mean over R 2/4/6): {_fmt(result['primary'])}"]
@@ -124,7 +243,6 @@ def confirm_c2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
         lines.append(f"secondary R {s['R']}: " + (_fmt(s) if "mean" in s else f"{s['verdict']} ({s['why']})"))
     for R, r in result["per_R"].items():
         lines.append(f"  (descriptive) R {R}: {_fmt(r)}")
-    for k, v in result["state_to_stream"].items():
-        lines.append(f"  ‖W_o s‖ / ‖h‖ per loop, {k}: " + " ".join(f"{x:.3f}" for x in v))
+    lines += diag_text
     result["text"] = "\n".join(lines)
     return result
