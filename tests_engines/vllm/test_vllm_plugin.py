@@ -137,8 +137,13 @@ def _report():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_and_logprobs_equal_looplab(case, tmp_path):
+    """Each configuration the plugin serves, token for token and log-probability by log-probability. Under parallel
+    loops the decoding steps are folded (a token's R loops as R·T rows of one block call): they ran, and are exact."""
+    from looplab.vllm_plugin.parallel import FOLDED
+
     m = looped(**CASES[case])
     write_folder(m, tmp_path, engine="vllm")
+    folded = FOLDED["forwards"]
     llm = engine(tmp_path)
     try:
         res = RESULTS[case] = check(llm, m, prompts())
@@ -146,6 +151,29 @@ def test_greedy_tokens_and_logprobs_equal_looplab(case, tmp_path):
         close(llm)
     assert all(res["tokens_equal"]), res
     assert res["max_dlogprob"] <= LOGPROB_TOL, res
+    if CASES[case].get("loop_schedule") == "parallel":  # every prompt decodes NEW − 1 tokens after its prefill
+        assert FOLDED["forwards"] - folded >= NEW - 1, (FOLDED, folded)
+
+
+def test_parallel_unfolded_on_request(tmp_path):
+    """hf_overrides={"parallel_fold": False}: decoding steps run loop after loop, as prompts do (the benchmark's
+    unfolded arm); the same tokens. A value other than true or false is refused by name."""
+    from looplab.vllm_plugin.config import refusal
+    from looplab.vllm_plugin.parallel import FOLDED
+
+    m = looped(**PARALLEL)
+    write_folder(m, tmp_path, engine="vllm")
+    folded = FOLDED["forwards"]
+    llm = engine(tmp_path, hf_overrides={"parallel_fold": False})
+    try:
+        res = RESULTS["parallel, unfolded"] = check(llm, m, prompts(), prompt_logprobs=False)
+    finally:
+        close(llm)
+    assert passes(res), res
+    assert FOLDED["forwards"] == folded
+    cfg = llm.llm_engine.model_config.hf_config
+    cfg.parallel_fold = "no"
+    assert "parallel_fold" in refusal(cfg)
 
 
 def test_test_time_depth_set_at_load(tmp_path):
@@ -220,14 +248,19 @@ def test_parallel_test_time_depth_set_at_load_in_vllms_default_mode(r, tmp_path)
     """hf_overrides={"n_loops": R′} under parallel loops: the slots and the carry's shape follow. Loaded as vLLM
     loads by default (no enforce_eager), so compiled: the carry's ops in a compiled graph (with the loops stacked
     by torch.stack in the graph, the compiled forward differed from looplab; vllm_plugin/parallel.py)."""
+    from looplab.vllm_plugin.parallel import FOLDED
+
     m = looped(**PARALLEL)
     write_folder(m, tmp_path, engine="vllm")
+    folded = FOLDED["forwards"]
     llm = engine(tmp_path, hf_overrides={"n_loops": r}, enforce_eager=False)
     try:
         res = RESULTS[f"parallel: depth R'={r}, vLLM's default mode"] = check(llm, m, prompts(), n_loops=r)
     finally:
         close(llm)
     assert passes(res), res
+    # the folded decoding step, compiled on its own (at start-up, for T = 1 and T >= 2), ran; at R' = 1 nothing folds
+    assert (FOLDED["forwards"] - folded >= NEW - 1) if r > 1 else FOLDED["forwards"] == folded
 
 
 # ------------------------------------------------------------------ exits that skip compute (vllm_plugin/exits.py)

@@ -17,10 +17,11 @@ requests outstanding; a finished one is replaced by the next at once). Arms, all
                        loops skipped (exit_skip=kv_copy: docs/vllm.md#exits-that-skip-compute)
     looplab_engine_exit_depthwise
                        the exit-gated model in looplab.serve.Engine, depth-wise batching with kv_copy at q
-    looplab_engine_parallel / vllm_parallel  (--arms; not in the default set)
+    looplab_engine_parallel / vllm_parallel / vllm_parallel_unfolded  (--arms; not in the default set)
                        the same weights under loop_schedule=parallel (loop_kv=own: the same compute per token), in
-                       looplab.serve.Engine (its folded step: the R loops of a token in one block call) and in vLLM
-                       (the plugin runs the loops one after another: docs/vllm.md#parallel-loops)
+                       looplab.serve.Engine (its folded step: the R loops of a token in one block call) and in vLLM:
+                       decoding steps folded as well (the plugin's default), or loop after loop
+                       (hf_overrides parallel_fold=false; docs/vllm.md#parallel-loops)
 
 Reported per run: output tokens/s, wall time, and for vLLM the engine's start-up time; with --repeats K each arm
 runs each concurrency K times (the engine started once) and the ratios use the best of the K (other processes
@@ -141,7 +142,8 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
     trace = make_trace(requests, plain.config.vocab_size, prompt_len, new_tokens, seed=seed)
     work = Path(work or tempfile.mkdtemp(prefix="looplab-vllm-bench-"))
     runs: list[dict] = []
-    par = parallel_copy(plain) if {"looplab_engine_parallel", "vllm_parallel"} & set(arms) else None
+    par = parallel_copy(plain) if {"looplab_engine_parallel", "vllm_parallel", "vllm_parallel_unfolded"} & set(arms) \
+        else None
     for arm, model in (("looplab_engine", plain), ("looplab_engine_parallel", par)):
         if arm not in arms:
             continue
@@ -162,12 +164,13 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
     startup = {}
     exits = {}
     plans = [(arm, folders[arm], None, want) for arm in ("vllm_looped", "vllm_unrolled") if arm in arms]
-    if "vllm_parallel" in arms:
+    if {"vllm_parallel", "vllm_parallel_unfolded"} & set(arms):
         folders["vllm_parallel"] = work / "parallel"
         write_folder(par, folders["vllm_parallel"], engine="vllm")
         want_par = [generate(par, torch.tensor([r["prompt"]]), r["max_new_tokens"])[0, len(r["prompt"]):].tolist()
                     for r in trace]
-        plans.append(("vllm_parallel", folders["vllm_parallel"], None, want_par))
+        plans += [(arm, folders["vllm_parallel"], over, want_par) for arm, over in
+                  (("vllm_parallel", None), ("vllm_parallel_unfolded", {"parallel_fold": False})) if arm in arms]
     if "vllm_exit" in arms:
         skip = ExitPolicy(threshold=exit_threshold, skip="kv_copy")
         for c in concurrency:
@@ -236,6 +239,7 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                      ("vllm_exit_skip", "vllm_exit_plain"), ("vllm_exit_skip", "vllm_exit_q"),
                      ("vllm_exit_skip", "looplab_engine_exit_depthwise"),
                      ("vllm_parallel", "looplab_engine_parallel"), ("vllm_parallel", "vllm_looped"),
+                     ("vllm_parallel", "vllm_parallel_unfolded"), ("vllm_parallel_unfolded", "vllm_looped"),
                      ("looplab_engine_parallel", "looplab_engine")):
             if (a, c) in best and (b, c) in best:
                 summary[f"{a}_vs_{b}_c{c}"] = best[(a, c)] / best[(b, c)]

@@ -15,6 +15,8 @@ Settings a folder does not hold, set at load time with `hf_overrides` (docs/vllm
     exit_skip        "kv_copy" (with exit_threshold): the loops after a token's exit do not run for it; each later
                      (loop, layer) slot gets its exit loop's keys and values (looplab's ExitPolicy(skip="kv_copy"),
                      vllm_plugin/exits.py). None (default): every loop runs for every token.
+    parallel_fold    parallel loops only: a forward of decoded tokens only runs each token's R loops as R·T rows of
+                     one block call (vllm_plugin/parallel.py); true (default) or false (loop after loop, as prompts)
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def refusal(cfg, supported_head_sizes=None) -> str | None:
             return bad("exit_threshold", "needs a model with an exit gate (exit_gate=ouro)")
         if not isinstance(q, (int, float)) or isinstance(q, bool) or not 0 < float(q) <= 1:
             return bad("exit_threshold", "must lie in (0, 1]")
+    if not isinstance(getattr(cfg, "parallel_fold", True), bool):
+        return bad("parallel_fold", "must be true or false")
     skip = getattr(cfg, "exit_skip", None)
     if skip is not None:
         if skip not in EXIT_SKIPS:

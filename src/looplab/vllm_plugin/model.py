@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
+from vllm.forward_context import get_forward_context
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
@@ -118,6 +119,21 @@ class SlotAttention(nn.Module):
         out, _ = self.out_proj(y)
         return out
 
+    def forward_folded(self, x, positions, slots: list, residual) -> torch.Tensor:
+        """Parallel loops' folded decoding step: x (R·T, d), loop-major, the R loops of T decoded tokens. One
+        projection over every row; each loop's T rows go to its own slots[r] (an `Attention`, or `LoopReads`)."""
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        T = x.shape[0] // len(slots)
+        ys = []
+        for r, slot in enumerate(slots):
+            qr, kr, vr = q[r * T:(r + 1) * T], k[r * T:(r + 1) * T], v[r * T:(r + 1) * T]
+            ys.append(slot(qr, kr, vr) if isinstance(slot, Attention)
+                      else slot(qr, kr, vr, residual[r * T:(r + 1) * T], self.loop_gate))
+        out, _ = self.out_proj(torch.cat(ys))
+        return out
+
     def forward_rows(self, x, positions, slot: Attention, rows, key):
         """The rows still looping (x, positions: theirs) with exits that skip compute (vllm_plugin/exits.py): their
         projections only; the slot is called for every token, an exited one with its kept keys and values."""
@@ -156,6 +172,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, slot):
         x = x + self.attn(self.attn_norm(x), positions, slot, residual=x)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_folded(self, x, positions, slots):
+        x = x + self.attn.forward_folded(self.attn_norm(x), positions, slots, residual=x)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_rows(self, x, positions, slot, rows, key):
@@ -292,6 +312,11 @@ class LoopedLMModel(nn.Module):
 
         self.slots = nn.ModuleList(slot(i) for i in range(at["total"]))
         self.carry = self.loop_input = None
+        self.fold = self.parallel and cfg.n_loops > 1 and getattr(cfg, "parallel_fold", True)
+        from vllm.config import CompilationMode
+
+        self.eager, self._folded_step = vllm_config.compilation_config.mode == CompilationMode.NONE, None
+        self._folded_warm = False  # compiled at T = 1 and T >= 2 (`folded_step_cold`)
         if self.parallel:
             self._build_parallel(cfg, prefix)
         self.exit_loops = None
@@ -382,6 +407,57 @@ class LoopedLMModel(nn.Module):
         out = self._head_input(h, positions, 0)
         return keep_carry(self.carry, kept, out) if R > 1 else out
 
+    @property
+    def folded_step_cold(self) -> bool:
+        return not self.eager and not self._folded_warm
+
+    def fold_this_forward(self) -> bool:
+        """Parallel loops, and this forward decodes one token per request and nothing else: its R loops can fold."""
+        return self.fold and self.carry.decode_only()
+
+    def forward_folded(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """A decoding step under parallel loops, folded (looplab's Engine does the same): token t's loop r ≥ 2 reads
+        a·E_t + b·N(H^(r−1)) of token t − 1, which a decoded token finds in its carry, so no loop of the step waits
+        for another and the R loops run as R·T rows (loop-major) of one block call. Each loop's attention still
+        goes to its own slots.
+
+        vLLM compiles `forward` (the sequential loops); which of the two a forward takes depends on its metadata
+        (`fold_this_forward`, asked outside the compiled graph), so this step is compiled on its own, with
+        torch.compile (dynamic in T), unless vLLM runs eagerly. Measured: eager, the folded step was no faster than
+        the compiled sequential loops (docs/vllm.md#parallel-loops)."""
+        from looplab.vllm_plugin.parallel import FOLDED
+
+        if self._folded_step is None:
+            self._folded_step = self._fold if self.eager else torch.compile(self._fold, dynamic=True)
+        self._folded_warm = self._folded_warm or positions.shape[-1] == 1
+        if get_forward_context().attn_metadata is not None:
+            FOLDED["forwards"] += 1
+            FOLDED["tokens"] += positions.shape[0]
+        # fresh tensors, not views of vLLM's persistent input buffers: the compiled step's guards would otherwise
+        # tell the dummy run's whole buffer from a forward's slice of it and compile once more
+        fresh = lambda t: None if t is None else t.clone()
+        return self._folded_step(fresh(input_ids), fresh(positions), fresh(inputs_embeds))
+
+    def _fold(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+              inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        from looplab.vllm_plugin.parallel import carried_in, keep_carry
+
+        cfg, R, first_slot = self.cfg, self.cfg.n_loops, self.layout["block"]
+        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        for p, layer in enumerate(self.prelude):
+            x = layer(x, positions, self.slots[self.layout["prelude"] + p])
+        e, T = x, x.shape[0]
+        carried, _ = carried_in(self.carry, e)  # (T, R − 1, d): every row is its request's first in this forward
+        h = torch.cat([e] + [self.loop_input(e, carried[:, r - 1]) for r in range(1, R)])  # (R·T, d)
+        rows = positions.repeat(R)
+        for l, layer in enumerate(self.block):
+            h = layer.forward_folded(h, rows, [self.slots[first_slot + l]] + [self.reads[r][l] for r in range(1, R)])
+        norm = self.final_norm if getattr(cfg, "loop_norm", False) else None
+        loops = h.view(R, T, -1)
+        kept = [norm(loops[r]) if norm is not None else loops[r] for r in range(R - 1)]
+        return keep_carry(self.carry, kept, self._head_input(loops[R - 1], positions, 0))
+
     def _head_input(self, z, positions, depth: int):
         """FinalNorm(Coda(z)) with depth `depth`'s coda slots."""
         C, start = self.cfg.coda_layers, self.layout["coda"]
@@ -438,7 +514,17 @@ class LoopedLMForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if self.model.parallel and self.model.fold_this_forward():  # (outside the compiled graph: see forward_folded)
+            return self.model.forward_folded(input_ids, positions, inputs_embeds)
+        out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if self.model.fold and get_forward_context().attn_metadata is None and self.model.folded_step_cold:
+            # vLLM's start-up dummy run (no metadata: attention and the carry compute nothing) compiles the
+            # sequential forward; compile the folded step here too, not in the first requests' decoding steps:
+            # at this T (a graph for every T >= 2) and at T = 1 (torch.compile specialises a size of 1)
+            for rows in (slice(None), slice(0, 1)):
+                self.model.forward_folded(None if input_ids is None else input_ids[rows], positions[..., rows],
+                                          None if inputs_embeds is None else inputs_embeds[rows])
+        return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

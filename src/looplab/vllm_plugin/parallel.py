@@ -20,12 +20,16 @@ Attention of loop r ≥ 2 (`loop_kv`), with loop 1's slot the one every loop-1 c
     gswa         g·Attn(loop 1's slot) + (1 − g)·Attn(its own slot, a sliding window of w tokens), g per head:
                  σ(q_h·w_h + b_h) from the query after RoPE (`loop_gate=query`) or σ(Linear(RMSNorm(x))) from the
                  layer's input (`residual`).
-Loops run one after another over the forward's tokens (looplab's cache-free forward, and its prefill); looplab's
-folded decoding step (the R loops of one token as R rows of one block call) is the same arithmetic and is not
-used here.
+Loops run one after another over the forward's tokens (looplab's cache-free forward, and its prefill). A forward
+that only decodes (one token per request, no prompt rows) folds them instead, as looplab's Engine does: a decoded
+token's loop r ≥ 2 reads its carry, not a row of this forward, so its R loops run as R·T rows of one block call,
+each loop's attention in its own slots (`LoopedLMModel.forward_folded`; `hf_overrides={"parallel_fold": False}`
+keeps loop after loop).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -34,6 +38,10 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+
+# folded decoding steps over the process's forwards (what a test reads to see them run; the engine runs in its process)
+FOLDED = Counter()
 
 
 def carry_shape(cfg) -> tuple[int, int]:
@@ -101,6 +109,12 @@ class LoopCarry(MambaBase):
         # it would read, and write over, the last state block, another request's carry
         real = slots >= 0
         return firsts[real], lasts[real], slots[real]
+
+    def decode_only(self) -> bool:
+        """This forward decodes one token per request and has no prompt rows (False in a profiling run)."""
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
+        return meta is not None and meta.num_prefills == 0 and meta.num_decodes > 0
 
     def read(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """like (T, d) → (carried (T, R−1, d): each request's carry at its first token's row, zeros elsewhere;
