@@ -222,3 +222,27 @@ def test_bad_sequential_options_for_a_spec_are_refused(tmp_path, fake_training):
     with pytest.raises(ValueError, match="--restart: no earlier design of mine"):
         own_sequential.run(spec, tmp_path / "own", restart=True)
     assert fake_training == []
+
+
+def test_compare_on_the_runs_of_a_spec_gives_the_verdicts_run_gave(tmp_path, fake_training):
+    """The two ways to judge one sweep agree: `tables run SPEC` (train, then judge with the spec's claim) and
+    `tables compare FOLDER` with the same pair, metric, sign and δ on the same runs — line for line: the arms, the
+    paired seeds, the interval, Holm's p and the verdict, one of them decided and one not."""
+    spec, out = write_spec(tmp_path, seeds=[1, 2, 3, 4, 5]), tmp_path / "own"
+    ran = own.run(spec, out, logger="none")
+    # the spec's baseline is its first arm; compare's default is the sweep's first value, so it is named
+    assert tables_main(["compare", str(out / "mine"), "--pair", "state_mode", "--metric", "loss", "--sign", "-1",
+                        "--delta", "0.05", "--baseline", "vanilla", "--out", str(tmp_path / "cmp")]) == 0
+    with (tmp_path / "cmp" / "compare_loss.csv").open(newline="") as f:
+        compared = list(csv.DictReader(f))
+    key = lambda ln: (ln.a, ln.b)
+    assert len(compared) == len(ran["lines"]) == 2
+    verdicts = set()
+    for line, row in zip(sorted(ran["lines"], key=key), sorted(compared, key=lambda r: (r["a"], r["b"]))):
+        assert (row["a"], row["b"], int(row["n_seeds"])) == (line.a, line.b, len(line.seeds)) and len(line.seeds) == 5
+        assert float(row["mean_diff"]) == pytest.approx(line.mean_diff, abs=1e-9)
+        assert (float(row["ci_lo"]), float(row["ci_hi"])) == pytest.approx(line.interval, abs=1e-9)
+        assert float(row["p_holm"]) == pytest.approx(line.p_holm, abs=1e-9)
+        assert row["verdict"] == line.verdict
+        verdicts.add(line.verdict)
+    assert len(verdicts) == 2, verdicts  # `good` decided, `null` not: the agreement covers both outcomes
