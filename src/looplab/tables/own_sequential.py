@@ -32,8 +32,8 @@ from pathlib import Path
 from looplab.stats import DECISIVE, SequentialDesign
 from looplab.tables import own
 from looplab.tables.alpha_ledger import LEDGER_FILE, AlphaLedger
-from looplab.tables.sequential import DEFAULT_MAX_SEEDS, _design_text
-from looplab.tables.sequential_state import DEFAULT_ROUND_SEEDS, STATE_FILE, Round, SequentialState, _now
+from looplab.tables.sequential import _design_text, open_design
+from looplab.tables.sequential_state import STATE_FILE, Round, SequentialState, _now
 
 SCALE = "own"  # the state's and the ledger's `scale`; their `table` is the spec's name
 
@@ -97,45 +97,14 @@ def _next_seeds(spec: own.OwnSpec, state: OwnState) -> list[int]:
 
 def _open_design(spec: own.OwnSpec, path: Path, lpath: Path, max_seeds: int | None, round_seeds: int | None,
                  restart: bool) -> tuple[OwnState, OwnLedger | None]:
-    """The state to go on with: loaded (and restarted when asked), or a new design; the refusals of
-    tables/sequential.py, which keep the α the looks on these runs spent spent."""
+    """The state to go on with: tables/sequential.py's open_design, for a spec of one's own."""
     state, ledger = OwnState.load(path), OwnLedger.load(lpath)
-    if state is None:
-        cap = max_seeds or DEFAULT_MAX_SEEDS
-        if cap < len(spec.seeds):
-            raise ValueError(f"--max-seeds {cap} is below the first round's {len(spec.seeds)} seeds ({spec.seeds})")
-        if ledger is not None and ledger.designs:  # sequential.json was moved away: the α its looks spent stays spent
-            if not restart:
-                raise ValueError(f"{lpath}: earlier sequential designs of {spec.name} looked at these runs and spent "
-                                 f"α = {ledger.spent:.4f} of {ledger.overall:.2f} ({ledger.looks_text()}); {path.name} "
-                                 f"is gone, but a new design would not reset that. Pass --restart to start a new design "
-                                 f"on the same runs at the α left ({ledger.left:.4f})")
-            design = ledger.restarted(cap)
-        else:
-            if restart:
-                raise ValueError(f"--restart: no earlier design of {spec.name} to restart from (neither {path} nor "
-                                 f"{lpath})")
-            design = SequentialDesign(cap)
-            _warn_unaccounted_runs(spec, path)
-        return OwnState(spec.name, SCALE, design, cap, round_seeds or DEFAULT_ROUND_SEEDS), ledger
-    if state.table != spec.name:
+    if state is not None and state.table != spec.name:
         raise ValueError(f"{path} belongs to the spec named {state.table!r}, not {spec.name!r}")
-    if restart:
-        cap = max_seeds or state.design.cap
-        if cap <= len(state.all_seeds()):
-            raise ValueError(f"--restart --max-seeds {cap}: the new design needs a cap above the "
-                             f"{len(state.all_seeds())} seeds its rounds already hold")
-        state.restart(cap)
-    elif max_seeds and max_seeds > state.design.cap:
-        spent = state.alpha_spent()
-        raise ValueError(f"{path}: this build's design is capped at {state.design.cap} seeds; its intervals do not "
-                         f"cover --max-seeds {max_seeds}. Stop at {state.design.cap}, or pass --restart: a new design "
-                         f"capped at {max_seeds} goes on with these rounds at the α left — the looks so far spent "
-                         f"α = {spent:.4f} of {state.design.overall:.2f}. Moving {path.name} away does not reset it: "
-                         f"{lpath.name} keeps the account")
-    state.max_seeds = max_seeds or state.max_seeds
-    state.round_seeds = round_seeds or state.round_seeds
-    state.stop = None  # resuming: the stop is decided again
+    state = open_design(state, ledger, path, lpath, what=spec.name, first=spec.seeds, max_seeds=max_seeds,
+                        round_seeds=round_seeds, restart=restart,
+                        new_state=lambda design, cap, rs: OwnState(spec.name, SCALE, design, cap, rs),
+                        warn=lambda: _warn_unaccounted_runs(spec, path))
     return state, ledger
 
 

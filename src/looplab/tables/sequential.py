@@ -91,6 +91,51 @@ def _zeroshot_missing(out_root: Path, spec: TableSpec, scale: str, seeds: list[i
                for sw in spec.sweeps_for(scale) for r in load_runs(sweep_dir(out_root, spec.number, scale, sw)))
 
 
+def open_design(state, ledger, path: Path, lpath: Path, *, what: str, first: list, max_seeds: int | None,
+                round_seeds: int | None, restart: bool, new_state, warn, where: str = ""):
+    """The state a build goes on with (a paper table's or a spec's of one's own, tables/own_sequential.py): `state`
+    (its sequential.json, or None) resumed, restarted when asked, or a new design — new_state(design, cap,
+    round_seeds) builds one, and `warn` is called for runs no design has accounted for. The refusals keep the α
+    that the looks on these runs spent spent (alpha_ledger.json: `ledger`). what: "table 2" / "mine", as named in
+    the messages; where: what follows it where the build's scale matters (" at tiny scale")."""
+    if state is None:
+        cap = max_seeds or DEFAULT_MAX_SEEDS
+        if cap < len(first):
+            raise ValueError(f"--max-seeds {cap} is below the first round's {len(first)} seeds ({first})")
+        if ledger is not None and ledger.designs:  # sequential.json was moved away: the α its looks spent stays spent
+            if not restart:
+                raise ValueError(f"{lpath}: earlier sequential designs of {what} looked at these runs and spent "
+                                 f"α = {ledger.spent:.4f} of {ledger.overall:.2f} ({ledger.looks_text()}); {path.name} is "
+                                 f"gone, but a new design would not reset that. Pass --restart to start a new design on the "
+                                 f"same runs at the α left ({ledger.left:.4f})")
+            design = ledger.restarted(cap)
+        else:
+            if restart:
+                raise ValueError(f"--restart: no earlier design of {what}{where} to restart from (neither {path} nor "
+                                 f"{lpath})")
+            design = SequentialDesign(cap)
+            warn()
+        return new_state(design, cap, round_seeds or DEFAULT_ROUND_SEEDS)
+    if restart:
+        cap = max_seeds or state.design.cap
+        if cap <= len(state.all_seeds()):
+            raise ValueError(f"--restart --max-seeds {cap}: the new design needs a cap above the {len(state.all_seeds())} "
+                             "seeds its rounds already hold")
+        state.restart(cap)
+    elif max_seeds and max_seeds > state.design.cap:
+        spent = state.alpha_spent()
+        raise ValueError(f"{path}: this build's design is capped at {state.design.cap} seeds; its intervals do not cover "
+                         f"--max-seeds {max_seeds}. Stop at {state.design.cap}, or pass --restart: a new design capped at "
+                         f"{max_seeds} goes on with these rounds at the α left — the looks so far (n = "
+                         f"{', '.join(map(str, state.design_looks())) or 'none'}) spent α = {spent:.4f} of "
+                         f"{state.design.overall:.2f}, leaving {state.design.overall - spent:.4f}. Moving {path.name} "
+                         f"away does not reset it: {lpath.name} keeps the account")
+    state.max_seeds = max_seeds or state.max_seeds
+    state.round_seeds = round_seeds or state.round_seeds
+    state.stop = None  # resuming: the stop is decided again
+    return state
+
+
 def run(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, *, max_seeds: int | None = None,
         budget_min: float | None = None, round_seeds: int | None = None, logger: str | None = None,
         extra: list[str] | None = None, hardware: str | None = None, jobs: int | None = None,
@@ -108,45 +153,15 @@ def run(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, *, 
     path, lpath = state_path(out_root, number, scale), ledger_path(out_root, number, scale)
     state, ledger = SequentialState.load(path), AlphaLedger.load(lpath)
     first = default_seeds(scale, number) or [1, 2, 3]
-    if state is None:
-        cap = max_seeds or DEFAULT_MAX_SEEDS
-        if cap < len(first):
-            raise ValueError(f"--max-seeds {cap} is below the first round's {len(first)} seeds ({first})")
-        if ledger is not None and ledger.designs:  # sequential.json was moved away: the α its looks spent stays spent
-            if not restart:
-                raise ValueError(f"{lpath}: earlier sequential designs of table {number} looked at these runs and spent "
-                                 f"α = {ledger.spent:.4f} of {ledger.overall:.2f} ({ledger.looks_text()}); {path.name} is "
-                                 f"gone, but a new design would not reset that. Pass --restart to start a new design on the "
-                                 f"same runs at the α left ({ledger.left:.4f})")
-            design = ledger.restarted(cap)
-        else:
-            if restart:
-                raise ValueError(f"--restart: no earlier design of table {number} at {scale} scale to restart from "
-                                 f"(neither {path} nor {lpath})")
-            design = SequentialDesign(cap)
-            _warn_unaccounted_runs(spec, scale, out_root, path, lpath)
-        state = SequentialState(number, scale, design, cap, round_seeds or DEFAULT_ROUND_SEEDS, budget_min)
-    else:
-        if (state.table, state.scale) != (number, scale):
-            raise ValueError(f"{path} belongs to table {state.table} at {state.scale} scale")
-        if restart:
-            cap = max_seeds or state.design.cap
-            if cap <= len(state.all_seeds()):
-                raise ValueError(f"--restart --max-seeds {cap}: the new design needs a cap above the {len(state.all_seeds())} "
-                                 "seeds its rounds already hold")
-            state.restart(cap)
-        elif max_seeds and max_seeds > state.design.cap:
-            spent = state.alpha_spent()
-            raise ValueError(f"{path}: this build's design is capped at {state.design.cap} seeds; its intervals do not cover "
-                             f"--max-seeds {max_seeds}. Stop at {state.design.cap}, or pass --restart: a new design capped at "
-                             f"{max_seeds} goes on with these rounds at the α left — the looks so far (n = "
-                             f"{', '.join(map(str, state.design_looks())) or 'none'}) spent α = {spent:.4f} of "
-                             f"{state.design.overall:.2f}, leaving {state.design.overall - spent:.4f}. Moving {path.name} "
-                             f"away does not reset it: {lpath.name} keeps the account")
-        state.max_seeds = max_seeds or state.max_seeds
-        state.round_seeds = round_seeds or state.round_seeds
-        state.budget_min = budget_min if budget_min is not None else state.budget_min
-        state.stop = None  # resuming: the stop is decided again below
+    if state is not None and (state.table, state.scale) != (number, scale):
+        raise ValueError(f"{path} belongs to table {state.table} at {state.scale} scale")
+    state = open_design(state, ledger, path, lpath, what=f"table {number}", where=f" at {scale} scale",
+                        first=first, max_seeds=max_seeds,
+                        round_seeds=round_seeds, restart=restart,
+                        new_state=lambda design, cap, rs: SequentialState(number, scale, design, cap, rs, budget_min),
+                        warn=lambda: _warn_unaccounted_runs(spec, scale, out_root, path, lpath))
+    if budget_min is not None:
+        state.budget_min = budget_min
     ledger = ledger or AlphaLedger(number, scale)
     if not dry_run:  # the ledger first: a state file that is not its current design is refused before anything trains
         new = not path.exists() or restart
