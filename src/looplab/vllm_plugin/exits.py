@@ -15,7 +15,9 @@ copy of its keys and values per later slot, and its share of the attention; no p
 Which rows still loop is data: it reaches the host once per loop (a `nonzero`). vLLM compiles the model with
 torch.compile and, on CUDA, captures piecewise graphs; both need the loops to be one opaque op: the custom op
 `vllm::looplab_exit_loops` runs them eagerly, and the plugin lists it among the ops the compiled graph is split at
-(`vllm_plugin.graphs`), so no graph records one forward's rows.
+(`vllm_plugin.graphs`), so no graph records one forward's rows. Inside it, each layer's arithmetic on the rows
+(before and after its attention slot) is compiled on its own, dynamic in the number of rows, unless vLLM runs
+eagerly (`DecoderLayer.forward_rows`; docs/vllm.md#speed).
 """
 
 from __future__ import annotations

@@ -169,6 +169,7 @@ class DecoderLayer(nn.Module):
         self.attn = SlotAttention(d, cfg.n_heads, cfg.n_kv_heads, cfg.max_seq_len, cfg.rope_base, f"{prefix}.attn")
         self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
         self.mlp = SwiGLU(d, cfg.ffn_hidden, f"{prefix}.mlp")
+        self.compile_rows, self.rows_pre, self.rows_post = False, None, None  # forward_rows (set by the model)
 
     def forward(self, x, positions, slot):
         x = x + self.attn(self.attn_norm(x), positions, slot, residual=x)
@@ -179,7 +180,32 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_rows(self, x, positions, slot, rows, key):
-        x = x + self.attn.forward_rows(self.attn_norm(x), positions, slot, rows, key)
+        """Exits that skip compute (vllm_plugin/exits.py): x, positions are the rows still looping. Their
+        arithmetic before the attention slot (norm, projection, RoPE) and after it (output projection, MLP, both
+        residuals) runs as two compiled functions of the rows (`compile_rows`: dynamic in their number; the exit
+        loops run in an eager op, where vLLM's graph does not reach); the slot call and the rows' gather and
+        scatter stay eager."""
+        if self.rows_pre is None:
+            self.rows_pre, self.rows_post = self._rows_pre, self._rows_post
+            if self.compile_rows:
+                self.rows_pre = torch.compile(self._rows_pre, dynamic=True)
+                self.rows_post = torch.compile(self._rows_post, dynamic=True)
+        if x.shape[0] == 0:  # every row has exited: the slot still gets every token's kept keys and values
+            q, k, v = x.new_zeros(0, self.attn.q_size), x.new_zeros(0, self.attn.kv_size), x.new_zeros(0, self.attn.kv_size)
+        else:
+            q, k, v = self.rows_pre(x, positions)
+        y = slot(*rows.full(key, q, k, v))
+        return self.rows_post(x, rows.gather(y)) if x.shape[0] else x
+
+    def _rows_pre(self, x, positions):
+        qkv, _ = self.attn.qkv_proj(self.attn_norm(x))
+        q, k, v = qkv.split([self.attn.q_size, self.attn.kv_size, self.attn.kv_size], dim=-1)
+        q, k = self.attn.rotary_emb(positions, q, k)
+        return q, k, v
+
+    def _rows_post(self, x, y):
+        out, _ = self.attn.out_proj(y)
+        x = x + out
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -328,6 +354,8 @@ class LoopedLMModel(nn.Module):
             if name in context:
                 raise ValueError(f"Duplicate layer name: {name}")
             context[name] = self.exit_loops = ExitLoops(self, name)
+            for layer in (*self.block, *self.coda):
+                layer.compile_rows = not self.eager
         from looplab.vllm_plugin.graphs import CARRY_OPS, EXIT_OPS, keep_out_of_graphs
 
         keep_out_of_graphs(vllm_config.compilation_config, (CARRY_OPS if self.parallel else ())
