@@ -560,7 +560,7 @@ def _edited_folder(tmp_path, **fields) -> Path:
     (dict(state_mode="stateloop_mamba2"), "state_mode='stateloop_mamba2'"),
     (dict(depth_router={"name": "expert_choice"}), "depth_router="),
     (dict(state_mode="stateloop_reset", state_mixer="attn"), "state_mixer='attn'"),
-    (dict(state_mode="gru"), "state_mode='gru'"),
+    (dict(state_mode="no_such_rule"), "state_mode='no_such_rule'"),  # registered nowhere, shipped by no folder
     (dict(state_mode="stateloop", options={"state_update": {"gate_bias": 1.0}}), "options="),
     (dict(n_heads=4, num_attention_heads=4), "d_model/n_heads=64/4=16"),
 ])
@@ -778,3 +778,52 @@ def test_lm_eval_vllm_with_exits_that_skip_compute(text_export, tmp_path):
     assert moved > 1e-2 and len(depths) > 1, (moved, depths)
     RESULTS["lm_eval looplab_tiny, exits skip compute (q 0.5)"] = {
         "tokens_equal": [True], "max_dlogprob": worst, "n_logprobs": checked, "vs_every_loop": moved}
+
+
+# ------------------------------------------------- a registered variant's own export code (vllm_plugin/variants.py)
+def test_a_registered_update_rule_runs_its_own_export_code(tmp_path):
+    """state_mode=gru, a registered state update that brings its export code (models/state_gru_export.py): the
+    plugin mixes the same StateUpdate class into its state branch, and serves the folder token for token and
+    log-probability by log-probability as looplab computes it, eager and compiled."""
+    m = looped(state_mode="gru", prelude_layers=1, coda_layers=1)
+    write_folder(m, tmp_path, engine="vllm")
+    for eager in (True, False):
+        llm = engine(tmp_path, enforce_eager=eager)
+        try:
+            res = RESULTS[f"state_mode=gru (its export code), {'eager' if eager else 'compiled'}"] = check(llm, m, prompts())
+            code = llm.collective_rpc(lambda w: type(w.model_runner.model.model.state).__mro__[1].__module__)[0]
+        finally:
+            close(llm)
+        assert passes(res), res
+        assert code == "looplab.models.state_gru_export"
+
+
+def test_a_folders_own_update_rule_runs_only_when_trusted(tmp_path, monkeypatch):
+    """An out-of-tree rule that this process has not registered: its code is the folder's shipped file, which the
+    plugin imports only under trust_remote_code=True — refused by name without it; exact with it."""
+    from looplab.models.registry import REGISTRIES
+    from looplab.vllm_plugin.model import LoopRefused
+
+    m = looped(state_mode="gru")
+    write_folder(m, tmp_path)  # ships looplab_variant_state_update_gru.py, as any variant's folder
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["state_mode"] = cfg["looplab_variants"]["state_update"]["name"] = "folder_rule"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    real_get = REGISTRIES["state_update"].get
+
+    def get(name):  # the folder's rule is registered nowhere in this process
+        if name == "folder_rule":
+            from looplab.models.registry import ConfigError
+            raise ConfigError("state_mode='folder_rule': unknown")
+        return real_get(name)
+
+    monkeypatch.setattr(REGISTRIES["state_update"], "get", get)
+    with pytest.raises(Exception, match="trust_remote_code=True") as refused:
+        engine(tmp_path)
+    assert "looplab_variant_state_update_gru.py" in str(refused.value)
+    llm = engine(tmp_path, trust_remote_code=True)
+    try:
+        res = RESULTS["a folder's own update rule, trusted"] = check(llm, m, prompts(), prompt_logprobs=False)
+    finally:
+        close(llm)
+    assert passes(res), res

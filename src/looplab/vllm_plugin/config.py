@@ -59,6 +59,21 @@ def schedule(cfg) -> str:
     return getattr(cfg, "loop_schedule", "sequential") or "sequential"
 
 
+def variant_state_update(cfg) -> bool:
+    """A registered state update that brings its export code: registered in this process with an export_source, or
+    shipped in the folder (config.json's looplab_variants). Which code runs is vllm_plugin/variants.py's to say."""
+    shipped = ((getattr(cfg, "looplab_variants", None) or {}).get("state_update") or {}).get("name")
+    if shipped == cfg.state_mode:
+        return True
+    from looplab.models.registry import REGISTRIES, ConfigError
+
+    try:
+        cls = REGISTRIES["state_update"].get(cfg.state_mode)
+    except ConfigError:
+        return False
+    return getattr(cls, "export_source", None) is not None
+
+
 def refusal(cfg, supported_head_sizes=None) -> str | None:
     """Why the plugin cannot run this config exactly (the field and its value), or None."""
     def bad(field, why):
@@ -67,9 +82,9 @@ def refusal(cfg, supported_head_sizes=None) -> str | None:
     if cfg.backbone != "llama":
         return bad("backbone", "Mamba-2 and hybrid blocks are not in the vLLM plugin yet (it has no Mamba-2 layer "
                    "with one state per (loop, layer)); serve them with looplab.serve.Engine")
-    if cfg.state_mode not in STATE_MODES:
-        return bad("state_mode", f"the plugin runs {', '.join(STATE_MODES)} (stateloop_mamba2's Mamba-2 mixer and "
-                   "registered update rules are not in it)")
+    if cfg.state_mode not in STATE_MODES and not variant_state_update(cfg):
+        return bad("state_mode", f"the plugin runs {', '.join(STATE_MODES)} and registered update rules that bring "
+                   "their export code (export_source; stateloop_mamba2's Mamba-2 mixer is not in it)")
     if cfg.injection not in INJECTIONS:
         return bad("injection", f"the plugin runs {', '.join(INJECTIONS)}")
     if cfg.exit_gate not in EXIT_GATES:
@@ -96,7 +111,9 @@ def refusal(cfg, supported_head_sizes=None) -> str | None:
     if mixer not in (None, "none"):
         return bad("state_mixer", f"with state_mode={cfg.state_mode!r}: the plugin runs the attention mixer with the "
                    "stateloop update only (state_mode=stateloop_attn)")
-    options = getattr(cfg, "options", None)
+    options = dict(getattr(cfg, "options", None) or {})
+    if cfg.state_mode not in STATE_MODES:  # a registered update rule's options reach its own code (self.options)
+        options.pop("state_update", None)
     if options:
         return bad("options", "a registered variant's own hyperparameters; the plugin runs looplab's built-in variants "
                    "at their defaults only")

@@ -267,6 +267,50 @@ class StateBranch(nn.Module):
         return s, h + self.state_out(s)[0]
 
 
+class VariantStateBranch(nn.Module):
+    """A registered state update's own export code (vllm_plugin/variants.py) around StateLoop's branch:
+    s_r = update(h_r, s_{r−1}), x_{r+1} = h_r + W_o s_r, as the exported remote code's StateBranch (no mixer). The
+    update's parameters are the ones its `build_update` creates, under the names looplab's checkpoints use."""
+
+    mixer = None
+
+    def __init__(self, cfg, prefix: str, options: dict):
+        from types import SimpleNamespace
+
+        super().__init__()
+        d, ds = cfg.d_model, cfg.state_dim
+        self.state_dim, self.options = ds, SimpleNamespace(**options)
+        self.reset_each_loop = not getattr(self, "carries_state", True)
+        self.build_update(d, ds)
+        self.state_out = ReplicatedLinear(ds, d, bias=False, prefix=f"{prefix}.state_out")  # W_o
+        self.s0 = nn.Parameter(torch.zeros(ds), requires_grad=False) if cfg.state_init == "learned" else None
+
+    initial_state = StateBranch.initial_state
+
+    def forward(self, h, s_prev, positions, slot, rows=None):
+        if self.reset_each_loop:
+            s_prev = self.initial_state(h)
+        s, _ = self.update(h, s_prev)
+        return s, h + self.state_out(s)[0]
+
+
+def state_branch(cfg, prefix: str, vllm_config: VllmConfig) -> nn.Module:
+    """StateLoop's branch, or a registered update rule's own code mixed into VariantStateBranch."""
+    from looplab.vllm_plugin.config import STATE_MODES
+
+    if cfg.state_mode in STATE_MODES:
+        return StateBranch(cfg, prefix)
+    from looplab.vllm_plugin.variants import state_update_class, variant_options
+
+    mc = vllm_config.model_config
+    try:
+        code = state_update_class(cfg, mc.model, bool(mc.trust_remote_code))
+    except ValueError as e:
+        raise LoopRefused(f"looplab's vLLM plugin: {e}") from None
+    cls = type("VariantStateBranch", (code, VariantStateBranch), {"__module__": __name__})
+    return cls(cfg, prefix, variant_options(cfg))
+
+
 class DiagInjection(nn.Module):
     def __init__(self, d: int):
         super().__init__()
@@ -310,7 +354,7 @@ class LoopedLMModel(nn.Module):
         self.prelude = nn.ModuleList(DecoderLayer(cfg, f"{prefix}.prelude.{i}") for i in range(cfg.prelude_layers))
         self.block = nn.ModuleList(DecoderLayer(cfg, f"{prefix}.block.{i}") for i in range(cfg.n_layers))
         self.coda = nn.ModuleList(DecoderLayer(cfg, f"{prefix}.coda.{i}") for i in range(cfg.coda_layers))
-        self.state = StateBranch(cfg, f"{prefix}.state") if cfg.state_mode != "vanilla" else None
+        self.state = state_branch(cfg, f"{prefix}.state", vllm_config) if cfg.state_mode != "vanilla" else None
         self.inject = None
         if cfg.injection == "diag":
             self.inject = DiagInjection(d)
