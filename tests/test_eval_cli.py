@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -157,8 +158,13 @@ def test_eval_reproduces_results_json(case, tmp_path):
     report = main([str(run_dir / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "eval")])
     agree = report["agreement"]
     assert agree["missing"] == [] and agree["compared"] == len(logged)
-    assert agree["max_rel_diff"] < 1e-6, {k: v for k, v in agree["values"].items()
-                                          if abs(v["eval"] - v["results_json"]) > 1e-6 * max(abs(v["results_json"]), 1e-6)}
+    # a perplexity is exp(mean loss): a relative error ε of the loss (float32 sums in another order) becomes
+    # ε·loss of the perplexity (measured: 1.07e-6 at ppl 2,528, loss 7.8), so it is compared through its log
+    def off(k, v):
+        a, b = (math.log(v["eval"]), math.log(v["results_json"])) if "ppl" in k else (v["eval"], v["results_json"])
+        return abs(a - b) > 1e-6 * max(abs(b), 1e-6)
+
+    assert agree["max_rel_diff"] < 1e-5 and not [k for k, v in agree["values"].items() if off(k, v)], agree["values"]
     mine = report["metrics"]
     R = res["model"]["loops"]
     assert [mine[f"test/loss_loop{d}"] for d in range(1, R + 1)] == pytest.approx(res["per_depth"]["loss"], rel=1e-6)
