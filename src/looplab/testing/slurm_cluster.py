@@ -67,6 +67,25 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/local/sbin")
 
 
+def _first_job_id(jobs: int = 50) -> int:
+    """A first job id whose jobs' rendezvous ports are free. Lightning's SLURMEnvironment puts a job's ranks on port
+    15000 + the job id's last four digits; two clusters on one machine (two `make test` at once) that both number
+    their jobs from 1 gave their FSDP ranks the same port, and one suite's ranks hung on the other's store."""
+    import random
+
+    rng = random.SystemRandom()
+    for _ in range(200):
+        first = rng.randrange(1000, 10000 - jobs)
+        try:
+            for port in range(15000 + first, 15000 + first + jobs):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    return rng.randrange(1000, 10000 - jobs)
+
+
 def _free_ports(n: int) -> list[int]:
     socks = []
     try:
@@ -137,6 +156,7 @@ class SlurmCluster:
             "ClusterName=looplab",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={ctld_port}",
+            f"FirstJobId={_first_job_id()}",  # jobs' rendezvous ports (Lightning: 15000 + id) apart from another cluster's
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
