@@ -448,7 +448,7 @@ def test_padded_rows_leave_the_carry_alone(monkeypatch):
 
     # LoopCarry's methods on a stand-in: three state blocks of (R − 1, d) = (2, 4), no vLLM engine needed
     carry = SimpleNamespace(shape=(2, 4), dtype=torch.float32, prefix="carry", kv_cache=(torch.zeros(3, 2, 4),))
-    for name in ("rows", "read", "write"):
+    for name in ("metadata", "rows", "read", "write"):
         setattr(carry, name, getattr(parallel.LoopCarry, name).__get__(carry))
     meta = SimpleNamespace(num_decodes=2, num_decode_tokens=2, num_prefills=0,
                            state_indices_tensor_d=torch.tensor([[0], [-1]], dtype=torch.int32))

@@ -158,7 +158,7 @@ def run(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, *, 
     state = open_design(state, ledger, path, lpath, what=f"table {number}", where=f" at {scale} scale",
                         first=first, max_seeds=max_seeds,
                         round_seeds=round_seeds, restart=restart,
-                        new_state=lambda design, cap, rs: SequentialState(number, scale, design, cap, rs, budget_min),
+                        new_state=lambda design, cap, rs: SequentialState(number, scale, design, cap, rs),
                         warn=lambda: _warn_unaccounted_runs(spec, scale, out_root, path, lpath))
     if budget_min is not None:
         state.budget_min = budget_min

@@ -62,10 +62,11 @@ def schedule(cfg) -> str:
 def variant_state_update(cfg) -> bool:
     """A registered state update that brings its export code: registered in this process with an export_source, or
     shipped in the folder (config.json's looplab_variants). Which code runs is vllm_plugin/variants.py's to say."""
-    shipped = ((getattr(cfg, "looplab_variants", None) or {}).get("state_update") or {}).get("name")
-    if shipped == cfg.state_mode:
-        return True
     from looplab.models.registry import REGISTRIES, ConfigError
+    from looplab.vllm_plugin.variants import shipped_state_update
+
+    if shipped_state_update(cfg).get("name") == cfg.state_mode:
+        return True
 
     try:
         cls = REGISTRIES["state_update"].get(cfg.state_mode)

@@ -110,38 +110,36 @@ class SlotAttention(nn.Module):
         self.rotary_emb = get_rope(self.head_dim, max_position=max_pos, is_neox_style=True,
                                    rope_parameters={"rope_type": "default", "rope_theta": float(rope_base)})
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slot, residual=None) -> torch.Tensor:
-        """slot: an `Attention`, or a parallel loop's reads (`LoopReads`: which slots loop r >= 2 attends to)."""
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: bool = True):
+        """x (T, d) → q, k, v, with RoPE on q and k (rope=False: none, for rows that are all gone)."""
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        y = slot(q, k, v) if isinstance(slot, Attention) else slot(q, k, v, residual, self.loop_gate)
-        out, _ = self.out_proj(y)
+        if rope:
+            q, k = self.rotary_emb(positions, q, k)
+        return q, k, v
+
+    def attend(self, slot, q, k, v, residual):
+        """slot: an `Attention`, or a parallel loop's reads (`LoopReads`: which slots loop r >= 2 attends to)."""
+        return slot(q, k, v) if isinstance(slot, Attention) else slot(q, k, v, residual, self.loop_gate)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slot, residual=None) -> torch.Tensor:
+        out, _ = self.out_proj(self.attend(slot, *self.qkv(x, positions), residual))
         return out
 
     def forward_folded(self, x, positions, slots: list, residual) -> torch.Tensor:
         """Parallel loops' folded decoding step: x (R·T, d), loop-major, the R loops of T decoded tokens. One
         projection over every row; each loop's T rows go to its own slots[r] (an `Attention`, or `LoopReads`)."""
-        qkv, _ = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k, v = self.qkv(x, positions)
         T = x.shape[0] // len(slots)
-        ys = []
-        for r, slot in enumerate(slots):
-            qr, kr, vr = q[r * T:(r + 1) * T], k[r * T:(r + 1) * T], v[r * T:(r + 1) * T]
-            ys.append(slot(qr, kr, vr) if isinstance(slot, Attention)
-                      else slot(qr, kr, vr, residual[r * T:(r + 1) * T], self.loop_gate))
-        out, _ = self.out_proj(torch.cat(ys))
+        rows = [slice(r * T, (r + 1) * T) for r in range(len(slots))]
+        out, _ = self.out_proj(torch.cat([self.attend(slot, q[i], k[i], v[i], residual[i]) for slot, i in zip(slots, rows)]))
         return out
 
     def forward_rows(self, x, positions, slot: Attention, rows, key):
         """The rows still looping (x, positions: theirs) with exits that skip compute (vllm_plugin/exits.py): their
         projections only; the slot is called for every token, an exited one with its kept keys and values."""
-        qkv, _ = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if x.shape[0]:  # (every row may have exited: the slot still gets the kept keys and values)
-            q, k = self.rotary_emb(positions, q, k)
-        y = slot(*rows.full(key, q, k, v))
+        q, k, v = self.qkv(x, positions, rope=x.shape[0] > 0)  # (every row may have exited: the slot still
+        y = slot(*rows.full(key, q, k, v))  # gets the kept keys and values)
         out, _ = self.out_proj(rows.gather(y))
         return out
 
@@ -169,7 +167,7 @@ class DecoderLayer(nn.Module):
         self.attn = SlotAttention(d, cfg.n_heads, cfg.n_kv_heads, cfg.max_seq_len, cfg.rope_base, f"{prefix}.attn")
         self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
         self.mlp = SwiGLU(d, cfg.ffn_hidden, f"{prefix}.mlp")
-        self.compile_rows, self.rows_pre, self.rows_post = False, None, None  # forward_rows (set by the model)
+        self.rows_pre, self.rows_post = self._rows_pre, self._rows_post  # forward_rows; compiled by compile_rows()
 
     def forward(self, x, positions, slot):
         x = x + self.attn(self.attn_norm(x), positions, slot, residual=x)
@@ -182,26 +180,21 @@ class DecoderLayer(nn.Module):
     def forward_rows(self, x, positions, slot, rows, key):
         """Exits that skip compute (vllm_plugin/exits.py): x, positions are the rows still looping. Their
         arithmetic before the attention slot (norm, projection, RoPE) and after it (output projection, MLP, both
-        residuals) runs as two compiled functions of the rows (`compile_rows`: dynamic in their number; the exit
-        loops run in an eager op, where vLLM's graph does not reach); the slot call and the rows' gather and
-        scatter stay eager."""
-        if self.rows_pre is None:
-            self.rows_pre, self.rows_post = self._rows_pre, self._rows_post
-            if self.compile_rows:
-                self.rows_pre = torch.compile(self._rows_pre, dynamic=True)
-                self.rows_post = torch.compile(self._rows_post, dynamic=True)
+        residuals) runs as two functions of the rows, compiled (`compile_rows`: dynamic in their number; the exit
+        loops run in an eager op, where vLLM's graph does not reach) unless vLLM runs eagerly; the slot call and
+        the rows' gather and scatter stay eager."""
         if x.shape[0] == 0:  # every row has exited: the slot still gets every token's kept keys and values
-            q, k, v = x.new_zeros(0, self.attn.q_size), x.new_zeros(0, self.attn.kv_size), x.new_zeros(0, self.attn.kv_size)
-        else:
-            q, k, v = self.rows_pre(x, positions)
-        y = slot(*rows.full(key, q, k, v))
-        return self.rows_post(x, rows.gather(y)) if x.shape[0] else x
+            slot(*rows.full(key, *self.attn.qkv(x, positions, rope=False)))
+            return x
+        y = slot(*rows.full(key, *self.rows_pre(x, positions)))
+        return self.rows_post(x, rows.gather(y))
+
+    def compile_rows(self) -> None:
+        self.rows_pre = torch.compile(self._rows_pre, dynamic=True)
+        self.rows_post = torch.compile(self._rows_post, dynamic=True)
 
     def _rows_pre(self, x, positions):
-        qkv, _ = self.attn.qkv_proj(self.attn_norm(x))
-        q, k, v = qkv.split([self.attn.q_size, self.attn.kv_size, self.attn.kv_size], dim=-1)
-        q, k = self.attn.rotary_emb(positions, q, k)
-        return q, k, v
+        return self.attn.qkv(self.attn_norm(x), positions)
 
     def _rows_post(self, x, y):
         out, _ = self.attn.out_proj(y)
@@ -385,7 +378,9 @@ class LoopedLMModel(nn.Module):
         self.fold = self.parallel and cfg.n_loops > 1 and getattr(cfg, "parallel_fold", True)
         from vllm.config import CompilationMode
 
-        self.eager, self._folded_step = vllm_config.compilation_config.mode == CompilationMode.NONE, None
+        self.eager = vllm_config.compilation_config.mode == CompilationMode.NONE
+        # the folded decoding step (forward_folded), compiled on its first calls unless vLLM runs eagerly
+        self._folded_step = None if not self.fold else self._fold if self.eager else torch.compile(self._fold, dynamic=True)
         self._folded_warm = False  # compiled at T = 1 and T >= 2 (`folded_step_cold`)
         if self.parallel:
             self._build_parallel(cfg, prefix)
@@ -398,8 +393,9 @@ class LoopedLMModel(nn.Module):
             if name in context:
                 raise ValueError(f"Duplicate layer name: {name}")
             context[name] = self.exit_loops = ExitLoops(self, name)
-            for layer in (*self.block, *self.coda):
-                layer.compile_rows = not self.eager
+            if not self.eager:
+                for layer in (*self.block, *self.coda):
+                    layer.compile_rows()
         from looplab.vllm_plugin.graphs import CARRY_OPS, EXIT_OPS, keep_out_of_graphs
 
         keep_out_of_graphs(vllm_config.compilation_config, (CARRY_OPS if self.parallel else ())
@@ -500,8 +496,6 @@ class LoopedLMModel(nn.Module):
         the compiled sequential loops (docs/vllm.md#parallel-loops)."""
         from looplab.vllm_plugin.parallel import FOLDED
 
-        if self._folded_step is None:
-            self._folded_step = self._fold if self.eager else torch.compile(self._fold, dynamic=True)
         self._folded_warm = self._folded_warm or positions.shape[-1] == 1
         if get_forward_context().attn_metadata is not None:
             FOLDED["forwards"] += 1
@@ -586,7 +580,7 @@ class LoopedLMForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        if self.model.parallel and self.model.fold_this_forward():  # (outside the compiled graph: see forward_folded)
+        if self.model.fold_this_forward():  # (outside the compiled graph: see forward_folded)
             return self.model.forward_folded(input_ids, positions, inputs_embeds)
         out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         if self.model.fold and get_forward_context().attn_metadata is None and self.model.folded_step_cold:

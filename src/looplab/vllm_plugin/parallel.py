@@ -86,10 +86,14 @@ class LoopCarry(MambaBase):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.SHORT_CONV  # its metadata only: slots, decode/prefill split, query starts
 
+    def metadata(self):
+        """This forward's short-convolution metadata for the carry, or None (a profiling run)."""
+        meta = get_forward_context().attn_metadata
+        return meta.get(self.prefix) if isinstance(meta, dict) else None
+
     def rows(self, num_tokens: int, device):
         """(first token, last token, state slot) of each request in this forward, or None (a profiling run)."""
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
+        meta = self.metadata()
         if meta is None:
             return None
         n_dec, n_dec_tok = meta.num_decodes, meta.num_decode_tokens
@@ -112,8 +116,7 @@ class LoopCarry(MambaBase):
 
     def decode_only(self) -> bool:
         """This forward decodes one token per request and has no prompt rows (False in a profiling run)."""
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
+        meta = self.metadata()
         return meta is not None and meta.num_prefills == 0 and meta.num_decodes > 0
 
     def read(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

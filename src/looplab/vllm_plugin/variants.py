@@ -22,13 +22,18 @@ from pathlib import Path
 from looplab.remote_code.export_sources import HOOKS, RegisteredVariants
 
 
+def shipped_state_update(cfg) -> dict:
+    """config.json's record of the state update the folder ships ({name, file, options}), or {}."""
+    return (getattr(cfg, "looplab_variants", None) or {}).get("state_update") or {}
+
+
 def state_update_class(cfg, model_path: str | None, trust_remote_code: bool) -> type:
     """The `StateUpdate` class of cfg.state_mode (see the module docstring); ValueError naming the fix if none."""
     name = cfg.state_mode
     code = RegisteredVariants().get("state_update").get(name)
     if code is not None:
         return code
-    shipped = (getattr(cfg, "looplab_variants", None) or {}).get("state_update") or {}
+    shipped = shipped_state_update(cfg)
     if shipped.get("name") != name:
         raise ValueError(f"state_mode={name!r}: no registered state update of that name brings export code, and the "
                          "folder ships none (docs/extending.md#bring-your-export-code)")
@@ -47,7 +52,7 @@ def state_update_class(cfg, model_path: str | None, trust_remote_code: bool) -> 
 
 def variant_options(cfg) -> dict:
     """The options the export recorded for the shipped state update (or the config's own, for a registered one)."""
-    shipped = ((getattr(cfg, "looplab_variants", None) or {}).get("state_update") or {})
+    shipped = shipped_state_update(cfg)
     if shipped.get("name") == cfg.state_mode and shipped.get("options") is not None:
         return dict(shipped["options"])
     return dict(((getattr(cfg, "options", None) or {}).get("state_update")) or {})
