@@ -19,6 +19,59 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
+# ----------------------------------------------------------------------------- xdist: the longest files first
+# `make test` gives each of its two workers whole files (--dist loadfile). xdist hands them out by number of tests, so
+# a file of a few long tests (test_extending.py, test_slurm.py) came last and one worker ran it alone at the end
+# (65 s of one idle core in 722 s). Longest first (LPT) balances the two to within the shortest files. The seconds
+# are a file's wall time in `make test`: tests/file_seconds.json as committed, refreshed by every run that has
+# pytest's cache (.pytest_cache); a file in neither counts 0.1 s a test. Stale numbers change the order, not a result.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+CACHE_KEY = "looplab/file_seconds"
+
+
+def _file_seconds(config) -> dict[str, float]:
+    import json
+
+    seconds = json.loads(FILE_SECONDS.read_text())
+    cache = getattr(config, "cache", None)
+    return {**seconds, **(cache.get(CACHE_KEY, {}) if cache is not None else {})}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    seconds = _file_seconds(config)
+
+    class LongestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            def cost(scope):
+                return seconds.get(Path(scope).name, 0.1 * len(self.workqueue[scope]))
+
+            self.workqueue.move_to_end(max(self.workqueue, key=cost), last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFileFirst(config, log)
+
+
+_ran: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without xdist) sees every phase
+        name = Path(report.nodeid.split("::")[0]).name
+        _ran[name] = _ran.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    cache = getattr(session.config, "cache", None)
+    opt = session.config.option  # a run that picks some tests of a file (-k, -m, --lf) would record a part as the whole
+    whole = not (opt.keyword or opt.markexpr or getattr(opt, "lf", False))
+    if _ran and whole and cache is not None and session.config.getvalue("dist") == "loadfile" and exitstatus == 0:
+        cache.set(CACHE_KEY, {**cache.get(CACHE_KEY, {}), **{k: round(v, 1) for k, v in _ran.items()}})
+
+
 @pytest.fixture(scope="module")
 def one_thread_module():
     """One torch thread for a module of tiny-model tests: they gain nothing from the second thread, and
