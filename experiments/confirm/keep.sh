@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# keep.sh [save|restore]: the confirmatory runs' results.json files between outputs/confirm (not kept by a session's
-# machine) and experiments/confirm/kept (committed). Only results.json moves; nothing prints a figure from it.
+# keep.sh [save|restore|seed8 SEED]: the confirmatory runs' results.json files between outputs/confirm (not kept by a
+# session's machine) and experiments/confirm/kept (committed). Only results.json moves; nothing prints a figure from it.
+# T8's runs move a seed at a time, once all nine of its runs have run (`seed8 SEED`, from lane.sh t8): a seed cut off
+# by the end of a session has lost the fixed runs' checkpoints its stage-2 runs start from, so it trains again whole.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 out="$repo/outputs/confirm" kept="$repo/experiments/confirm/kept"
+only=(-not -path '*/table8/*')
 case "${1:-save}" in
   save) src="$out" dst="$kept" ;;
-  restore) src="$kept" dst="$out" ;;
-  *) echo "usage: keep.sh [save|restore]" >&2; exit 2 ;;
+  restore) src="$kept" dst="$out" only=() ;;
+  seed8) src="$out" dst="$kept" only=(-path "*/table8/tiny/*/seed${2:?keep.sh seed8 SEED}/results.json") ;;
+  *) echo "usage: keep.sh [save|restore|seed8 SEED]" >&2; exit 2 ;;
 esac
 [ -d "$src" ] || exit 0
 n=0
@@ -15,5 +19,5 @@ while IFS= read -r f; do
   rel="${f#"$src"/}"
   [ -f "$dst/$rel" ] && continue
   mkdir -p "$dst/$(dirname "$rel")" && cp "$f" "$dst/$rel" && n=$((n + 1))
-done < <(find "$src" -name results.json -not -path '*/.submitit/*')
+done < <(find "$src" -name results.json -not -path '*/.submitit/*' "${only[@]}")
 echo "keep.sh ${1:-save}: $n results.json copied to $dst"

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# lane.sh c2|c1|p SEED...: one lane of a confirmatory run (docs/tables.md#confirmatory-runs), one run at a time, one
-# thread, each run in a folder of its own (r_<arm>[_R<R>]_s<seed>, what `python -m looplab.tables confirm NAME` reads):
+# lane.sh c2|c1|p|t8 SEED...: one lane of a confirmatory run (docs/tables.md#confirmatory-runs), one run at a time,
+# one thread, each run in a folder of its own (r_<arm>[_R<R>]_s<seed>, what `python -m looplab.tables confirm NAME`
+# reads; t8: the folders of `tables run 8`, what `tables report 8` reads):
 #   c2  table 2: both arms at R = 2, 4, 6, 600 steps   outputs/confirm/table2/tiny/stateloop_depth_tiny
 #   c1  table 1: both arms (1⊗3), 600 steps            outputs/confirm/table1/tiny/stateloop_main_tiny
 #   p   table 2's R = 6 pair at 1,200 steps           outputs/confirm/pilot/stateloop_depth_tiny_1200
+#   t8  table 8 at 1,600 steps: the registered `tables run 8 --seeds S --extra trainer.max_steps=1600` commands of
+#       each seed, one after another (its three stage-2 runs start from its fixed runs' checkpoints), below
+#       outputs/confirm/table8/tiny; once all nine have run, the seed's results.json files are kept (keep.sh seed8)
 # Run it at `nice -n 19` beside other work, one lane per core. A run with a results.json is skipped, so a lane
 # resumes where it stopped. The code is frozen at CODE_COMMIT (a worktree beside the checkout), so every
 # confirmatory run trains with the same code whatever the checkout holds by then.
@@ -13,20 +17,42 @@
 # them before all of a design's runs are in: `python -m looplab.tables confirm NAME` is its one look.
 set -euo pipefail
 CODE_COMMIT=8c5b311
-design="${1:?usage: lane.sh c2|c1|p SEED...}"; shift
+design="${1:?usage: lane.sh c2|c1|p|t8 SEED...}"; shift
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 wt="$(dirname "$repo")/confirm-wt-$CODE_COMMIT"
 # two lanes started together: one creates the worktree, the other waits for it
 flock "$repo/.git/confirm-wt.lock" bash -c '[ -d "$1" ] || git -C "$2" worktree add --detach "$1" "$3" >/dev/null' _ "$wt" "$repo" "$CODE_COMMIT"
 "$repo/experiments/confirm/keep.sh" restore
+export OMP_WAIT_POLICY=PASSIVE WANDB_MODE=offline
+if [ "$design" = t8 ]; then
+  export PYTHONPATH="$wt/src"
+  for seed in "$@"; do
+    # the registered command, this seed only, as `tables run` would launch it (--dry-run prints each run's command)
+    mapfile -t cmds < <(cd "$repo" && "$repo/.venv/bin/python" -m looplab.tables run 8 --seeds "$seed" \
+      --extra trainer.max_steps=1600 --out-root "$repo/outputs/confirm" --table-dir "$repo/outputs/confirm/tables" \
+      --dry-run | sed -n 's/^\[table8\] //p')
+    [ "${#cmds[@]}" = 9 ] || { echo "lane.sh t8: expected 9 runs for seed $seed, got ${#cmds[@]}" >&2; exit 1; }
+    for cmd in "${cmds[@]}"; do
+      dir="$(sed -n 's/.*hydra\.sweep\.dir=\([^ ]*\) .*/\1/p' <<< "$cmd")/seed$seed"
+      [ -f "$dir/results.json" ] && continue
+      rm -rf "$dir"; mkdir -p "$(dirname "$dir")"
+      echo "$(date -u +%FT%TZ) start t8 ${dir#"$repo"/outputs/confirm/}"
+      (cd "$repo" && eval "$cmd" > "$dir.log" 2>&1) \
+        && echo "$(date -u +%FT%TZ) done t8 ${dir#"$repo"/outputs/confirm/}" \
+        || echo "$(date -u +%FT%TZ) FAILED t8 ${dir#"$repo"/outputs/confirm/} (see $dir.log)"
+    done
+    "$repo/experiments/confirm/keep.sh" seed8 "$seed"  # all nine ran (a failed one is a result: its seed is left out)
+  done
+  exit 0
+fi
 case "$design" in
   c2) experiment=stateloop_depth_tiny root="$repo/outputs/confirm/table2/tiny/stateloop_depth_tiny" depths="2 4 6" extra=() ;;
   c1) experiment=stateloop_main_tiny root="$repo/outputs/confirm/table1/tiny/stateloop_main_tiny" depths="-" extra=() ;;
   p) experiment=stateloop_depth_tiny root="$repo/outputs/confirm/pilot/stateloop_depth_tiny_1200" depths="6" extra=(trainer.max_steps=1200) ;;
-  *) echo "lane.sh: unknown design '$design' (c2, c1 or p)" >&2; exit 2 ;;
+  *) echo "lane.sh: unknown design '$design' (c2, c1, p or t8)" >&2; exit 2 ;;
 esac
 mkdir -p "$root"
-export PYTHONPATH="$wt/src" OMP_WAIT_POLICY=PASSIVE WANDB_MODE=offline
+export PYTHONPATH="$wt/src"
 for seed in "$@"; do
   for R in $depths; do
     for arm in looped stateloop; do
