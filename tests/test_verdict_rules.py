@@ -209,6 +209,49 @@ def test_c1_follows_its_registration():
     assert "missing stateloop" in res["left_out"][203] and "unigram" in res["left_out"][207]
 
 
+def _z1_items(rng, seeds, effect: float, flip: float, tasks=(("a", 300), ("b", 300), ("c", 300))) -> dict:
+    """Per-item outcomes keyed (seed, arm): items of difficulty p_i, the stateloop arm's outcome that of the looped arm
+    flipped with probability `flip` (towards 1 with bias `effect`)."""
+    diff = {t: [rng.random() for _ in range(n)] for t, n in tasks}
+    out = {}
+    for s in seeds:
+        looped, state = {}, {}
+        for t, n in tasks:
+            b = [int(rng.random() < p) for p in diff[t]]
+            a = [x if rng.random() > flip else int(rng.random() < 0.5 + effect / flip) for x in b]
+            looped[t], state[t] = (tuple(range(n)), b), (tuple(range(n)), a)
+        out[(s, "looped")], out[(s, "stateloop")] = looped, state
+    return out
+
+
+def test_z1_follows_its_registration():
+    """Z1: C1's seeds, table 1's zero-shot finding (δ 0.0049, claimed +0.0097, no scaling), the paired seed × item
+    interval of stats.paired_item_interval over the items of every task (each task weighed equally)."""
+    from looplab.stats import judge, paired_item_interval
+    from looplab.tables.confirm import C1_SEEDS, z1_from_outcomes, z1_rule
+
+    rule = z1_rule()
+    assert (rule.sign, rule.delta, rule.claimed) == (1, 0.0049, 0.0097)
+    rng = random.Random(5)
+    items = _z1_items(rng, C1_SEEDS, effect=0.0, flip=0.045)
+    res = z1_from_outcomes(items)
+    pr = res["primary"]
+    d = [[x - y for t in "abc" for x, y in zip(items[(s, "stateloop")][t][1], items[(s, "looped")][t][1])] for s in C1_SEEDS]
+    pi = paired_item_interval(d, groups=[t for t in "abc" for _ in range(300)])
+    assert (pr["mean"], pr["lo"], pr["hi"]) == pytest.approx((pi.mean, pi.mean - pi.half, pi.mean + pi.half))
+    assert pr["n"] == 20 and pr["n_items"] == 900 and pr["verdict"] == judge(rule, pr["lo"], pr["hi"])
+    assert 0.02 < pr["disagree"] < 0.07  # the flips (4.5%) less those that land on the same outcome
+    # a real gain well past the claim, at the same noise: decided for it
+    assert z1_from_outcomes(_z1_items(rng, C1_SEEDS, effect=0.03, flip=0.1))["primary"]["verdict"] == "reproduced"
+    # a seed without one arm's per-item outcomes, or whose arms scored other items, is left out
+    items[(204, "looped")] = None
+    items[(205, "stateloop")] = {t: ((9,) * 300, o) for t, (_, o) in items[(205, "stateloop")].items()}
+    res = z1_from_outcomes(items)
+    assert res["primary"]["n"] == 18 and "no per-item outcomes for looped" in res["left_out"][204]
+    assert "different items" in res["left_out"][205]
+    assert z1_from_outcomes({})["primary"]["verdict"] == "inconclusive"
+
+
 def test_p_moves_only_past_root_two_on_the_same_seeds():
     from looplab.tables.confirm import P_FACTOR, P_SEEDS, p_from_values
 
@@ -253,9 +296,14 @@ def test_confirm_reads_the_lanes_folders_and_the_cli_prints_each_analysis(tmp_pa
             for arm, d in (("looped", 0.0), ("stateloop", -1.0 + (0.3 if s % 2 else -0.3))):  # R 6: |mean| / SD ≈ 3.2
                 _results(confirm.c2_folder(tmp_path) / f"r_{arm}_R{R}_s{s}", s, arm, R, base + d,
                          status="failed" if (s, R, arm) == (110, 4, "looped") else "ok")
+    zs = _z1_items(rng, confirm.C1_SEEDS, effect=0.0, flip=0.05, tasks=(("a", 40), ("b", 40)))
     for s in confirm.C1_SEEDS:
         for arm, d in (("looped", 0.0), ("stateloop", rng.gauss(0, 0.1))):
             _results(confirm.c1_folder(tmp_path) / f"r_{arm}_s{s}", s, arm, 3, 44 + d)
+            if s != 201:  # seed 201's zero-shot never ran: Z1 leaves it out
+                z = {"results": {t: {"acc": sum(o) / len(o)} for t, (_, o) in zs[(s, arm)].items()},
+                     "items": {t: {"acc": "".join(map(str, o)), "doc_ids": f"0:{len(o)}"} for t, (_, o) in zs[(s, arm)].items()}}
+                (confirm.c1_folder(tmp_path) / f"r_{arm}_s{s}" / "zeroshot.json").write_text(json.dumps(z))
     for s in confirm.P_SEEDS:
         for arm, d in (("looped", 0.0), ("stateloop", -1.0 + (0.05 if s % 2 else -0.05))):  # ≈ 18: factor > √2
             _results(confirm.p_folder(tmp_path) / f"r_{arm}_R6_s{s}", s, arm, 6, 38 + d)
@@ -265,10 +313,13 @@ def test_confirm_reads_the_lanes_folders_and_the_cli_prints_each_analysis(tmp_pa
     assert c2["primary"]["verdict"] == "reproduced" and c2["state_to_stream"]["R 6 stateloop"] == pytest.approx([0.1] * 6)
     c1 = confirm.confirm_c1(tmp_path)
     assert c1["runs_found"] == 40 and c1["primary"]["n"] == 20 and c1["primary"]["verdict"] == "negligible"
+    z1 = confirm.confirm_z1(tmp_path)
+    assert z1["runs_found"] == 38 and z1["seeds_used"] == list(range(202, 221)) and 201 in z1["left_out"]
+    assert z1["primary"]["n_items"] == 80
     p = confirm.confirm_p(tmp_path)
     assert p["seeds_used"] == list(confirm.P_SEEDS) and p["decision"] == "move to 1,200 steps"
     for name, want in (("c2", "primary, pooled gap G"), ("c1", "StateLoop − Vanilla Looped perplexity: negligible"),
-                       ("p", "move to 1,200 steps")):
+                       ("z1", "paired seed × item interval"), ("p", "move to 1,200 steps")):
         out = subprocess.run([sys.executable, "-m", "looplab.tables", "confirm", name, "--out-root", str(tmp_path)],
                              capture_output=True, text=True, check=True).stdout
         assert want in out, out

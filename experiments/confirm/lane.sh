@@ -4,6 +4,7 @@
 # reads; t8: the folders of `tables run 8`, what `tables report 8` reads):
 #   c2  table 2: both arms at R = 2, 4, 6, 600 steps   outputs/confirm/table2/tiny/stateloop_depth_tiny
 #   c1  table 1: both arms (1⊗3), 600 steps            outputs/confirm/table1/tiny/stateloop_main_tiny
+#       (and Z1: each run's zero-shot, zeroshot.json beside its results.json)
 #   p   table 2's R = 6 pair at 1,200 steps           outputs/confirm/pilot/stateloop_depth_tiny_1200
 #   t8  table 8 at 1,600 steps: the registered `tables run 8 --seeds S --extra trainer.max_steps=1600` commands of
 #       each seed, one after another (its three stage-2 runs start from its fixed runs' checkpoints), below
@@ -65,6 +66,14 @@ for seed in "$@"; do
         "seed=$seed" "tags=[confirm,$design,$experiment]" logger=csv hardware.num_threads=1 "${extra[@]}" \
         "hydra.run.dir=$dir" > "$dir.log" 2>&1) \
         && echo "$(date -u +%FT%TZ) done $design $name" || echo "$(date -u +%FT%TZ) FAILED $design $name (see $dir.log)"
+      if [ "$design" = c1 ] && [ -f "$dir/results.json" ]; then
+        # Z1: the zero-shot suite with per-item outcomes (zeroshot.json) while the run's checkpoint is on this machine;
+        # `tables zeroshot` scores every run of the folder without one, one lane at a time; its output (figures) goes
+        # to the run's own log, unread
+        (cd "$repo" && flock "$repo/.git/confirm-zeroshot.lock" "$repo/.venv/bin/python" -m looplab.tables zeroshot 1 \
+          --tasks looplab_tiny --out-root "$repo/outputs/confirm" > "$dir.zeroshot.log" 2>&1) \
+          || echo "$(date -u +%FT%TZ) FAILED z1 $name (see $dir.zeroshot.log)"
+      fi
     done
   done
 done

@@ -13,6 +13,12 @@ C1 — table 1, perplexity, two arms: per seed, StateLoop − Vanilla Looped tes
 seeds 201–220; the 95% t-interval, the sign rule with table 1's δ and smaller than claimed against the paper's −0.18
 carried to this setting (−0.88). A seed is left out as in C2.
 
+Z1 — table 1, zero-shot, two arms, on C1's runs: each C1 run scored on the offline `looplab_tiny` suite right after it
+trains (zeroshot.json with each item's 0/1 outcome); per seed and item, StateLoop − Vanilla Looped; the paired seed ×
+item interval (looplab.stats.paired_item_interval, 95%, the zero-shot average's weights: each task equally), judged
+by the sign rule with table 1's zero-shot δ and smaller than claimed against the paper's +0.97 pp (an accuracy: no
+scaling). A seed without both arms' per-item outcomes is reported and left out.
+
 P — longer-training pilot: the paired R = 6 differences (StateLoop − Vanilla Looped) of seeds 101–105 at 1,200 steps
 against the same seeds' at 600 steps (C2's runs). A table moves to 1,200 steps only if |mean| / SD at 1,200 exceeds
 |mean| / SD at 600 by more than √2 (1.41×).
@@ -28,7 +34,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from looplab.stats import Rule, decisive_p, judge, t_interval, t_quantile
+from looplab.stats import Rule, decisive_p, judge, paired_item_interval, t_interval, t_quantile
 from looplab.tables.claims import FINDINGS
 
 C2_SEEDS = tuple(range(101, 111))
@@ -133,6 +139,52 @@ def c1_from_values(ppl: dict[tuple[int, int, str], float], learned: dict[tuple[i
             "primary": {**_judge(values, c1_rule()), "values": values}}
 
 
+def z1_rule() -> Rule:
+    fd = FINDINGS[1][1]  # StateLoop − Vanilla Looped zero-shot: its δ and its claimed effect
+    assert fd.metric == "zero-shot" and fd.label == "StateLoop − Vanilla Looped", fd.label
+    return Rule("sign", fd.sign, delta=fd.delta, claimed=fd.claimed(None))
+
+
+def z1_from_outcomes(items: dict[tuple[int, str], dict[str, tuple[tuple[int, ...], list[int]]] | None],
+                     seeds=C1_SEEDS) -> dict[str, Any]:
+    """The Z1 analysis on per-item outcomes keyed (seed, arm), arm 'stateloop' | 'looped', each {task: (document ids,
+    0/1 outcomes)} as tables.load.zeroshot_outcomes reads zeroshot.json (None: a file without them). A seed without
+    both arms' outcomes, or whose arms scored different items, is reported and left out, not replaced."""
+    d, used, left_out, ref = [], [], {}, None
+    for s in seeds:
+        a, b = items.get((s, "stateloop")), items.get((s, "looped"))
+        if a is None or b is None:
+            left_out[s] = "no per-item outcomes for " + " and ".join(
+                arm for arm, x in (("stateloop", a), ("looped", b)) if x is None)
+            continue
+        ids = {t: x[0] for t, x in a.items()}
+        if ids != {t: x[0] for t, x in b.items()} or (ref is not None and ids != ref):
+            left_out[s] = "its runs scored different items"
+            continue
+        ref = ids
+        d.append([x - y for t in sorted(a) for x, y in zip(a[t][1], b[t][1])])
+        used.append(s)
+    rule = z1_rule()
+    res: dict[str, Any] = {"n": len(used), "verdict": "inconclusive", "lo": None, "hi": None, "claimed": rule.claimed,
+                           "delta": rule.delta}
+    pi = paired_item_interval(d, groups=[t for t in sorted(ref) for _ in ref[t]]) if ref else None
+    if pi is not None:
+        res.update(mean=pi.mean, lo=pi.mean - pi.half, hi=pi.mean + pi.half, h_seeds=pi.h_seeds, h_items=pi.h_items,
+                   disagree=pi.disagree, n_items=pi.n_items, verdict=judge(rule, pi.mean - pi.half, pi.mean + pi.half),
+                   sd=statistics.stdev(statistics.fmean(_task_means(row, ref)) for row in d))
+    return {"name": "z1", "seeds_used": used, "left_out": left_out, "primary": res}
+
+
+def _task_means(row: list[float], ref: dict[str, tuple]) -> list[float]:
+    """One seed's per-task mean differences (the zero-shot average is their mean)."""
+    out, i = [], 0
+    for t in sorted(ref):
+        n = len(ref[t])
+        out.append(statistics.fmean(row[i:i + n]))
+        i += n
+    return out
+
+
 def _signal(values: list[float]) -> float | None:
     """|mean| / SD of paired differences (None below two values or at SD 0)."""
     if len(values) < 2 or statistics.stdev(values) == 0:
@@ -202,6 +254,32 @@ def confirm_c1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
         f"C1 (docs/tables.md#confirmatory-runs): {len(ppl)} runs found under {folder}; seeds used "
         f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
         f"StateLoop − Vanilla Looped perplexity: {_fmt(result['primary'])}", *diag_text])
+    return result
+
+
+def confirm_z1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """Z1 on the zeroshot.json files that `experiments/confirm/lane.sh c1 ...` writes beside C1's runs."""
+    from looplab.runs import load_runs
+    from looplab.tables.load import zeroshot_outcomes
+
+    folder = c1_folder(out_root)
+    items = {}
+    for r in load_runs(folder):
+        model = r.data.get("model") or {}
+        arm = {"stateloop": "stateloop", "vanilla": "looped"}.get(model.get("state_mode"))
+        if r.ok and arm is not None and model.get("state_mixer") in (None, "none"):
+            items[(int(r.data["seed"]), arm)] = zeroshot_outcomes(r.zeroshot())
+    result = z1_from_outcomes(items)
+    result["runs_found"] = sum(v is not None for v in items.values())
+    pr = result["primary"]
+    line = (f"{pr['verdict']}: {pr['mean']:+.4f} [{pr['lo']:+.4f}, {pr['hi']:+.4f}], n {pr['n']} seeds × "
+            f"{pr['n_items']} items (seed part ±{pr['h_seeds']:.4f}, item part ±{pr['h_items']:.4f}; the arms differ on "
+            f"{100 * pr['disagree']:.1f}% of cells); claimed {pr['claimed']:+.4f}, δ {pr['delta']:.4f}"
+            if pr["lo"] is not None else f"{pr['verdict']} (n {pr['n']})")
+    result["text"] = "\n".join([
+        f"Z1 (docs/tables.md#confirmatory-runs): {result['runs_found']} runs with per-item outcomes under {folder}; "
+        f"seeds used {result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
+        f"StateLoop − Vanilla Looped zero-shot (looplab_tiny, paired seed × item interval): {line}"])
     return result
 
 
