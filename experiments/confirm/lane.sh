@@ -24,9 +24,20 @@ wt="$(dirname "$repo")/confirm-wt-$CODE_COMMIT"
 # two lanes started together: one creates the worktree, the other waits for it
 flock "$repo/.git/confirm-wt.lock" bash -c '[ -d "$1" ] || git -C "$2" worktree add --detach "$1" "$3" >/dev/null' _ "$wt" "$repo" "$CODE_COMMIT"
 "$repo/experiments/confirm/keep.sh" restore
-export OMP_WAIT_POLICY=PASSIVE WANDB_MODE=offline
+export PYTHONPATH="$wt/src" OMP_WAIT_POLICY=PASSIVE WANDB_MODE=offline
+
+# train_run NAME DIR COMMAND...: one run into DIR (its output in DIR.log); returns 1, running nothing, when DIR has a
+# results.json already (a failed run is a result too: it is logged and returns 0)
+train_run() {
+  local name="$1" dir="$2"; shift 2
+  [ -f "$dir/results.json" ] && return 1
+  rm -rf "$dir"; mkdir -p "$(dirname "$dir")"
+  echo "$(date -u +%FT%TZ) start $design $name"
+  (cd "$repo" && "$@" > "$dir.log" 2>&1) \
+    && echo "$(date -u +%FT%TZ) done $design $name" || echo "$(date -u +%FT%TZ) FAILED $design $name (see $dir.log)"
+}
+
 if [ "$design" = t8 ]; then
-  export PYTHONPATH="$wt/src"
   for seed in "$@"; do
     # the registered command, this seed only, as `tables run` would launch it (--dry-run prints each run's command)
     mapfile -t cmds < <(cd "$repo" && "$repo/.venv/bin/python" -m looplab.tables run 8 --seeds "$seed" \
@@ -35,12 +46,7 @@ if [ "$design" = t8 ]; then
     [ "${#cmds[@]}" = 9 ] || { echo "lane.sh t8: expected 9 runs for seed $seed, got ${#cmds[@]}" >&2; exit 1; }
     for cmd in "${cmds[@]}"; do
       dir="$(sed -n 's/.*hydra\.sweep\.dir=\([^ ]*\) .*/\1/p' <<< "$cmd")/seed$seed"
-      [ -f "$dir/results.json" ] && continue
-      rm -rf "$dir"; mkdir -p "$(dirname "$dir")"
-      echo "$(date -u +%FT%TZ) start t8 ${dir#"$repo"/outputs/confirm/}"
-      (cd "$repo" && eval "$cmd" > "$dir.log" 2>&1) \
-        && echo "$(date -u +%FT%TZ) done t8 ${dir#"$repo"/outputs/confirm/}" \
-        || echo "$(date -u +%FT%TZ) FAILED t8 ${dir#"$repo"/outputs/confirm/} (see $dir.log)"
+      train_run "${dir#"$repo"/outputs/confirm/}" "$dir" eval "$cmd" || continue
     done
     "$repo/experiments/confirm/keep.sh" seed8 "$seed"  # all nine ran (a failed one is a result: its seed is left out)
   done
@@ -52,20 +58,14 @@ case "$design" in
   p) experiment=stateloop_depth_tiny root="$repo/outputs/confirm/pilot/stateloop_depth_tiny_1200" depths="6" extra=(trainer.max_steps=1200) ;;
   *) echo "lane.sh: unknown design '$design' (c2, c1, p or t8)" >&2; exit 2 ;;
 esac
-mkdir -p "$root"
-export PYTHONPATH="$wt/src"
 for seed in "$@"; do
   for R in $depths; do
     for arm in looped stateloop; do
       if [ "$R" = - ]; then name="r_${arm}_s${seed}" depth=(); else name="r_${arm}_R${R}_s${seed}" depth=("loop_depth.loops=$R"); fi
       dir="$root/$name"
-      [ -f "$dir/results.json" ] && continue
-      rm -rf "$dir"
-      echo "$(date -u +%FT%TZ) start $design $name"
-      (cd "$repo" && "$repo/.venv/bin/python" -m looplab.train "+experiment=$experiment" "+arm=$arm" "${depth[@]}" \
-        "seed=$seed" "tags=[confirm,$design,$experiment]" logger=csv hardware.num_threads=1 "${extra[@]}" \
-        "hydra.run.dir=$dir" > "$dir.log" 2>&1) \
-        && echo "$(date -u +%FT%TZ) done $design $name" || echo "$(date -u +%FT%TZ) FAILED $design $name (see $dir.log)"
+      train_run "$name" "$dir" "$repo/.venv/bin/python" -m looplab.train "+experiment=$experiment" "+arm=$arm" \
+        "${depth[@]}" "seed=$seed" "tags=[confirm,$design,$experiment]" logger=csv hardware.num_threads=1 \
+        "${extra[@]}" "hydra.run.dir=$dir" || continue
       if [ "$design" = c1 ] && [ -f "$dir/results.json" ]; then
         # Z1: the zero-shot suite with per-item outcomes (zeroshot.json) while the run's checkpoint is on this machine;
         # `tables zeroshot` scores every run of the folder without one, one lane at a time; its output (figures) goes
