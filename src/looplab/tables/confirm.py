@@ -170,19 +170,8 @@ def z1_from_outcomes(items: dict[tuple[int, str], dict[str, tuple[tuple[int, ...
     pi = paired_item_interval(d, groups=[t for t in sorted(ref) for _ in ref[t]]) if ref else None
     if pi is not None:
         res.update(mean=pi.mean, lo=pi.mean - pi.half, hi=pi.mean + pi.half, h_seeds=pi.h_seeds, h_items=pi.h_items,
-                   disagree=pi.disagree, n_items=pi.n_items, verdict=judge(rule, pi.mean - pi.half, pi.mean + pi.half),
-                   sd=statistics.stdev(statistics.fmean(_task_means(row, ref)) for row in d))
+                   disagree=pi.disagree, n_items=pi.n_items, verdict=judge(rule, pi.mean - pi.half, pi.mean + pi.half))
     return {"name": "z1", "seeds_used": used, "left_out": left_out, "primary": res}
-
-
-def _task_means(row: list[float], ref: dict[str, tuple]) -> list[float]:
-    """One seed's per-task mean differences (the zero-shot average is their mean)."""
-    out, i = [], 0
-    for t in sorted(ref):
-        n = len(ref[t])
-        out.append(statistics.fmean(row[i:i + n]))
-        i += n
-    return out
 
 
 def _signal(values: list[float]) -> float | None:
