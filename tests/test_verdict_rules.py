@@ -252,6 +252,60 @@ def test_z1_follows_its_registration():
     assert z1_from_outcomes({})["primary"]["verdict"] == "inconclusive"
 
 
+def test_z2_follows_its_registration(tmp_path):
+    """Z2: table 1's two mixer zero-shot lines on seeds 201–220, each at α 0.025 with Pocock looks at 10 and 20 seeds;
+    the interval is stats.paired_item_interval at the look's nominal level; a line decided at look 1 is final there."""
+    import json
+
+    from looplab.stats import _critical, judge, paired_item_interval
+    from looplab.tables.confirm import (
+        Z2_ARMS, Z2_NOMINAL, confirm_z2, z2_due, z2_from_outcomes, z2_nominal, z2_rule,
+    )
+
+    assert [(z2_rule(a).sign, z2_rule(a).delta, z2_rule(a).claimed) for a in Z2_ARMS] == [(1, 0.0072, 0.0143),
+                                                                                           (1, 0.0072, 0.0144)]
+    assert z2_nominal() == pytest.approx(Z2_NOMINAL, abs=1e-6)  # the registered constant is the simulation's
+    assert 0.0125 < Z2_NOMINAL < 0.025  # stricter than one look at 0.025, looser than Bonferroni over two looks
+    rng = random.Random(7)
+    seeds = range(201, 221)
+    clear = _z1_items(rng, seeds, effect=0.04, flip=0.1)  # the Mamba-2 arm: a gain well past the claim
+    null = _z1_items(rng, seeds, effect=0.0, flip=0.4)  # the attn arm: no effect, arms that disagree on 40% of items
+    items = {(s, "looped"): clear[(s, "looped")] for s in seeds}
+    for s in seeds:
+        items[(s, "stateloop_mamba2")] = clear[(s, "stateloop")]
+        # the attn arm's outcomes: the looped arm's, flipped as in `null`
+        items[(s, "stateloop_attn")] = {t: (ids, [x if y == z else 1 - x for x, y, z in zip(
+            clear[(s, "looped")][t][1], null[(s, "looped")][t][1], null[(s, "stateloop")][t][1])])
+            for t, (ids, _) in clear[(s, "looped")].items()}
+    one = z2_from_outcomes(items, looks=1)
+    attn, mamba = one["lines"]
+    assert mamba["verdict"] == "reproduced" and mamba["final"] and mamba["decided_at"] == 1
+    d = [[x - y for t in "abc" for x, y in zip(items[(s, "stateloop_mamba2")][t][1], items[(s, "looped")][t][1])]
+         for s in range(201, 211)]
+    pi = paired_item_interval(d, groups=[t for t in "abc" for _ in range(300)], critical=_critical(9, Z2_NOMINAL),
+                              level=1 - Z2_NOMINAL)
+    assert (mamba["lo"], mamba["hi"]) == pytest.approx((pi.mean - pi.half, pi.mean + pi.half))
+    assert mamba["verdict"] == judge(z2_rule("stateloop_mamba2"), mamba["lo"], mamba["hi"])
+    # the nominal level is wider than a plain 95% interval at the same look
+    assert pi.half > paired_item_interval(d, groups=[t for t in "abc" for _ in range(300)]).half
+    two = z2_from_outcomes(items, looks=2)
+    assert two["lines"][1]["looks"] == mamba["looks"]  # decided at look 1: the second look does not judge it again
+    # no effect at that noise: open after look 1, judged again (and finally) on all 20 seeds
+    assert attn["verdict"] == "inconclusive" and not attn["final"]
+    assert [h["look"] for h in two["lines"][0]["looks"]] == [1, 2]
+    assert two["lines"][0]["n"] == 20 and two["lines"][0]["final"]
+    # a look is due only when every run of its seeds has a results.json; before that nothing is read
+    folder = tmp_path / "table1" / "tiny" / "stateloop_main_tiny"
+    assert z2_due(tmp_path) == (0, [f"r_{a}_s{s}" for s in range(201, 211) for a in ("looped", *Z2_ARMS)])
+    assert confirm_z2(tmp_path)["looks"] == 0 and "Nothing was read" in confirm_z2(tmp_path)["text"]
+    for s in range(201, 211):
+        for a in ("looped", *Z2_ARMS):
+            (folder / f"r_{a}_s{s}").mkdir(parents=True)
+            (folder / f"r_{a}_s{s}" / "results.json").write_text(json.dumps({"status": "failed"}))
+    looks, waiting = z2_due(tmp_path)
+    assert looks == 1 and len(waiting) == 30 and waiting[0] == "r_looped_s211"
+
+
 def test_p_moves_only_past_root_two_on_the_same_seeds():
     from looplab.tables.confirm import P_FACTOR, P_SEEDS, p_from_values
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# lane.sh c2|c1|p|t8 SEED...: one lane of a confirmatory run (docs/tables.md#confirmatory-runs), one run at a time,
+# lane.sh c2|c1|z2|p|t8 SEED...: one lane of a confirmatory run (docs/tables.md#confirmatory-runs), one run at a time,
 # one thread, each run in a folder of its own (r_<arm>[_R<R>]_s<seed>, what `python -m looplab.tables confirm NAME`
 # reads; t8: the folders of `tables run 8`, what `tables report 8` reads):
 #   c2  table 2: both arms at R = 2, 4, 6, 600 steps   outputs/confirm/table2/tiny/stateloop_depth_tiny
 #   c1  table 1: both arms (1⊗3), 600 steps            outputs/confirm/table1/tiny/stateloop_main_tiny
 #       (and Z1: each run's zero-shot, zeroshot.json beside its results.json)
+#   z2  table 1's two mixer arms (1⊗3), 600 steps, in C1's folder, each with its zero-shot (Z2)
 #   p   table 2's R = 6 pair at 1,200 steps           outputs/confirm/pilot/stateloop_depth_tiny_1200
 #   t8  table 8 at 1,600 steps: the registered `tables run 8 --seeds S --extra trainer.max_steps=1600` commands of
 #       each seed, one after another (its three stage-2 runs start from its fixed runs' checkpoints), below
@@ -18,7 +19,7 @@
 # them before all of a design's runs are in: `python -m looplab.tables confirm NAME` is its one look.
 set -euo pipefail
 CODE_COMMIT=8c5b311
-design="${1:?usage: lane.sh c2|c1|p|t8 SEED...}"; shift
+design="${1:?usage: lane.sh c2|c1|z2|p|t8 SEED...}"; shift
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 wt="$(dirname "$repo")/confirm-wt-$CODE_COMMIT"
 # two lanes started together: one creates the worktree, the other waits for it
@@ -55,24 +56,26 @@ fi
 case "$design" in
   c2) experiment=stateloop_depth_tiny root="$repo/outputs/confirm/table2/tiny/stateloop_depth_tiny" depths="2 4 6" extra=() ;;
   c1) experiment=stateloop_main_tiny root="$repo/outputs/confirm/table1/tiny/stateloop_main_tiny" depths="-" extra=() ;;
+  z2) experiment=stateloop_main_tiny root="$repo/outputs/confirm/table1/tiny/stateloop_main_tiny" depths="-" extra=()
+      arms="stateloop_attn stateloop_mamba2" ;;
   p) experiment=stateloop_depth_tiny root="$repo/outputs/confirm/pilot/stateloop_depth_tiny_1200" depths="6" extra=(trainer.max_steps=1200) ;;
-  *) echo "lane.sh: unknown design '$design' (c2, c1, p or t8)" >&2; exit 2 ;;
+  *) echo "lane.sh: unknown design '$design' (c2, c1, z2, p or t8)" >&2; exit 2 ;;
 esac
 for seed in "$@"; do
   for R in $depths; do
-    for arm in looped stateloop; do
+    for arm in ${arms:-looped stateloop}; do
       if [ "$R" = - ]; then name="r_${arm}_s${seed}" depth=(); else name="r_${arm}_R${R}_s${seed}" depth=("loop_depth.loops=$R"); fi
       dir="$root/$name"
       train_run "$name" "$dir" "$repo/.venv/bin/python" -m looplab.train "+experiment=$experiment" "+arm=$arm" \
         "${depth[@]}" "seed=$seed" "tags=[confirm,$design,$experiment]" logger=csv hardware.num_threads=1 \
         "${extra[@]}" "hydra.run.dir=$dir" || continue
-      if [ "$design" = c1 ] && [ -f "$dir/results.json" ]; then
-        # Z1: the zero-shot suite with per-item outcomes (zeroshot.json) while the run's checkpoint is on this machine;
+      if { [ "$design" = c1 ] || [ "$design" = z2 ]; } && [ -f "$dir/results.json" ]; then
+        # Z1, Z2: the zero-shot suite with per-item outcomes (zeroshot.json) while the run's checkpoint is on this machine;
         # `tables zeroshot` scores every run of the folder without one, one lane at a time; its output (figures) goes
         # to the run's own log, unread
         (cd "$repo" && flock "$repo/.git/confirm-zeroshot.lock" "$repo/.venv/bin/python" -m looplab.tables zeroshot 1 \
           --tasks looplab_tiny --out-root "$repo/outputs/confirm" > "$dir.zeroshot.log" 2>&1) \
-          || echo "$(date -u +%FT%TZ) FAILED z1 $name (see $dir.zeroshot.log)"
+          || echo "$(date -u +%FT%TZ) FAILED zero-shot of $design $name (see $dir.zeroshot.log)"
       fi
     done
   done

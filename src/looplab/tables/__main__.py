@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     rj.add_argument("--scale", default=default_scale, choices=spec.SCALES)
 
     cf = sub.add_parser("confirm", help="the pre-registered confirmatory analyses (docs/tables.md#confirmatory-runs)")
-    cf.add_argument("name", choices=("c2", "c1", "z1", "p"))
+    cf.add_argument("name", choices=("c2", "c1", "z1", "z2", "p"))
     cf.add_argument("--out-root", type=Path, default=Path("outputs/confirm"))
     cf.add_argument("--out", type=Path, default=None, help="write the result as JSON")
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "confirm":
         from looplab.tables import confirm
 
-        analyses = {"c2": confirm.confirm_c2, "c1": confirm.confirm_c1, "z1": confirm.confirm_z1, "p": confirm.confirm_p}
+        analyses = {"c2": confirm.confirm_c2, "c1": confirm.confirm_c1, "z1": confirm.confirm_z1, "z2": confirm.confirm_z2, "p": confirm.confirm_p}
         result = analyses[a.name](a.out_root)
         print(result["text"])
         if a.out:

@@ -19,6 +19,15 @@ item interval (looplab.stats.paired_item_interval, 95%, the zero-shot average's 
 by the sign rule with table 1's zero-shot δ and smaller than claimed against the paper's +0.97 pp (an accuracy: no
 scaling). A seed without both arms' per-item outcomes is reported and left out.
 
+Z2 — table 1, zero-shot, the two mixer lines (StateLoop+attn − Vanilla Looped, StateLoop+Mamba-2 − Vanilla Looped):
+new runs of the arms `stateloop_attn` and `stateloop_mamba2` on C1's seeds 201–220 in C1's folder, each scored like
+Z1 and paired with the same seed's C1 Vanilla Looped run (same seed: same batches, same initial values of the shared
+parameters). Each line at α = 0.025 (Bonferroni over the two), with two looks, at seeds 201–210 and at 201–220:
+Pocock's repeated intervals, nominal α′ = Z2_NOMINAL per look (the level at which looks at 10 and 20 seeds together
+miss with probability 0.025, simulated on the sequential designs' null paths), the seed part's critical t_{1−α′/2, n−1}
+and the item part's z_{1−α′/2}. A line decided at the first look (any verdict but inconclusive) is final there; the
+second look judges only the lines left open, and is final.
+
 P — longer-training pilot: the paired R = 6 differences (StateLoop − Vanilla Looped) of seeds 101–105 at 1,200 steps
 against the same seeds' at 600 steps (C2's runs). A table moves to 1,200 steps only if |mean| / SD at 1,200 exceeds
 |mean| / SD at 600 by more than √2 (1.41×).
@@ -34,7 +43,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from looplab.stats import Rule, decisive_p, judge, paired_item_interval, t_interval, t_quantile
+from looplab.stats import (
+    SEQUENTIAL_SEED, SEQUENTIAL_SIMULATIONS, Rule, _critical, _min_p_at_looks, decisive_p, judge, paired_item_interval,
+    t_interval, t_quantile, z_quantile,
+)
 from looplab.tables.claims import FINDINGS
 
 C2_SEEDS = tuple(range(101, 111))
@@ -43,6 +55,10 @@ C2_ORDER = (6, 4, 2)  # the secondary tests' fixed order
 C2_EXPERIMENT = "stateloop_depth_tiny"
 C1_SEEDS = tuple(range(201, 221))
 C1_EXPERIMENT = "stateloop_main_tiny"
+Z2_ARMS = ("stateloop_attn", "stateloop_mamba2")  # table 1's findings 3 and 4, each against "looped"
+Z2_LOOKS = ((201, 211), (201, 221))  # seed ranges of the two looks
+Z2_ALPHA = 0.025  # per line: Bonferroni over the two lines
+Z2_NOMINAL = 0.013847  # Pocock α′ for looks at n = 10 and 20 at α = 0.025 (z2_nominal(), fixed at registration)
 P_SEEDS = tuple(range(101, 106))
 P_R = 6
 P_FACTOR = 2 ** 0.5  # doubling the steps costs what doubling the seeds does, which raises the t-statistic by √2
@@ -145,17 +161,15 @@ def z1_rule() -> Rule:
     return Rule("sign", fd.sign, delta=fd.delta, claimed=fd.claimed(None))
 
 
-def z1_from_outcomes(items: dict[tuple[int, str], dict[str, tuple[tuple[int, ...], list[int]]] | None],
-                     seeds=C1_SEEDS) -> dict[str, Any]:
-    """The Z1 analysis on per-item outcomes keyed (seed, arm), arm 'stateloop' | 'looped', each {task: (document ids,
-    0/1 outcomes)} as tables.load.zeroshot_outcomes reads zeroshot.json (None: a file without them). A seed without
-    both arms' outcomes, or whose arms scored different items, is reported and left out, not replaced."""
+def _paired_items(items: dict, a_arm: str, b_arm: str, seeds) -> tuple[list, list, dict, dict | None]:
+    """(per-seed item differences a − b, seeds used, seeds left out with why, {task: document ids}) from per-item
+    outcomes keyed (seed, arm). A seed without both arms' outcomes, or whose arms scored other items, is left out."""
     d, used, left_out, ref = [], [], {}, None
     for s in seeds:
-        a, b = items.get((s, "stateloop")), items.get((s, "looped"))
+        a, b = items.get((s, a_arm)), items.get((s, b_arm))
         if a is None or b is None:
             left_out[s] = "no per-item outcomes for " + " and ".join(
-                arm for arm, x in (("stateloop", a), ("looped", b)) if x is None)
+                arm for arm, x in ((a_arm, a), (b_arm, b)) if x is None)
             continue
         ids = {t: x[0] for t, x in a.items()}
         if ids != {t: x[0] for t, x in b.items()} or (ref is not None and ids != ref):
@@ -164,14 +178,63 @@ def z1_from_outcomes(items: dict[tuple[int, str], dict[str, tuple[tuple[int, ...
         ref = ids
         d.append([x - y for t in sorted(a) for x, y in zip(a[t][1], b[t][1])])
         used.append(s)
-    rule = z1_rule()
-    res: dict[str, Any] = {"n": len(used), "verdict": "inconclusive", "lo": None, "hi": None, "claimed": rule.claimed,
+    return d, used, left_out, ref
+
+
+def _item_judgement(d, ref, rule: Rule, n: int, *, critical: float | None = None, level: float | None = None) -> dict:
+    res: dict[str, Any] = {"n": n, "verdict": "inconclusive", "lo": None, "hi": None, "claimed": rule.claimed,
                            "delta": rule.delta}
-    pi = paired_item_interval(d, groups=[t for t in sorted(ref) for _ in ref[t]]) if ref else None
+    kw = {} if level is None else {"critical": critical, "level": level}
+    pi = paired_item_interval(d, groups=[t for t in sorted(ref) for _ in ref[t]], **kw) if ref else None
     if pi is not None:
         res.update(mean=pi.mean, lo=pi.mean - pi.half, hi=pi.mean + pi.half, h_seeds=pi.h_seeds, h_items=pi.h_items,
                    disagree=pi.disagree, n_items=pi.n_items, verdict=judge(rule, pi.mean - pi.half, pi.mean + pi.half))
-    return {"name": "z1", "seeds_used": used, "left_out": left_out, "primary": res}
+    return res
+
+
+def z1_from_outcomes(items: dict[tuple[int, str], dict[str, tuple[tuple[int, ...], list[int]]] | None],
+                     seeds=C1_SEEDS) -> dict[str, Any]:
+    """The Z1 analysis on per-item outcomes keyed (seed, arm), arm 'stateloop' | 'looped', each {task: (document ids,
+    0/1 outcomes)} as tables.load.zeroshot_outcomes reads zeroshot.json (None: a file without them). A seed without
+    both arms' outcomes, or whose arms scored different items, is reported and left out, not replaced."""
+    d, used, left_out, ref = _paired_items(items, "stateloop", "looped", seeds)
+    return {"name": "z1", "seeds_used": used, "left_out": left_out,
+            "primary": _item_judgement(d, ref, z1_rule(), len(used))}
+
+
+def z2_rule(arm: str) -> Rule:
+    fd = FINDINGS[1][2 + Z2_ARMS.index(arm)]  # StateLoop+attn / +Mamba-2 − Vanilla Looped zero-shot
+    assert fd.metric == "zero-shot" and dict(fd.a)["arm"] == arm and dict(fd.b)["arm"] == "looped", fd.label
+    return Rule("sign", fd.sign, delta=fd.delta, claimed=fd.claimed(None))
+
+
+def z2_nominal(simulations: int = SEQUENTIAL_SIMULATIONS, seed: int = SEQUENTIAL_SEED) -> float:
+    """Pocock's α′ of Z2: the per-look level at which the t-intervals at n = 10 and n = 20 paired seeds together miss
+    the true mean with probability Z2_ALPHA (the sequential designs' simulated null paths)."""
+    import math
+
+    low = sorted(_min_p_at_looks(20, (10, 20), simulations, seed))
+    return float(low[math.ceil(Z2_ALPHA * len(low)) - 1])
+
+
+def z2_from_outcomes(items: dict[tuple[int, str], dict | None], looks: int) -> dict[str, Any]:
+    """The Z2 analysis at its first `looks` looks (1 or 2) on per-item outcomes keyed (seed, arm), arms
+    'stateloop_attn', 'stateloop_mamba2' and 'looped'. Per line: the first look judges seeds 201–210; a line it leaves
+    inconclusive is judged again at the second look on 201–220, and a line decided at the first is final there."""
+    lines = []
+    for arm in Z2_ARMS:
+        rule, history = z2_rule(arm), []
+        for k in range(looks):
+            d, used, left_out, ref = _paired_items(items, arm, "looped", range(*Z2_LOOKS[k]))
+            crit = _critical(len(used) - 1, Z2_NOMINAL) if len(used) >= 2 else None
+            res = _item_judgement(d, ref, rule, len(used), critical=crit, level=1 - Z2_NOMINAL)
+            history.append({"look": k + 1, "seeds_used": used, "left_out": left_out, **res})
+            if res["verdict"] != "inconclusive":
+                break
+        lines.append({"arm": arm, "looks": history, "final": history[-1]["verdict"] != "inconclusive" or looks == 2,
+                      **{k: v for k, v in history[-1].items() if k not in ("look", "seeds_used", "left_out")},
+                      "decided_at": history[-1]["look"]})
+    return {"name": "z2", "lines": lines, "nominal": Z2_NOMINAL, "alpha_per_line": Z2_ALPHA}
 
 
 def _signal(values: list[float]) -> float | None:
@@ -269,6 +332,61 @@ def confirm_z1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
         f"Z1 (docs/tables.md#confirmatory-runs): {result['runs_found']} runs with per-item outcomes under {folder}; "
         f"seeds used {result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
         f"StateLoop − Vanilla Looped zero-shot (looplab_tiny, paired seed × item interval): {line}"])
+    return result
+
+
+def _run_arm(data: dict) -> str | None:
+    """The `+arm=` a confirmatory run was launched with (lane.sh passes one)."""
+    return next((o.split("=", 1)[1] for o in data.get("overrides") or [] if o.startswith("+arm=")), None)
+
+
+def z2_due(out_root: Path = Path("outputs/confirm")) -> tuple[int, list[str]]:
+    """(how many of Z2's looks are due, the runs the next look still waits for): a look is due once every run of its
+    seeds (both mixer arms and C1's Vanilla Looped) has a results.json, a failed one too (its seed is then left out)."""
+    folder, due = c1_folder(out_root), 0
+    for first, stop in Z2_LOOKS:
+        waiting = [f"r_{arm}_s{s}" for s in range(first, stop) for arm in ("looped", *Z2_ARMS)
+                   if not (folder / f"r_{arm}_s{s}" / "results.json").is_file()]
+        if waiting:
+            return due, waiting
+        due += 1
+    return due, []
+
+
+def confirm_z2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """Z2 at the looks that are due, on the zeroshot.json files that `lane.sh c1` and `lane.sh z2` write in C1's
+    folder. Before its first look is due it judges nothing and says which runs it waits for."""
+    from looplab.runs import load_runs
+    from looplab.tables.load import zeroshot_outcomes
+
+    folder = c1_folder(out_root)
+    looks, waiting = z2_due(out_root)
+    if not looks:
+        return {"name": "z2", "looks": 0, "waiting": waiting, "text": (
+            f"Z2 (docs/tables.md#confirmatory-runs): its first look is not due; it waits for {len(waiting)} run(s) under "
+            f"{folder}: {', '.join(waiting[:6])}{' …' if len(waiting) > 6 else ''}. Nothing was read.")}
+    items = {}
+    for r in load_runs(folder):
+        arm = _run_arm(r.data)
+        if r.ok and arm in ("looped", *Z2_ARMS):
+            items[(int(r.data["seed"]), arm)] = zeroshot_outcomes(r.zeroshot())
+    result = z2_from_outcomes(items, looks)
+    result.update(looks_due=looks, waiting=waiting)
+    text = [f"Z2 (docs/tables.md#confirmatory-runs): look(s) due {looks} of 2; per line α {Z2_ALPHA}, nominal α′ "
+            f"{Z2_NOMINAL} per look; runs under {folder}"]
+    for ln in result["lines"]:
+        for h in ln["looks"]:
+            body = (f"{h['mean']:+.4f} [{h['lo']:+.4f}, {h['hi']:+.4f}], n {h['n']} seeds × {h['n_items']} items (seed "
+                    f"part ±{h['h_seeds']:.4f}, item part ±{h['h_items']:.4f}; the arms differ on "
+                    f"{100 * h['disagree']:.1f}% of cells)" if h["lo"] is not None else f"n {h['n']}")
+            text.append(f"{ln['arm']} − looped zero-shot, look {h['look']} (seeds {h['seeds_used']}"
+                        + (f"; left out {h['left_out']}" if h["left_out"] else "") + f"): {h['verdict']}: {body}; "
+                        f"claimed {h['claimed']:+.4f}, δ {h['delta']:.4f}")
+        text.append(f"  → {ln['arm']}: {ln['verdict']}" + (" (final)" if ln["final"] else
+                                                             " (open: the second look judges it)"))
+    if looks == 1 and waiting:
+        text.append(f"the second look waits for {len(waiting)} run(s)")
+    result["text"] = "\n".join(text)
     return result
 
 
