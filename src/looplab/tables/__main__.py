@@ -1,5 +1,8 @@
 """python -m looplab.tables {run,report,list,isoflop,zeroshot} ...
 
+  run TABLE.yaml [any option of `run N`]   a table of your own in the paper tables' format (number above 14, sweeps,
+      findings: docs/extending.md), run as table N is; its report goes to <out-root>/table<number>/ (report and
+      zeroshot take the file too)
   run SPEC.yaml [--dry-run] [--out-root outputs/own] [--jobs N] [--logger wandb]   a table of your own: the spec's
       arms trained per seed (finished runs are not trained again), then judged by `compare` (looplab/tables/own.py,
       docs/extending.md); --seeds auto [--max-seeds 20] [--round-seeds 2] [--restart]: in rounds of seeds until every
@@ -49,7 +52,8 @@ def _seeds(s: str | None) -> list[int] | None:
 
 
 def _table_or_spec(s: str):
-    """`run`'s argument: a paper table's number, or the path of a table spec of one's own (tables/own.py)."""
+    """A paper table's number, or the path of a table spec of one's own: the short form (tables/own.py) or a table
+    in the paper tables' format (spec.load_file)."""
     if s.isdigit():
         return int(s)
     if s.endswith((".yaml", ".yml")) or os.path.exists(s):
@@ -90,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--jobs", type=int, default=None, help="tiny scale: jobs of a sweep run at once (hydra-joblib-launcher), "
                    "the cores split between them (default: the cores, at most 4; 1 = one job after another)")
     r.add_argument("--zeroshot", action=argparse.BooleanOptionalAction, default=None,
-                   help="evaluate the zero-shot suite after training (default: table 1 at paper scale)")
+                   help="evaluate the zero-shot suite after training (default: when a finding reads zero-shot accuracy, as table 1's do)")
 
-    rep = sub.add_parser("report", help="aggregate existing results.json files")
-    common(rep)
+    rep = sub.add_parser("report", help="aggregate existing results.json files (N, or your table's TABLE.yaml)")
+    common(rep, number=_table_or_spec)
     rep.add_argument("--no-plot", action="store_true")
     rep.add_argument("--seeds", default=None, help="the seeds every configuration should have (default as for run)")
 
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     iso.add_argument("--vocab-size", type=int, default=None, help="for presets whose vocabulary comes from the dataset")
 
     zs = sub.add_parser("zeroshot", help="zero-shot suite on every trained checkpoint of a table")
-    common(zs)
+    common(zs, number=_table_or_spec)
     zs.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (default: looplab_tiny at tiny scale, the paper's 8-task suite at paper scale)")
     zs.add_argument("--limit", type=float, default=None)
     zs.add_argument("--batch-size", type=int, default=8)
@@ -165,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--out", type=Path, default=None, help="write every run's plan as JSON")
 
     a = p.parse_args(argv)
+    if isinstance(getattr(a, "number", None), Path) and (spec.is_table_file(a.number) or a.cmd != "run"):
+        # a table of one's own in the paper tables' format: from here on it is table a.number, as the fourteen are
+        try:
+            table = spec.load_file(a.number)
+        except (OSError, ValueError) as e:
+            raise SystemExit(str(e)) from None
+        a.number = table.number
+        if getattr(a, "table_dir", None) == report.DEFAULT_TABLE_DIR:  # experiments/tables holds the paper's
+            a.table_dir = a.out_root / f"table{table.number}"
     if a.cmd == "plan":
         from looplab.plan.table import plan_table
 

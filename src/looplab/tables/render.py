@@ -12,6 +12,7 @@ from typing import Any
 
 from looplab.stats import Stat, adjusted_verdict, benjamini_hochberg
 from looplab.tables.findings import Verdict, holm_of_file, p_of_file
+from looplab.tables.paper_specs import NUMBERS as PAPER_NUMBERS
 from looplab.tables.spec import SCALES, TABLES, TableSpec
 
 DEFAULT_TABLE_DIR = Path("experiments/tables")
@@ -263,8 +264,11 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
         rows = []
         every = [(n, f) for n in sorted(TABLES) if (scale, n) in found for f in found[(scale, n)]["findings"]]
         bh = dict(zip((id(f) for _, f in every), benjamini_hochberg([p_of_file(f) for _, f in every])))
+        paper = any(n in PAPER_NUMBERS for (sc, n) in found if sc == scale) or not found
         for n in sorted(TABLES):
             d = found.get((scale, n))
+            if d is None and not (paper and n in PAPER_NUMBERS):
+                continue  # a folder of one's own tables lists those, not the paper's unbuilt ones (and vice versa)
             name = f"table{n}" + ("" if scale == "tiny" else f"-{scale}")
             if d is None:  # the findings it will check, until `report N` writes its tableN.findings.json
                 for f in TABLES[n].findings or ():

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from looplab.tables.spec import (DEFAULT_DECODE_JSON, DEFAULT_EXITS_JSON, DEFAULT_OUT_ROOT, DEFAULT_PLT_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SERVING_JSON, DEFAULT_SPECULATION_JSON, RETROFIT_FOLDER, ZEROSHOT_TASKS, Sweep,
                                  TableSpec, default_seeds, get)
+from looplab.tables.spec import argument as table_argument
 
 EXIT_GRID_TIMED = 2  # table 10: test sequences decoded token by token per configuration and decoder (p-hop: ≈ 70 tokens; LM windows: 256)
 
@@ -231,9 +232,15 @@ def serving_command(spec: TableSpec, scale: str, out_root: Path, out: Path = DEF
     return Command(argv, note="every trained model in the serving engine at concurrency 1, 8, 32 (bench/depth_under_load.py)")
 
 
+def has_zeroshot(spec: TableSpec) -> bool:
+    """Whether a table's findings read zero-shot accuracies (table 1's; the default of `--zeroshot`)."""
+    return any(f.metric == "zero-shot" for f in spec.findings)
+
+
 def zeroshot_command(spec: TableSpec, scale: str, out_root: Path) -> Command:
     tasks = ZEROSHOT_TASKS.get(scale)
-    argv = [sys.executable, "-m", "looplab.tables", "zeroshot", str(spec.number), "--scale", scale, "--out-root", str(out_root)]
+    argv = [sys.executable, "-m", "looplab.tables", "zeroshot", table_argument(spec.number), "--scale", scale, "--out-root",
+            str(out_root)]
     argv += ["--tasks", tasks] if tasks else []
     return Command(argv, note=f"zero-shot ({tasks or 'the 8-task suite'}) of every trained checkpoint")
 
@@ -279,7 +286,7 @@ def plan(number: int, scale: str, out_root: Path = DEFAULT_OUT_ROOT, *, logger: 
         cmds.append(plt_decode_command(spec, scale, out_root))
     if spec.kind == "serving":
         cmds.append(serving_command(spec, scale, out_root))
-    if zeroshot if zeroshot is not None else number == 1:
+    if zeroshot if zeroshot is not None else has_zeroshot(spec):
         cmds.append(zeroshot_command(spec, scale, out_root))
     return cmds
 

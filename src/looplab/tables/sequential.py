@@ -171,7 +171,7 @@ def run(number: int, scale: str = "tiny", out_root: Path = DEFAULT_OUT_ROOT, *, 
             state.save(path)
     jobs = (runner.default_jobs(scale) if jobs is None else jobs) if scale == "tiny" else 1
     logger = logger or runner.default_logger(scale)
-    zeroshot = zeroshot if zeroshot is not None else number == 1
+    zeroshot = zeroshot if zeroshot is not None else runner.has_zeroshot(spec)
     run_env = {**os.environ, **(env or {})}
     kw = dict(logger=logger, extra=list(extra or []), hardware=hardware, jobs=jobs, zeroshot=zeroshot)
     tag = f"[table{number}]"

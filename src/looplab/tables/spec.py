@@ -11,6 +11,10 @@ findings (tables/paper_specs.py reads and writes them). The code parts, one conc
 its grid, the default seeds), tables/catalog.py (`TableSpec` and the per-table constants), tables/claims.py
 (`Finding`, the named preconditions a spec's `require` names, the δ constants). This module loads the fourteen
 specs into `TABLES` and keeps every name the runner, the builders and the tests import from it.
+
+A researcher's table in the same format (a yaml file with `number` above 14, `sweeps`, `findings`: docs/extending.md
+"A table in the paper tables' format") joins `TABLES` through `load_file`, so that `tables run|report|zeroshot
+path/to/table.yaml` runs it with the same runner, builders, verdicts and sequential seeds as the fourteen.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from looplab.tables.claims import (  # noqa: F401
     FINDINGS, GATE_BODY_LEARNED, LM_LEARNED, MANO_TAUGHT, MOR_PARITY, PHOP_LEARNED_AT_R, PHOP_TAUGHT, PLT_DECODE_BOUND,
     PLT_DECODE_TOKENS, PLT_PARITY, Filter, Finding, Precondition, finding,
 )
-from looplab.tables.paper_specs import load_all
+from pathlib import Path
+
+from looplab.tables.paper_specs import NUMBERS, load, load_all
 from looplab.tables.sweeps import (  # noqa: F401
     CONF, DEFAULT_OUT_ROOT, DEFAULT_SEEDS, ROOT, SCALES, TINY_SEEDS_PER_TABLE, ZEROSHOT_TASKS, Sweep, default_seeds, sweep,
 )
@@ -39,3 +45,39 @@ def get(number: int) -> TableSpec:
         return TABLES[int(number)]
     except (KeyError, ValueError):
         raise ValueError(f"table {number!r} does not exist; choose one of {sorted(TABLES)}") from None
+
+
+SOURCES: dict[int, Path] = {}  # a researcher's table number -> its yaml file (load_file), which subprocesses are given
+
+
+def load_file(path: str | Path) -> TableSpec:
+    """A table of one's own in the paper tables' format, checked as they are (paper_specs.load), joined to `TABLES`
+    under its number (one above 14) so that every command that takes a table number takes it."""
+    path = Path(path).resolve()
+    table = load(path)
+    if table.number in NUMBERS:
+        raise ValueError(f"{path}: number={table.number} is paper table {table.number}; give your table a number "
+                         f"above {max(NUMBERS)} (e.g. 101): its runs go to <out-root>/table<number>/")
+    if table.number in SOURCES and SOURCES[table.number] != path:
+        raise ValueError(f"{path}: number={table.number} is already {SOURCES[table.number]}'s; give each table its own")
+    TABLES[table.number] = table
+    SOURCES[table.number] = path
+    if table.findings:
+        FINDINGS[table.number] = table.findings
+    return table
+
+
+def is_table_file(path: str | Path) -> bool:
+    """Whether a spec file is in the paper tables' format (it has `sweeps`), not the short one of tables/own.py."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False  # the short form's loader reports it, by name
+    return isinstance(raw, dict) and "sweeps" in raw
+
+
+def argument(number: int) -> str:
+    """How a subprocess names table `number`: its number, or its file for a table of one's own."""
+    return str(SOURCES.get(number, number))
