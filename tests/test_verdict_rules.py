@@ -306,6 +306,58 @@ def test_z2_follows_its_registration(tmp_path):
     assert looks == 1 and len(waiting) == 30 and waiting[0] == "r_looped_s211"
 
 
+def test_a_complete_confirmatory_look_is_written_beside_the_lines_it_decides(tmp_path):
+    """`confirm NAME --apply`: refused before the look is complete; then the line keeps its build's verdict with the
+    confirmatory one beside it (findings.json, its bullet in the md), the summary counts the confirmatory verdict,
+    applying again changes nothing, and re-judging the table keeps it."""
+    import json
+    import shutil
+
+    from looplab.tables.confirm import C1_SEEDS, applications, apply, c1_from_values, c1_folder, z1_from_outcomes
+    from looplab.tables.rejudge import rejudge
+
+    out, tables = tmp_path / "confirm", tmp_path / "tables"
+    tables.mkdir()
+    for x in ("findings.json", "md", "csv"):
+        shutil.copy(Path("experiments/tables") / f"table1.{x}", tables / f"table1.{x}")
+    ppl = {(s, 0, arm): 44.0 + (0.01 * (s % 3 - 1) if arm == "stateloop" else 0.0) for s in C1_SEEDS
+           for arm in ("stateloop", "looped")}
+    c1 = c1_from_values(ppl)
+    assert c1["primary"]["verdict"] == "negligible"
+    z1 = z1_from_outcomes(_z1_items(random.Random(3), C1_SEEDS, effect=0.03, flip=0.1))
+    assert z1["primary"]["verdict"] == "reproduced"
+    with pytest.raises(ValueError, match="its look is not complete \\(40 run"):
+        applications(c1, out)
+    for s in C1_SEEDS:
+        for arm in ("stateloop", "looped"):
+            (c1_folder(out) / f"r_{arm}_s{s}").mkdir(parents=True)
+            (c1_folder(out) / f"r_{arm}_s{s}" / "results.json").write_text("{}")
+    apps = applications(c1, out) + applications(z1, out)
+    assert [(a["label"], a["metric"], a["verdict"]) for a in apps] == [
+        ("StateLoop − Vanilla Looped", "perplexity", "negligible"), ("StateLoop − Vanilla Looped", "zero-shot", "reproduced")]
+    with pytest.raises(ValueError, match="decides no committed table line"):
+        applications({"name": "c2"}, out)
+    apply(apps, tables)
+    first = {p.name: p.read_text() for p in tables.iterdir()}
+    lines = json.loads(first["table1.findings.json"])["findings"]
+    assert lines[1]["verdict"] == "inconclusive" and lines[1]["confirmatory"]["verdict"] == "reproduced"
+    assert "confirmatory Z1" in lines[1]["confirmatory"]["design"] and "20 fresh seeds (201–220)" in lines[1]["confirmatory"]["measured"]
+    bullets = [r for r in first["table1.md"].split("\n") if r.startswith("- **")]
+    assert bullets[1].startswith("- **inconclusive**") and " **Confirmatory Z1: reproduced** — " in bullets[1]
+    assert " **Confirmatory C1: negligible** — " in bullets[0] and "Confirmatory" not in bullets[2]
+    summary = first["README.md"]
+    assert "## tiny scale — 0 reproduced, 0 contradicted, 1 negligible" not in summary  # counts confirmatory verdicts:
+    assert "1 reproduced" in summary.split("## tiny scale — ")[1].split("\n")[0]
+    assert "1 negligible" in summary.split("## tiny scale — ")[1].split("\n")[0]
+    assert "| **reproduced** | — (confirmatory) | — (confirmatory) |" in summary
+    apply(apps, tables)
+    assert {p.name: p.read_text() for p in tables.iterdir()} == first
+    rejudge(1, tables)
+    again = json.loads((tables / "table1.findings.json").read_text())["findings"]
+    assert again[1]["confirmatory"] == lines[1]["confirmatory"]
+    assert " **Confirmatory Z1: reproduced** — " in (tables / "table1.md").read_text()
+
+
 def test_p_moves_only_past_root_two_on_the_same_seeds():
     from looplab.tables.confirm import P_FACTOR, P_SEEDS, p_from_values
 

@@ -24,7 +24,8 @@
   rejudge N [N ...] [--table-dir experiments/tables] [--scale tiny]   re-judge committed tables from their stored
       intervals and seed means under today's rules (smaller than claimed, by construction, new preconditions), without
       their runs; rewrites tableN.findings.json, the Findings of tableN.md and the summary README.md
-  confirm c2|c1|p [--out-root outputs/confirm]   a pre-registered confirmatory analysis (docs/tables.md#confirmatory-runs)
+  confirm c2|c1|z1|z2|p [--out-root outputs/confirm] [--apply]   a pre-registered confirmatory analysis
+      (docs/tables.md#confirmatory-runs); --apply: its final verdicts beside the committed lines they decide
   compare MULTIRUN_DIR --pair KEY --metric M [--baseline V] [--sign +1|-1] [--delta D] [--require 'M<X' ...]
         [--out DIR]   judge the arms of your own -m sweep (the values of override KEY) against the baseline arm,
       paired by seed, with intervals, Holm and preconditions, without rerunning it (docs/extending.md#compare-your-arms)
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     cf.add_argument("name", choices=("c2", "c1", "z1", "z2", "p"))
     cf.add_argument("--out-root", type=Path, default=Path("outputs/confirm"))
     cf.add_argument("--out", type=Path, default=None, help="write the result as JSON")
+    cf.add_argument("--apply", action="store_true", help="write its final verdicts beside the committed table lines "
+                    "they decide (tableN.findings.json, tableN.md, the summary): only a complete look")
+    cf.add_argument("--table-dir", type=Path, default=report.DEFAULT_TABLE_DIR)
 
     cp = sub.add_parser("compare", help="judge the arms of your own -m sweep, paired by seed (looplab/tables/compare.py)")
     cp.add_argument("folder", type=Path, help="the sweep's multirun folder (its runs' results.json files below it)")
@@ -253,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         analyses = {"c2": confirm.confirm_c2, "c1": confirm.confirm_c1, "z1": confirm.confirm_z1, "z2": confirm.confirm_z2, "p": confirm.confirm_p}
         result = analyses[a.name](a.out_root)
         print(result["text"])
+        if a.apply:
+            try:
+                apps = confirm.applications(result, a.out_root)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+            for x in apps:
+                print(f"table {x['table']}: {x['label']}, {x['metric']}: {x['verdict']} ({x['design']})")
+            print("wrote " + ", ".join(str(p) for p in confirm.apply(apps, a.table_dir)))
         if a.out:
             import json
 

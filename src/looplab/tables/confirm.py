@@ -32,6 +32,12 @@ P — longer-training pilot: the paired R = 6 differences (StateLoop − Vanilla
 against the same seeds' at 600 steps (C2's runs). A table moves to 1,200 steps only if |mean| / SD at 1,200 exceeds
 |mean| / SD at 600 by more than √2 (1.41×).
 
+`python -m looplab.tables confirm NAME --apply` then writes a design's final verdicts into the committed table lines they
+decide (`apply`): tableN.findings.json keeps the line as built with a `confirmatory` entry beside it, tableN.md's line
+gets the confirmatory verdict appended, and the verdict summary counts the confirmatory verdict (the build's stays
+shown). Only a complete look applies: every run of the design's seeds on disk (a failed one counts: its seed is left
+out), and for Z2 only the lines its looks made final. C2's pooled gap and P's decision are not table lines.
+
 The runs are the ones `experiments/confirm/lane.sh` trains: one folder per run, r_<arm>[_R<R>]_s<seed>, below
 OUT_ROOT/table2/tiny/stateloop_depth_tiny (C2), OUT_ROOT/table1/tiny/stateloop_main_tiny (C1) and
 OUT_ROOT/pilot/stateloop_depth_tiny_1200 (P).
@@ -404,6 +410,86 @@ def confirm_p(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
         f"|mean| / SD of the R = 6 differences: {fmt(result['signal_1200'])} at 1,200 steps, {fmt(result['signal_600'])} "
         f"at 600; factor {fmt(result['factor'])} (threshold {P_FACTOR:.2f}): {result['decision']}", *diag_text])
     return result
+
+
+REGISTERED = {"c1": "2026-12-05", "z1": "2026-12-06 13:45 UTC", "z2": "2026-12-06 16:30 UTC"}
+
+
+def _waiting(folder: Path, arms, seeds) -> list[str]:
+    return [f"r_{arm}_s{s}" for s in seeds for arm in arms if not (folder / f"r_{arm}_s{s}" / "results.json").is_file()]
+
+
+def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm")) -> list[dict[str, Any]]:
+    """The committed table lines a confirmatory result decides: [{table, label, metric, verdict, measured, design}].
+    Raises ValueError when its look is not complete (a run of its seeds without a results.json)."""
+    name = result["name"]
+    if name not in REGISTERED:
+        raise ValueError(f"confirm {name}: decides no committed table line (C2's pooled gap and P's setting are not "
+                         "lines of a table); nothing to apply")
+    folder = c1_folder(out_root)
+    if name == "z2":  # the runs of the looks it made (none made: the first look's)
+        arms, seeds = ("looped", *Z2_ARMS), range(*Z2_LOOKS[max(result.get("looks_due", 0), 1) - 1])
+    else:
+        arms, seeds = ("looped", "stateloop"), C1_SEEDS
+    waiting = _waiting(folder, arms, seeds)
+    if waiting or (name == "z2" and not result.get("looks_due")):
+        raise ValueError(f"confirm {name}: its look is not complete ({len(waiting)} run(s) without a results.json, e.g. "
+                         f"{', '.join(waiting[:3])}); nothing is applied before it is")
+    tag = f"confirmatory {name.upper()} (registered {REGISTERED[name]}, docs/tables.md#confirmatory-runs)"
+
+    def measured(r: dict, seeds: list, digits: int) -> str:
+        return (f"{r['mean']:+.{digits}f} [{r['lo']:+.{digits}f}, {r['hi']:+.{digits}f}], {len(seeds)} fresh seeds "
+                f"({min(seeds)}–{max(seeds)})" if r.get("lo") is not None else f"no interval ({len(seeds)} seeds)")
+
+    if name == "c1":
+        fd, pr = FINDINGS[1][0], result["primary"]
+        return [{"table": 1, "label": fd.label, "metric": fd.metric, "verdict": pr["verdict"], "design": tag,
+                 "measured": measured(pr, result["seeds_used"], 3)}]
+    if name == "z1":
+        fd, pr = FINDINGS[1][1], result["primary"]
+        return [{"table": 1, "label": fd.label, "metric": fd.metric, "verdict": pr["verdict"], "design": tag,
+                 "measured": measured(pr, result["seeds_used"], 4) + " × 900 items, paired"}]
+    out = []
+    for ln in result["lines"]:
+        if ln["final"]:
+            fd = FINDINGS[1][2 + Z2_ARMS.index(ln["arm"])]
+            h = ln["looks"][-1]
+            out.append({"table": 1, "label": fd.label, "metric": fd.metric, "verdict": ln["verdict"], "design": tag,
+                        "measured": measured(h, h["seeds_used"], 4) + f" × 900 items, paired, look {h['look']} of 2"})
+    return out
+
+
+def apply(apps: list[dict[str, Any]], table_dir: Path = Path("experiments/tables")) -> list[Path]:
+    """Write confirmatory verdicts beside the committed lines they decide (tableN.findings.json, tableN.md) and
+    regenerate the verdict summary. Applying the same result again changes nothing."""
+    import json
+
+    from looplab.tables.render import write_summary
+    from looplab.tables.rejudge import _confirmatory_note
+
+    written = []
+    for n in sorted({a["table"] for a in apps}):
+        jpath, mpath = Path(table_dir) / f"table{n}.findings.json", Path(table_dir) / f"table{n}.md"
+        d = json.loads(jpath.read_text())
+        text = mpath.read_text() if mpath.exists() else None
+        for a in (a for a in apps if a["table"] == n):
+            lines = [f for f in d["findings"] if f["label"] == a["label"] and f["metric"] == a["metric"]]
+            if len(lines) != 1:
+                raise ValueError(f"table {n}: {len(lines)} committed lines match {a['label']!r} ({a['metric']})")
+            line = lines[0]
+            line["confirmatory"] = {k: a[k] for k in ("design", "verdict", "measured")}
+            if text is not None:  # the line's bullet, its earlier note of this design (if any) replaced
+                note = _confirmatory_note(line)
+                prefix = note.split(":")[0] + ":"  # " **Confirmatory Z1:"
+                text = "\n".join(row.split(prefix)[0] + note if row.startswith("- **") and f"— {line['title']}." in row
+                                 else row for row in text.split("\n"))
+        jpath.write_text(json.dumps(d, indent=2, default=str) + "\n")
+        written.append(jpath)
+        if text is not None:
+            mpath.write_text(text)
+            written.append(mpath)
+    written.append(write_summary(Path(table_dir)))
+    return written
 
 
 def _fmt(r: dict[str, Any]) -> str:

@@ -119,6 +119,15 @@ def _verdict_of(line: dict[str, Any], number: int, scale: str, design: Sequentia
     return v
 
 
+def _confirmatory_note(kept: dict | None) -> str:
+    """A line's confirmatory verdict as `confirm NAME --apply` appended it (tables/confirm.py), kept on re-judging."""
+    if not kept:
+        return ""
+    c = kept["confirmatory"]
+    head = c["design"].split(" (")[0]  # "confirmatory Z1"
+    return f" **{head[0].upper()}{head[1:]}: {c['verdict']}** — {c['measured']}."
+
+
 def rejudge(number: int, table_dir: Path = Path("experiments/tables"), scale: str = "tiny") -> list[Verdict]:
     stem = f"table{number}" + ("" if scale == "tiny" else f"-{scale}")
     jpath, cpath, mpath = (table_dir / f"{stem}.{x}" for x in ("findings.json", "csv", "md"))
@@ -134,11 +143,14 @@ def rejudge(number: int, table_dir: Path = Path("experiments/tables"), scale: st
             v.status, v.more_seeds = "decided", None
             v.stop = (f"decided by today's rules at the stored look ({len(v.diffs)} paired seeds; the build stopped there "
                       f"as {before[i]})")
-    d["findings"] = [{**v.as_dict(), "rejudged": REJUDGED, "verdict_before": before[i]} for i, v in enumerate(verdicts)]
+    kept = {i: {"confirmatory": line["confirmatory"]} for i, line in enumerate(d["findings"]) if line.get("confirmatory")}
+    d["findings"] = [{**v.as_dict(), "rejudged": REJUDGED, "verdict_before": before[i], **kept.get(i, {})}
+                     for i, v in enumerate(verdicts)]
     jpath.write_text(json.dumps(d, indent=2, default=str) + "\n")
     if mpath.exists():
         text = mpath.read_text()
-        lines = [v.line() + f" _{REJUDGED}; built as: {before[i]}._" for i, v in enumerate(verdicts)]
+        lines = [v.line() + f" _{REJUDGED}; built as: {before[i]}._" + _confirmatory_note(kept.get(i))
+                 for i, v in enumerate(verdicts)]
         head, sep, rest = text.partition("\n## Findings\n")
         if sep:
             body = rest.split("\n")

@@ -221,6 +221,7 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
             found[(d["scale"], int(d["table"]))] = d
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    confirmatory = any(f.get("confirmatory") for d in found.values() for f in d.get("findings") or [])
     sequential = any("sequential" in d or any(f.get("verdict") == "negligible" for f in d.get("findings") or [])
                      for d in found.values())
     out = ["# Paper findings: verdicts of every table", "",
@@ -255,7 +256,11 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
            "of every table of that scale (q < 0.05: a discovery at a 5% false-discovery rate across all tables; a weaker "
            "promise than Holm's, which bounds the chance of any false verdict within a table). Lines re-judged from a "
            "committed table's stored intervals under today's rules (`python -m looplab.tables rejudge N`) say so in "
-           "their table. Methods and the findings per table: `experiments/README.md`.", ""]
+           "their table. " + ("A line that a pre-registered confirmatory design on fresh seeds decided "
+           "(docs/tables.md#confirmatory-runs, `python -m looplab.tables confirm NAME --apply`) shows that design's "
+           "verdict and interval, and counts it, with the build's beside it; its Holm and BH cells say confirmatory "
+           "(the design's own error control applies). " if confirmatory else "") + "Methods and the findings per "
+           "table: `experiments/README.md`.", ""]
     scales = [s for s in SCALES if any(k[0] == s for k in found)] or ["tiny"]
     for scale in scales:
         counts: dict[str, int] = {}
@@ -281,11 +286,17 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
             for f, (hv, htxt) in zip(d["findings"], holm_of_file(d["findings"])):
                 q = bh[id(f)]
                 bv = adjusted_verdict(f["verdict"], q)
-                counts[f["verdict"]] = counts.get(f["verdict"], 0) + 1
+                btxt = "—" if q is None else f"{bv} (q {q:.3g})"
+                verdict, measured = f["verdict"], f["measured"]
+                conf = f.get("confirmatory")
+                if conf:  # decided by a pre-registered design on fresh seeds, with its own error control
+                    verdict = hv = bv = conf["verdict"]
+                    measured = f"{conf['measured']} ({conf['design']}); this build: {f['measured']}, {f['verdict']}"
+                    htxt = btxt = "— (confirmatory)"
+                counts[verdict] = counts.get(verdict, 0) + 1
                 holm_counts[hv] = holm_counts.get(hv, 0) + 1
                 bh_counts[bv] = bh_counts.get(bv, 0) + 1
-                btxt = "—" if q is None else f"{bv} (q {q:.3g})"
-                rows.append(f"| [{n}]({name}.md) | {f['title']} | {f['claim']} | {f['measured']} | **{f['verdict']}** | {htxt} "
+                rows.append(f"| [{n}]({name}.md) | {f['title']} | {f['claim']} | {measured} | **{verdict}** | {htxt} "
                             f"| {btxt} |")
         kinds = ("reproduced", "contradicted", *(("negligible",) if sequential else ()), "smaller than claimed",
                  "inconclusive", "not tested", "by construction")
