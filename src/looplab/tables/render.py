@@ -291,7 +291,7 @@ def write_summary(table_dir: Path = DEFAULT_TABLE_DIR) -> Path:
                 conf = f.get("confirmatory")
                 if conf:  # decided by a pre-registered design on fresh seeds, with its own error control
                     verdict = hv = bv = conf["verdict"]
-                    measured = f"{conf['measured']} ({conf['design']}); this build: {f['measured']}, {f['verdict']}"
+                    measured = f"{conf['measured']}; {conf['design']}; this build: {f['measured']}, {f['verdict']}"
                     htxt = btxt = "— (confirmatory)"
                 counts[verdict] = counts.get(verdict, 0) + 1
                 holm_counts[hv] = holm_counts.get(hv, 0) + 1
