@@ -51,7 +51,7 @@ from typing import Any
 
 from looplab.stats import (
     SEQUENTIAL_SEED, SEQUENTIAL_SIMULATIONS, Rule, _critical, _min_p_at_looks, decisive_p, judge, paired_item_interval,
-    t_interval, t_quantile, z_quantile,
+    t_interval, t_quantile,
 )
 from looplab.tables.claims import FINDINGS
 
@@ -341,6 +341,11 @@ def confirm_z1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     return result
 
 
+def _waiting(folder: Path, arms, seeds) -> list[str]:
+    """The runs r_<arm>_s<seed> of `folder` without a results.json (a failed run has one)."""
+    return [f"r_{arm}_s{s}" for s in seeds for arm in arms if not (folder / f"r_{arm}_s{s}" / "results.json").is_file()]
+
+
 def _run_arm(data: dict) -> str | None:
     """The `+arm=` a confirmatory run was launched with (lane.sh passes one)."""
     return next((o.split("=", 1)[1] for o in data.get("overrides") or [] if o.startswith("+arm=")), None)
@@ -351,8 +356,7 @@ def z2_due(out_root: Path = Path("outputs/confirm")) -> tuple[int, list[str]]:
     seeds (both mixer arms and C1's Vanilla Looped) has a results.json, a failed one too (its seed is then left out)."""
     folder, due = c1_folder(out_root), 0
     for first, stop in Z2_LOOKS:
-        waiting = [f"r_{arm}_s{s}" for s in range(first, stop) for arm in ("looped", *Z2_ARMS)
-                   if not (folder / f"r_{arm}_s{s}" / "results.json").is_file()]
+        waiting = _waiting(folder, ("looped", *Z2_ARMS), range(first, stop))
         if waiting:
             return due, waiting
         due += 1
@@ -415,10 +419,6 @@ def confirm_p(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
 REGISTERED = {"c1": "2026-12-05", "z1": "2026-12-06 13:45 UTC", "z2": "2026-12-06 16:30 UTC"}
 
 
-def _waiting(folder: Path, arms, seeds) -> list[str]:
-    return [f"r_{arm}_s{s}" for s in seeds for arm in arms if not (folder / f"r_{arm}_s{s}" / "results.json").is_file()]
-
-
 def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm")) -> list[dict[str, Any]]:
     """The committed table lines a confirmatory result decides: [{table, label, metric, verdict, measured, design}].
     Raises ValueError when its look is not complete (a run of its seeds without a results.json)."""
@@ -448,14 +448,15 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
     if name == "z1":
         fd, pr = FINDINGS[1][1], result["primary"]
         return [{"table": 1, "label": fd.label, "metric": fd.metric, "verdict": pr["verdict"], "design": tag,
-                 "measured": measured(pr, result["seeds_used"], 4) + " × 900 items, paired"}]
+                 "measured": measured(pr, result["seeds_used"], 4) + f" × {pr.get('n_items')} items, paired"}]
     out = []
     for ln in result["lines"]:
         if ln["final"]:
             fd = FINDINGS[1][2 + Z2_ARMS.index(ln["arm"])]
             h = ln["looks"][-1]
             out.append({"table": 1, "label": fd.label, "metric": fd.metric, "verdict": ln["verdict"], "design": tag,
-                        "measured": measured(h, h["seeds_used"], 4) + f" × 900 items, paired, look {h['look']} of 2"})
+                        "measured": measured(h, h["seeds_used"], 4) + f" × {h.get('n_items')} items, paired, look "
+                                    f"{h['look']} of 2"})
     return out
 
 
@@ -465,7 +466,7 @@ def apply(apps: list[dict[str, Any]], table_dir: Path = Path("experiments/tables
     import json
 
     from looplab.tables.render import write_summary
-    from looplab.tables.rejudge import _confirmatory_note
+    from looplab.tables.rejudge import confirmatory_note
 
     written = []
     for n in sorted({a["table"] for a in apps}):
@@ -479,7 +480,7 @@ def apply(apps: list[dict[str, Any]], table_dir: Path = Path("experiments/tables
             line = lines[0]
             line["confirmatory"] = {k: a[k] for k in ("design", "verdict", "measured")}
             if text is not None:  # the line's bullet, its earlier note of this design (if any) replaced
-                note = _confirmatory_note(line)
+                note = confirmatory_note(line)
                 prefix = note.split(":")[0] + ":"  # " **Confirmatory Z1:"
                 text = "\n".join(row.split(prefix)[0] + note if row.startswith("- **") and f"— {line['title']}." in row
                                  else row for row in text.split("\n"))

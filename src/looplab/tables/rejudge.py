@@ -119,7 +119,7 @@ def _verdict_of(line: dict[str, Any], number: int, scale: str, design: Sequentia
     return v
 
 
-def _confirmatory_note(kept: dict | None) -> str:
+def confirmatory_note(kept: dict | None) -> str:
     """A line's confirmatory verdict as `confirm NAME --apply` appended it (tables/confirm.py), kept on re-judging."""
     if not kept:
         return ""
@@ -149,7 +149,7 @@ def rejudge(number: int, table_dir: Path = Path("experiments/tables"), scale: st
     jpath.write_text(json.dumps(d, indent=2, default=str) + "\n")
     if mpath.exists():
         text = mpath.read_text()
-        lines = [v.line() + f" _{REJUDGED}; built as: {before[i]}._" + _confirmatory_note(kept.get(i))
+        lines = [v.line() + f" _{REJUDGED}; built as: {before[i]}._" + confirmatory_note(kept.get(i))
                  for i, v in enumerate(verdicts)]
         head, sep, rest = text.partition("\n## Findings\n")
         if sep:
