@@ -19,6 +19,8 @@ path/to/table.yaml` runs it with the same runner, builders, verdicts and sequent
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import looplab.tables.retrofit as retrofit  # noqa: F401  (part of this module's surface)
 from looplab.tables.catalog import (  # noqa: F401
     DEFAULT_DECODE_JSON, DEFAULT_EXITS_JSON, DEFAULT_PLT_JSON, DEFAULT_ROUTING_JSON, DEFAULT_SERVING_JSON,
@@ -29,8 +31,6 @@ from looplab.tables.claims import (  # noqa: F401
     FINDINGS, GATE_BODY_LEARNED, LM_LEARNED, MANO_TAUGHT, MOR_PARITY, PHOP_LEARNED_AT_R, PHOP_TAUGHT, PLT_DECODE_BOUND,
     PLT_DECODE_TOKENS, PLT_PARITY, Filter, Finding, Precondition, finding,
 )
-from pathlib import Path
-
 from looplab.tables.paper_specs import NUMBERS, load, load_all
 from looplab.tables.sweeps import (  # noqa: F401
     CONF, DEFAULT_OUT_ROOT, DEFAULT_SEEDS, ROOT, SCALES, TINY_SEEDS_PER_TABLE, ZEROSHOT_TASKS, Sweep, default_seeds, sweep,
