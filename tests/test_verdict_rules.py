@@ -304,6 +304,11 @@ def test_z2_follows_its_registration(tmp_path):
             (folder / f"r_{a}_s{s}" / "results.json").write_text(json.dumps({"status": "failed"}))
     looks, waiting = z2_due(tmp_path)
     assert looks == 1 and len(waiting) == 30 and waiting[0] == "r_looped_s211"
+    # a finished run whose zero-shot is still being scored is not in yet: the look waits for it, not leaves it out
+    (folder / "r_looped_s203" / "results.json").write_text(json.dumps({"status": "ok"}))
+    assert z2_due(tmp_path) == (0, ["r_looped_s203"])
+    (folder / "r_looped_s203" / "zeroshot.json").write_text("{}")
+    assert z2_due(tmp_path)[0] == 1
 
 
 def test_a_complete_confirmatory_look_is_written_beside_the_lines_it_decides(tmp_path):

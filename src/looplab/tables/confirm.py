@@ -45,6 +45,7 @@ OUT_ROOT/pilot/stateloop_depth_tiny_1200 (P).
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -342,8 +343,20 @@ def confirm_z1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
 
 
 def _waiting(folder: Path, arms, seeds) -> list[str]:
-    """The runs r_<arm>_s<seed> of `folder` without a results.json (a failed run has one)."""
-    return [f"r_{arm}_s{s}" for s in seeds for arm in arms if not (folder / f"r_{arm}_s{s}" / "results.json").is_file()]
+    """The runs r_<arm>_s<seed> of `folder` not in yet: without a results.json (a failed run has one), or finished
+    and still without the zeroshot.json that `lane.sh` scores right after it (Z1, Z2: the per-item outcomes; a look
+    read while one is being written would leave its seed out for want of time, not of data)."""
+    def waits(run: Path) -> bool:
+        results = run / "results.json"
+        if not results.is_file():
+            return True
+        try:
+            ok = json.loads(results.read_text()).get("status") == "ok"
+        except (OSError, ValueError):
+            return False  # unreadable: read as a failed run, its seed left out by the analysis
+        return ok and not (run / "zeroshot.json").is_file()
+
+    return [f"r_{arm}_s{s}" for s in seeds for arm in arms if waits(folder / f"r_{arm}_s{s}")]
 
 
 def _run_arm(data: dict) -> str | None:
@@ -353,7 +366,8 @@ def _run_arm(data: dict) -> str | None:
 
 def z2_due(out_root: Path = Path("outputs/confirm")) -> tuple[int, list[str]]:
     """(how many of Z2's looks are due, the runs the next look still waits for): a look is due once every run of its
-    seeds (both mixer arms and C1's Vanilla Looped) has a results.json, a failed one too (its seed is then left out)."""
+    seeds (both mixer arms and C1's Vanilla Looped) has a results.json, a failed one too (its seed is then left out),
+    and every finished one its zeroshot.json."""
     folder, due = c1_folder(out_root), 0
     for first, stop in Z2_LOOKS:
         waiting = _waiting(folder, ("looped", *Z2_ARMS), range(first, stop))
@@ -421,7 +435,7 @@ REGISTERED = {"c1": "2026-12-05", "z1": "2026-12-06 13:45 UTC", "z2": "2026-12-0
 
 def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm")) -> list[dict[str, Any]]:
     """The committed table lines a confirmatory result decides: [{table, label, metric, verdict, measured, design}].
-    Raises ValueError when its look is not complete (a run of its seeds without a results.json)."""
+    Raises ValueError when its look is not complete (a run of its seeds not in: `_waiting`)."""
     name = result["name"]
     if name not in REGISTERED:
         raise ValueError(f"confirm {name}: decides no committed table line (C2's pooled gap and P's setting are not "
@@ -433,7 +447,7 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
         arms, seeds = ("looped", "stateloop"), C1_SEEDS
     waiting = _waiting(folder, arms, seeds)
     if waiting or (name == "z2" and not result.get("looks_due")):
-        raise ValueError(f"confirm {name}: its look is not complete ({len(waiting)} run(s) without a results.json, e.g. "
+        raise ValueError(f"confirm {name}: its look is not complete ({len(waiting)} run(s) not in, e.g. "
                          f"{', '.join(waiting[:3])}); nothing is applied before it is")
     tag = f"confirmatory {name.upper()} (registered {REGISTERED[name]}, docs/tables.md#confirmatory-runs)"
 
@@ -463,8 +477,6 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
 def apply(apps: list[dict[str, Any]], table_dir: Path = Path("experiments/tables")) -> list[Path]:
     """Write confirmatory verdicts beside the committed lines they decide (tableN.findings.json, tableN.md) and
     regenerate the verdict summary. Applying the same result again changes nothing."""
-    import json
-
     from looplab.tables.render import write_summary
     from looplab.tables.rejudge import confirmatory_note
 
