@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from looplab.stats import (
-    SEQUENTIAL_SEED, SEQUENTIAL_SIMULATIONS, Rule, _critical, _min_p_at_looks, decisive_p, judge, paired_item_interval,
-    t_interval, t_quantile,
+    LEVEL, SEQUENTIAL_SEED, SEQUENTIAL_SIMULATIONS, Rule, _critical, _min_p_at_looks, decisive_p, judge,
+    paired_item_interval, t_interval, t_quantile,
 )
 from looplab.tables.claims import FINDINGS
 
@@ -188,11 +188,11 @@ def _paired_items(items: dict, a_arm: str, b_arm: str, seeds) -> tuple[list, lis
     return d, used, left_out, ref
 
 
-def _item_judgement(d, ref, rule: Rule, n: int, *, critical: float | None = None, level: float | None = None) -> dict:
+def _item_judgement(d, ref, rule: Rule, n: int, *, critical: float | None = None, level: float = LEVEL) -> dict:
     res: dict[str, Any] = {"n": n, "verdict": "inconclusive", "lo": None, "hi": None, "claimed": rule.claimed,
                            "delta": rule.delta}
-    kw = {} if level is None else {"critical": critical, "level": level}
-    pi = paired_item_interval(d, groups=[t for t in sorted(ref) for _ in ref[t]], **kw) if ref else None
+    pi = (paired_item_interval(d, groups=[t for t in sorted(ref) for _ in ref[t]], critical=critical, level=level)
+          if ref else None)
     if pi is not None:
         res.update(mean=pi.mean, lo=pi.mean - pi.half, hi=pi.mean + pi.half, h_seeds=pi.h_seeds, h_items=pi.h_items,
                    disagree=pi.disagree, n_items=pi.n_items, verdict=judge(rule, pi.mean - pi.half, pi.mean + pi.half))
@@ -271,6 +271,14 @@ def p_from_values(ppl_1200: dict[tuple[int, int, str], float], ppl_600: dict[tup
             "signal_1200": r_long, "signal_600": r_short, "factor": factor, "threshold": P_FACTOR, "decision": decision}
 
 
+def _arm(model: dict) -> str | None:
+    """A confirmatory run's arm from its model summary: its state mode ('stateloop', 'stateloop_attn', ...), the
+    plain looped model 'looped'; None for a mixer given apart from the state mode (no confirmatory arm has one)."""
+    if model.get("state_mixer") not in (None, "none"):
+        return None
+    return {"vanilla": "looped"}.get(model.get("state_mode"), model.get("state_mode"))
+
+
 def _read(folder: Path, *, depth_from_model: bool = True) -> tuple[dict, dict, dict]:
     """(perplexity, learned, ‖W_o s‖ / ‖h‖ per loop) per run under `folder`, keyed (seed, R or 0, arm)."""
     from looplab.runs import load_runs
@@ -282,9 +290,9 @@ def _read(folder: Path, *, depth_from_model: bool = True) -> tuple[dict, dict, d
             continue
         d = r.data
         model = d.get("model") or {}
-        arm = {"stateloop": "stateloop", "vanilla": "looped"}.get(model.get("state_mode"))
-        if arm is None or model.get("state_mixer") not in (None, "none"):
-            continue  # the confirmatory runs have these two arms only
+        arm = _arm(model)
+        if arm not in ("stateloop", "looped"):
+            continue  # C2, C1 and P compare these two arms only
         key = (int(d["seed"]), int(model["loops"]) if depth_from_model else 0, arm)
         p, uni = finite_value(lambda x: x["perplexity"], d), finite_value(lambda x: x["unigram_perplexity"], d)
         if p is None:
@@ -316,25 +324,32 @@ def confirm_c1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     return result
 
 
-def confirm_z1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
-    """Z1 on the zeroshot.json files that `experiments/confirm/lane.sh c1 ...` writes beside C1's runs."""
+def _item_outcomes(folder: Path, arms) -> dict[tuple[int, str], dict | None]:
+    """Per-item zero-shot outcomes keyed (seed, arm) of the ok runs of `arms` under `folder`
+    (tables.load.zeroshot_outcomes: None for a run without them)."""
     from looplab.runs import load_runs
     from looplab.tables.load import zeroshot_outcomes
 
+    return {(int(r.data["seed"]), _arm(r.data.get("model") or {})): zeroshot_outcomes(r.zeroshot())
+            for r in load_runs(folder) if r.ok and _arm(r.data.get("model") or {}) in arms}
+
+
+def _item_text(r: dict[str, Any]) -> str:
+    """A paired seed × item judgement: mean and interval, its two parts, how often the arms differ, the rule's claim."""
+    body = (f"{r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}], n {r['n']} seeds × {r['n_items']} items (seed part "
+            f"±{r['h_seeds']:.4f}, item part ±{r['h_items']:.4f}; the arms differ on {100 * r['disagree']:.1f}% of cells)"
+            if r["lo"] is not None else f"n {r['n']}")
+    return f"{body}; claimed {r['claimed']:+.4f}, δ {r['delta']:.4f}"
+
+
+def confirm_z1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """Z1 on the zeroshot.json files that `experiments/confirm/lane.sh c1 ...` writes beside C1's runs."""
     folder = c1_folder(out_root)
-    items = {}
-    for r in load_runs(folder):
-        model = r.data.get("model") or {}
-        arm = {"stateloop": "stateloop", "vanilla": "looped"}.get(model.get("state_mode"))
-        if r.ok and arm is not None and model.get("state_mixer") in (None, "none"):
-            items[(int(r.data["seed"]), arm)] = zeroshot_outcomes(r.zeroshot())
+    items = _item_outcomes(folder, ("stateloop", "looped"))
     result = z1_from_outcomes(items)
     result["runs_found"] = sum(v is not None for v in items.values())
     pr = result["primary"]
-    line = (f"{pr['verdict']}: {pr['mean']:+.4f} [{pr['lo']:+.4f}, {pr['hi']:+.4f}], n {pr['n']} seeds × "
-            f"{pr['n_items']} items (seed part ±{pr['h_seeds']:.4f}, item part ±{pr['h_items']:.4f}; the arms differ on "
-            f"{100 * pr['disagree']:.1f}% of cells); claimed {pr['claimed']:+.4f}, δ {pr['delta']:.4f}"
-            if pr["lo"] is not None else f"{pr['verdict']} (n {pr['n']})")
+    line = f"{pr['verdict']}: {_item_text(pr)}" if pr["lo"] is not None else f"{pr['verdict']} (n {pr['n']})"
     result["text"] = "\n".join([
         f"Z1 (docs/tables.md#confirmatory-runs): {result['runs_found']} runs with per-item outcomes under {folder}; "
         f"seeds used {result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
@@ -359,11 +374,6 @@ def _waiting(folder: Path, arms, seeds) -> list[str]:
     return [f"r_{arm}_s{s}" for s in seeds for arm in arms if waits(folder / f"r_{arm}_s{s}")]
 
 
-def _run_arm(data: dict) -> str | None:
-    """The `+arm=` a confirmatory run was launched with (lane.sh passes one)."""
-    return next((o.split("=", 1)[1] for o in data.get("overrides") or [] if o.startswith("+arm=")), None)
-
-
 def z2_due(out_root: Path = Path("outputs/confirm")) -> tuple[int, list[str]]:
     """(how many of Z2's looks are due, the runs the next look still waits for): a look is due once every run of its
     seeds (both mixer arms and C1's Vanilla Looped) has a results.json, a failed one too (its seed is then left out),
@@ -380,32 +390,20 @@ def z2_due(out_root: Path = Path("outputs/confirm")) -> tuple[int, list[str]]:
 def confirm_z2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     """Z2 at the looks that are due, on the zeroshot.json files that `lane.sh c1` and `lane.sh z2` write in C1's
     folder. Before its first look is due it judges nothing and says which runs it waits for."""
-    from looplab.runs import load_runs
-    from looplab.tables.load import zeroshot_outcomes
-
     folder = c1_folder(out_root)
     looks, waiting = z2_due(out_root)
     if not looks:
         return {"name": "z2", "looks": 0, "waiting": waiting, "text": (
             f"Z2 (docs/tables.md#confirmatory-runs): its first look is not due; it waits for {len(waiting)} run(s) under "
             f"{folder}: {', '.join(waiting[:6])}{' …' if len(waiting) > 6 else ''}. Nothing was read.")}
-    items = {}
-    for r in load_runs(folder):
-        arm = _run_arm(r.data)
-        if r.ok and arm in ("looped", *Z2_ARMS):
-            items[(int(r.data["seed"]), arm)] = zeroshot_outcomes(r.zeroshot())
-    result = z2_from_outcomes(items, looks)
+    result = z2_from_outcomes(_item_outcomes(folder, ("looped", *Z2_ARMS)), looks)
     result.update(looks_due=looks, waiting=waiting)
     text = [f"Z2 (docs/tables.md#confirmatory-runs): look(s) due {looks} of 2; per line α {Z2_ALPHA}, nominal α′ "
             f"{Z2_NOMINAL} per look; runs under {folder}"]
     for ln in result["lines"]:
         for h in ln["looks"]:
-            body = (f"{h['mean']:+.4f} [{h['lo']:+.4f}, {h['hi']:+.4f}], n {h['n']} seeds × {h['n_items']} items (seed "
-                    f"part ±{h['h_seeds']:.4f}, item part ±{h['h_items']:.4f}; the arms differ on "
-                    f"{100 * h['disagree']:.1f}% of cells)" if h["lo"] is not None else f"n {h['n']}")
             text.append(f"{ln['arm']} − looped zero-shot, look {h['look']} (seeds {h['seeds_used']}"
-                        + (f"; left out {h['left_out']}" if h["left_out"] else "") + f"): {h['verdict']}: {body}; "
-                        f"claimed {h['claimed']:+.4f}, δ {h['delta']:.4f}")
+                        + (f"; left out {h['left_out']}" if h["left_out"] else "") + f"): {h['verdict']}: {_item_text(h)}")
         text.append(f"  → {ln['arm']}: {ln['verdict']}" + (" (final)" if ln["final"] else
                                                              " (open: the second look judges it)"))
     if looks == 1 and waiting:
@@ -441,7 +439,7 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
         raise ValueError(f"confirm {name}: decides no committed table line (C2's pooled gap and P's setting are not "
                          "lines of a table); nothing to apply")
     folder = c1_folder(out_root)
-    if name == "z2":  # the runs of the looks it made (none made: the first look's)
+    if name == "z2":  # the runs of the last look it made (none made: the first look's)
         arms, seeds = ("looped", *Z2_ARMS), range(*Z2_LOOKS[max(result.get("looks_due", 0), 1) - 1])
     else:
         arms, seeds = ("looped", "stateloop"), C1_SEEDS
