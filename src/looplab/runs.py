@@ -53,18 +53,21 @@ def parse_overrides(overrides: list[str]) -> dict[str, str]:
     return out
 
 
+def load_run(folder: Path) -> Run | None:
+    """The run in `folder` from its results.json (an unreadable one is a failed run); None when it has none yet."""
+    p = Path(folder) / "results.json"
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        data = {"status": "failed", "error": f"unreadable results.json: {e}", "overrides": []}
+    return Run(p.parent, data)
+
+
 def load_runs(folder: Path) -> list[Run]:
     """Every results.json below `folder` (a sweep folder); unreadable files become failed runs."""
-    runs = []
-    for p in sorted(Path(folder).rglob("results.json")):
-        if ".submitit" in p.parts:
-            continue
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            data = {"status": "failed", "error": f"unreadable results.json: {e}", "overrides": []}
-        runs.append(Run(p.parent, data))
-    return runs
+    return [load_run(p.parent) for p in sorted(Path(folder).rglob("results.json")) if ".submitit" not in p.parts]
 
 
 def finished_checkpoints(folders) -> list[Path]:

@@ -330,8 +330,8 @@ def _item_outcomes(folder: Path, arms) -> dict[tuple[int, str], dict | None]:
     from looplab.runs import load_runs
     from looplab.tables.load import zeroshot_outcomes
 
-    return {(int(r.data["seed"]), _arm(r.data.get("model") or {})): zeroshot_outcomes(r.zeroshot())
-            for r in load_runs(folder) if r.ok and _arm(r.data.get("model") or {}) in arms}
+    return {(int(r.data["seed"]), arm): zeroshot_outcomes(r.zeroshot())
+            for r in load_runs(folder) if r.ok and (arm := _arm(r.data.get("model") or {})) in arms}
 
 
 def _item_text(r: dict[str, Any]) -> str:
@@ -361,15 +361,11 @@ def _waiting(folder: Path, arms, seeds) -> list[str]:
     """The runs r_<arm>_s<seed> of `folder` not in yet: without a results.json (a failed run has one), or finished
     and still without the zeroshot.json that `lane.sh` scores right after it (Z1, Z2: the per-item outcomes; a look
     read while one is being written would leave its seed out for want of time, not of data)."""
+    from looplab.runs import load_run
+
     def waits(run: Path) -> bool:
-        results = run / "results.json"
-        if not results.is_file():
-            return True
-        try:
-            ok = json.loads(results.read_text()).get("status") == "ok"
-        except (OSError, ValueError):
-            return False  # unreadable: read as a failed run, its seed left out by the analysis
-        return ok and not (run / "zeroshot.json").is_file()
+        r = load_run(run)  # an unreadable results.json is a failed run: in, its seed left out by the analysis
+        return r is None or (r.ok and not (run / "zeroshot.json").is_file())
 
     return [f"r_{arm}_s{s}" for s in seeds for arm in arms if waits(folder / f"r_{arm}_s{s}")]
 
