@@ -17,6 +17,10 @@ requests outstanding; a finished one is replaced by the next at once). Arms, all
                        loops skipped (exit_skip=kv_copy: docs/vllm.md#exits-that-skip-compute)
     looplab_engine_exit_depthwise
                        the exit-gated model in looplab.serve.Engine, depth-wise batching with kv_copy at q
+    vllm_depth_R1 … vllm_depth_RR  (--arms vllm_depths; not in the default set)
+                       the exit-gated copy with every token at R′ loops (hf_overrides n_loops=R′): what a step of R′
+                       loops costs, from which follows what each schedule of the skipping exits could reach on this
+                       engine (summary.depth_batching; looplab.bench.depth_ceiling)
     looplab_engine_parallel / vllm_parallel / vllm_parallel_unfolded  (--arms; not in the default set)
                        the same weights under loop_schedule=parallel (loop_kv=own: the same compute per token), in
                        looplab.serve.Engine (its folded step: the R loops of a token in one block call) and in vLLM:
@@ -58,6 +62,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 import torch  # noqa: E402
 
 from looplab.bench.common import machine_info  # noqa: E402
+from looplab.bench.depth_ceiling import ceilings, depth_counts, simulate_adaptive  # noqa: E402
 from looplab.bench.serve import make_trace, run_arm  # noqa: E402
 from looplab.models import LoopedLM, LoopedLMConfig  # noqa: E402
 from looplab.models.exits import ExitPolicy  # noqa: E402
@@ -210,9 +215,9 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                     for r in trace]
         plans += [(arm, folders["vllm_parallel"], over, want_par) for arm, over in
                   (("vllm_parallel", None), ("vllm_parallel_unfolded", {"parallel_fold": False})) if arm in arms]
-    if "vllm_exit" in arms:
+    if {"vllm_exit", "vllm_depths"} & set(arms):
         skip = ExitPolicy(threshold=exit_threshold, skip="kv_copy")
-        for c in concurrency:
+        for c in concurrency if "vllm_exit" in arms else ():
             for k in range(repeats):
                 r = run_arm(gated, trace, "exits_depthwise", c, skip, open_loop=False, check=False, progress=False)
                 runs.append({"arm": "looplab_engine_exit_depthwise", "concurrency": c, "repeat": k,
@@ -239,13 +244,20 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
         exits = {"threshold": exit_threshold, "mean_exit_depth": mean_depth, "loops": R,
                  "ideal_speedup_if_later_loops_were_skipped": R / mean_depth,
                  "skip": {"handling": "kv_copy", "mean_exit_depth_all_tokens": mean_skip,
-                          "ideal_block_speedup": R / mean_skip}}
+                          "ideal_block_speedup": R / mean_skip, "depth_counts": depth_counts(skip_depths)}}
         if quality:
             exits["quality"] = quality
-        plans += [("vllm_exit_plain", folders["vllm_exit"], None, want_plain),
-                  ("vllm_exit_q", folders["vllm_exit"], {"exit_threshold": exit_threshold}, want_exit),
-                  ("vllm_exit_skip", folders["vllm_exit"], {"exit_threshold": exit_threshold, "exit_skip": "kv_copy"},
-                   want_skip)]
+        if "vllm_exit" in arms:
+            plans += [("vllm_exit_plain", folders["vllm_exit"], None, want_plain),
+                      ("vllm_exit_q", folders["vllm_exit"], {"exit_threshold": exit_threshold}, want_exit),
+                      ("vllm_exit_skip", folders["vllm_exit"],
+                       {"exit_threshold": exit_threshold, "exit_skip": "kv_copy"}, want_skip)]
+        if "vllm_depths" in arms:
+            # every token at R' loops, R' = 1 .. R: the engine's cost of a step beside its loops and of a loop, which
+            # bound what any schedule of the exits above could buy (bench.depth_ceiling)
+            plans += [(f"vllm_depth_R{k}", folders["vllm_exit"], {"n_loops": k},
+                       [generate(plain, torch.tensor([r["prompt"]]), r["max_new_tokens"], n_loops=k)[0,
+                        len(r["prompt"]):].tolist() for r in trace]) for k in range(1, R + 1)]
     (work / "trace.json").write_text(json.dumps(trace))
     for arm, folder, over, w in plans:
         # each vLLM engine in a process of its own, as a server has it: vLLM's compilation traces the model's forward
@@ -284,6 +296,8 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                      ("looplab_engine_parallel", "looplab_engine")):
             if (a, c) in best and (b, c) in best:
                 summary[f"{a}_vs_{b}_c{c}"] = best[(a, c)] / best[(b, c)]
+    if "vllm_depths" in arms:
+        summary["depth_batching"] = depth_batching(best, exits, concurrency)
     cfg = plain.config
     return {"model": {"backbone": cfg.backbone, "layers": cfg.n_layers, "loops": cfg.n_loops, "d_model": cfg.d_model,
                       "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size, "dtype": "float32",
@@ -294,6 +308,28 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                      "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")},
             "threads": threads, "repeats": repeats, "exits": exits, "tokens_per_s": tokens_per_s, "runs": runs,
             "summary": summary}
+
+
+ARMS = {"looplab_engine", "vllm_looped", "vllm_unrolled", "vllm_exit", "vllm_depths", "looplab_engine_parallel",
+        "vllm_parallel", "vllm_parallel_unfolded"}
+
+
+ADAPTIVE = (0.1, 0.2, 0.3, 0.4, 0.5)  # keep_looping fractions of bench.depth_ceiling.simulate_adaptive
+
+
+def depth_batching(best: dict[tuple, float], exits: dict, concurrency) -> dict[str, Any]:
+    """Per concurrency, what each schedule of the skipping exits could reach from the `vllm_depth_R*` arms' measured
+    costs (bench.depth_ceiling), beside the skipping arm's measured speed-up where it ran."""
+    R, counts = exits["loops"], exits["skip"]["depth_counts"]
+    out = {}
+    for c in concurrency:
+        t = {k: 1.0 / best[(f"vllm_depth_R{k}", c)] for k in range(1, R + 1)}
+        est = ceilings(t, counts, c)
+        est["adaptive"] = {k: t[R] / simulate_adaptive(counts, c, t, k, passes=5000) for k in ADAPTIVE}
+        if ("vllm_exit_skip", c) in best:
+            est["in_step"]["measured_speedup"] = best[("vllm_exit_skip", c)] / best[(f"vllm_depth_R{R}", c)]
+        out[f"c{c}"] = est
+    return out
 
 
 def _version(name: str) -> str | None:
@@ -335,6 +371,9 @@ def main(argv=None) -> dict[str, Any]:
     for hidden in ("--_arm", "--_trace", "--_result", "--_overrides"):  # a child process's one vLLM arm
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.arms.split(",")) - ARMS)
+    if unknown:
+        ap.error(f"--arms: unknown arm(s) {unknown}; known: {', '.join(sorted(ARMS))}")
     if a._arm:
         serve_arm(a._arm, a._trace, a._result, parse_concurrency(ap, a.concurrency), a.eager, a.threads,
                   json.loads(a._overrides) if a._overrides else None, a.repeats)
@@ -355,7 +394,15 @@ def main(argv=None) -> dict[str, Any]:
     for k, v in res["tokens_per_s"].items():
         print(f"{k:<24} best {v['best']:8.1f}  median {v['median']:8.1f} tok/s")
     for k, v in res["summary"].items():
-        print(f"{k:<45} {v:.3f}")
+        if k != "depth_batching":
+            print(f"{k:<45} {v:.3f}")
+    for c, est in res["summary"].get("depth_batching", {}).items():
+        across = " ".join(f"L{L} {e['speedup']:.2f}x" for L, e in est["across_steps"].items())
+        measured = est["in_step"].get("measured_speedup")
+        print(f"depth batching {c}: a step beside its loops {est['fit']['fixed_share_of_a_step']:.0%} of every loop's; over "
+              f"every loop: perfect {est['perfect']['speedup']:.2f}x, in-step {est['in_step']['speedup']:.2f}x"
+              + (f" (measured {measured:.2f}x)" if measured else "") + f", across steps {across}, adaptive "
+              + " ".join(f"{k} {x:.2f}x" for k, x in est["adaptive"].items()))
     if res["exits"]:
         print(f"exits: {res['exits']}")
     print(f"vLLM start-up (s): {res['vllm']['startup_s']}")
