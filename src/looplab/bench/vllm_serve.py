@@ -253,8 +253,8 @@ def run(concurrency=(1, 8, 32), requests: int = 64, prompt_len=(8, 24), new_toke
                       ("vllm_exit_skip", folders["vllm_exit"],
                        {"exit_threshold": exit_threshold, "exit_skip": "kv_copy"}, want_skip)]
         if "vllm_depths" in arms:
-            # every token at R' loops, R' = 1 .. R: the engine's cost of a step beside its loops and of a loop, which
-            # bound what any schedule of the exits above could buy (bench.depth_ceiling)
+            # every token at R' loops, R' = 1 .. R: what a step of R' loops costs on this engine, from which follows
+            # what each schedule of the exits above could buy (bench.depth_ceiling)
             plans += [(f"vllm_depth_R{k}", folders["vllm_exit"], {"n_loops": k},
                        [generate(plain, torch.tensor([r["prompt"]]), r["max_new_tokens"], n_loops=k)[0,
                         len(r["prompt"]):].tolist() for r in trace]) for k in range(1, R + 1)]
@@ -399,8 +399,9 @@ def main(argv=None) -> dict[str, Any]:
     for c, est in res["summary"].get("depth_batching", {}).items():
         across = " ".join(f"L{L} {e['speedup']:.2f}x" for L, e in est["across_steps"].items())
         measured = est["in_step"].get("measured_speedup")
-        print(f"depth batching {c}: a step beside its loops {est['fit']['fixed_share_of_a_step']:.0%} of every loop's; over "
-              f"every loop: perfect {est['perfect']['speedup']:.2f}x, in-step {est['in_step']['speedup']:.2f}x"
+        fixed = est["fit"]["fixed_share_of_a_step"]
+        print(f"depth batching {c}: a step beside its loops {fixed:.0%} of an every-loop step; over every loop: perfect "
+              f"{est['perfect']['speedup']:.2f}x, in-step {est['in_step']['speedup']:.2f}x"
               + (f" (measured {measured:.2f}x)" if measured else "") + f", across steps {across}, adaptive "
               + " ".join(f"{k} {x:.2f}x" for k, x in est["adaptive"].items()))
     if res["exits"]:
