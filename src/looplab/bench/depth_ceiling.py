@@ -28,8 +28,9 @@ pass ends once few of its tokens still loop; the rest carry over). `fit_step_cos
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 
 def fit_step_cost(seconds_per_token: dict[int, float]) -> tuple[float, float]:
@@ -42,15 +43,15 @@ def fit_step_cost(seconds_per_token: dict[int, float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def expected_max(counts: dict[int, int], c: int) -> float:
-    """E[max of c depths drawn independently from `counts`] (the depth a step of c tokens runs to)."""
+def expected_max(counts: dict[int, int], c: int, f: Callable[[int], float] = float) -> float:
+    """E[f(max of c depths drawn independently from `counts`)]: with f the identity, the depth a step of c tokens
+    runs to; with f = t, what such a step costs."""
     n = sum(counts.values())
-    ds = sorted(counts)
     below = 0  # tokens with depth < d
     e = 0.0
-    for d in ds:
+    for d in sorted(counts):
         at_most = below + counts[d]
-        e += d * ((at_most / n) ** c - (below / n) ** c)
+        e += f(d) * ((at_most / n) ** c - (below / n) ** c)  # P(max = d)
         below = at_most
     return e
 
@@ -71,11 +72,7 @@ def ceilings(seconds_per_token: dict[int, float], depth_counts: dict[int, int], 
     def entry(x):
         return {"seconds_per_token": x, "speedup": base / x}
 
-    below, in_step = 0, 0.0  # E[t(max of c depths)]
-    for d in sorted(depth_counts):
-        at_most = below + depth_counts[d]
-        in_step += t[d] * ((at_most / n) ** concurrency - (below / n) ** concurrency)
-        below = at_most
+    in_step = expected_max(depth_counts, concurrency, t.__getitem__)  # E[t(max of c depths)]
     across = {}
     for L in range(1, loops + 1):
         passes = sum(math.ceil(d / L) * k for d, k in depth_counts.items()) / n
@@ -128,8 +125,6 @@ def simulate_adaptive(depth_counts: dict[int, int], concurrency: int, seconds_pe
     token that exits early in a pass idles for the rest of it; a pass of ℓ loops costs c·t(ℓ). keep_looping = 0 is
     the in-step schedule (a pass runs until its last token exits), keep_looping > 1 one loop a pass. Depths are drawn
     independently from depth_counts (seeded)."""
-    import random
-
     rng = random.Random(seed)
     pool = [d for d, k in sorted(depth_counts.items()) for _ in range(k)]
     loops = max(seconds_per_token)
