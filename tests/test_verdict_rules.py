@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -435,3 +436,138 @@ def test_confirm_reads_the_lanes_folders_and_the_cli_prints_each_analysis(tmp_pa
         out = subprocess.run([sys.executable, "-m", "looplab.tables", "confirm", name, "--out-root", str(tmp_path)],
                              capture_output=True, text=True, check=True).stdout
         assert want in out, out
+
+
+# --------------------------------------------------------------------------- the pre-registered R2 and T8L analyses
+def test_r2_follows_its_registration(tmp_path):
+    """R2: table 2's R = 2 line on seeds 401–420, StateLoop − Vanilla Looped perplexity at R = 2, the sign rule with
+    table 2's δ 0.34 and smaller than claimed against the paper's gap at R = 2 in this setting's units (−0.49); its
+    one look reads nothing before all 40 runs are in."""
+    from looplab.tables.confirm import R2_SEEDS, confirm_r2, r2_folder, r2_from_values, r2_rule, r2_waiting
+
+    rule = r2_rule()
+    assert (rule.sign, rule.delta) == (-1, 0.34) and rule.claimed == pytest.approx(-0.10 * TINY_PPL / PAPER_PPL, abs=2e-3)
+    assert R2_SEEDS == tuple(range(401, 421))
+
+    def values(diffs) -> dict:
+        return {k: v for s, d in zip(R2_SEEDS, diffs) for k, v in (((s, 2, "looped"), 45.0), ((s, 2, "stateloop"), 45.0 + d))}
+
+    rng = random.Random(11)
+    assert r2_from_values(values([-1.0 + rng.gauss(0, 0.3) for _ in R2_SEEDS]))["primary"]["verdict"] == "reproduced"
+    assert r2_from_values(values([rng.gauss(0, 0.1) for _ in R2_SEEDS]))["primary"]["verdict"] == "negligible"
+    wide = [0.1 + (0.6 if i % 2 else -0.6) for i in range(20)]  # mean +0.1, SD 0.62: [−0.19, +0.39], past +δ
+    mid = r2_from_values(values(wide))["primary"]
+    assert -0.49 < mid["lo"] < 0 < 0.34 < mid["hi"] and mid["verdict"] == "smaller than claimed"
+    lost = values([-0.3] * 20)
+    del lost[(407, 2, "looped")]
+    res = r2_from_values(lost, {(409, 2, "stateloop"): False})
+    assert res["primary"]["n"] == 18 and set(res["left_out"]) == {407, 409}
+    # the look: nothing is read until every run has a results.json (a failed run counts: its seed is left out)
+    assert len(r2_waiting(tmp_path)) == 40 and "Nothing was read" in confirm_r2(tmp_path)["text"]
+    import subprocess
+    import sys
+
+    cli = subprocess.run([sys.executable, "-m", "looplab.tables", "confirm", "r2", "--out-root", str(tmp_path), "--apply"],
+                         capture_output=True, text=True)
+    assert cli.returncode != 0 and "Nothing was read" in cli.stdout and "its look is not complete (40 run" in cli.stderr
+    for s, d in zip(R2_SEEDS, wide):
+        for arm, ppl in (("looped", 45.0), ("stateloop", 45.0 + d)):
+            _results(r2_folder(tmp_path) / f"r_{arm}_R2_s{s}", s, arm, 2, ppl, status="failed" if s == 420 and arm == "looped" else "ok")
+    res = confirm_r2(tmp_path)
+    assert res["complete"] and res["seeds_used"] == list(range(401, 420)) and 420 in res["left_out"]
+    assert res["primary"]["n"] == 19 and "perplexity at R = 2" in res["text"]
+
+
+def _t8l_runs(root: Path, seeds, *, fixed_acc: float, drop) -> None:
+    """T8L's two runs per seed as `tables run 8` lays them out: the llama fixed-loop body (accuracy fixed_acc at loop
+    4, 0.7 at loop 3) and its stage-2 gate, whose accuracy at q = 0.5 is the body's plus drop(seed)."""
+    from test_tables import TASK_CFG, fake_result, write_run
+
+    from looplab.tables import spec
+
+    sweeps = spec.get(8).sweeps_for("tiny")
+    fixed, stage2 = sweeps[4], sweeps[7]
+    assert (fixed.folder, stage2.folder) == ("exit_gate_llama_mixed_tiny", "exit_gate_llama_mixed_tiny_stage2")
+    for s in seeds:
+        write_run(root / "table8" / "tiny" / fixed.folder / f"seed{s}", fake_result(
+            fixed, {"exit_gate": "none", "seed": str(s)}, acc=fixed_acc, per_depth_acc=[0.2, 0.4, 0.7, fixed_acc],
+            seed=s, config=TASK_CFG))
+        ex = {"0.5": {"acc": fixed_acc + drop(s), "loss": 1.0, "mean_step": 3.2, "answer_step": 3.2}}
+        write_run(root / "table8" / "tiny" / stage2.folder / f"seed{s}", fake_result(
+            stage2, {"seed": str(s)}, exit_gate="ouro", exit=ex, seed=s, config=TASK_CFG))
+
+
+def test_t8l_follows_its_registration(tmp_path):
+    """T8L: table 8's llama accuracy line (stage 2 at q = 0.5 − fixed loops) on seeds 311–322 in T8's setting, its
+    interval as `report 8` computes it (t over seeds ⊕ the examples' noise), table 8's preconditions, the sign rule with
+    δ 0.0054 and smaller than claimed against +0.0108; nothing is read before all 24 runs are in."""
+    from looplab.tables.confirm import T8L_SEEDS, confirm_t8l, t8l_root, t8l_rule, t8l_waiting
+
+    rule = t8l_rule()
+    assert (rule.sign, rule.delta, rule.claimed) == (1, 0.0054, 0.0108) and T8L_SEEDS == tuple(range(311, 323))
+    root = t8l_root(tmp_path)
+    drops = {s: -0.05 + (0.01 if s % 2 else -0.01) for s in T8L_SEEDS}
+    _t8l_runs(root, T8L_SEEDS[:-1], fixed_acc=0.97, drop=drops.get)
+    assert t8l_waiting(tmp_path) == ["exit_gate_llama_mixed_tiny/seed322", "exit_gate_llama_mixed_tiny_stage2/seed322"]
+    assert not confirm_t8l(tmp_path)["complete"] and "Nothing was read" in confirm_t8l(tmp_path)["text"]
+    _t8l_runs(root, T8L_SEEDS[-1:], fixed_acc=0.97, drop=drops.get)
+    res = confirm_t8l(tmp_path)
+    pr = res["primary"]
+    assert res["complete"] and res["seeds_used"] == list(T8L_SEEDS) and pr["n"] == 12
+    # the table's interval: t over the 12 paired seeds ⊕ each arm's p(1 − p)/2,048 at its seed mean
+    d = [drops[s] for s in T8L_SEEDS]
+    h_t = t_quantile(11) * statistics.stdev(d) / 12 ** 0.5
+    h_ex = 1.959964 * (0.97 * 0.03 / 2048 + 0.92 * 0.08 / 2048) ** 0.5
+    assert (pr["lo"], pr["hi"]) == pytest.approx((-0.05 - (h_t ** 2 + h_ex ** 2) ** 0.5, -0.05 + (h_t ** 2 + h_ex ** 2) ** 0.5), rel=1e-4)
+    assert pr["verdict"] == "contradicted" and res["preconditions"]["accuracy"] == pytest.approx(0.97)
+    assert res["preconditions"]["best shallower loop accuracy"] == pytest.approx(0.7) and "contradicted" in res["text"]
+    # a drop that holds 0 and stays under the paper's +0.0108: smaller than claimed; one inside ±δ: negligible (only
+    # near the ceiling: at 0.99 the examples' noise alone, ±0.0061, is wider than δ)
+    for acc, drop, want in ((0.99, lambda s: 0.004 if s % 2 else -0.008, "smaller than claimed"),
+                            (0.99, lambda s: 0.0, "smaller than claimed"), (0.999, lambda s: 0.0, "negligible")):
+        shutil.rmtree(root)
+        _t8l_runs(root, T8L_SEEDS, fixed_acc=acc, drop=drop)
+        assert confirm_t8l(tmp_path)["primary"]["verdict"] == want
+    # a body that did not learn the task: not tested, naming it
+    shutil.rmtree(root)
+    _t8l_runs(root, T8L_SEEDS, fixed_acc=0.85, drop=drops.get)
+    res = confirm_t8l(tmp_path)
+    assert res["primary"]["verdict"] == "not tested" and "0.85" in res["primary"]["not_tested"]
+    # runs of a seed that is not T8L's (T8's 301–305, say) are refused, not pooled
+    _t8l_runs(root, (301,), fixed_acc=0.85, drop=lambda s: -0.05)
+    with pytest.raises(ValueError, match="not its seeds"):
+        confirm_t8l(tmp_path)
+
+
+def test_r2_and_t8l_are_written_beside_their_own_stratum(tmp_path):
+    """--apply writes R2's verdict beside table 2's R = 2 line only, T8L's beside table 8's llama accuracy line only,
+    each refused before its look is complete."""
+    from looplab.tables.confirm import R2_SEEDS, applications, apply, r2_folder, r2_from_values, t8l_root
+
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    for n in (2, 8):
+        for x in ("findings.json", "md", "csv"):
+            shutil.copy(Path("experiments/tables") / f"table{n}.{x}", tables / f"table{n}.{x}")
+    r2 = r2_from_values({k: v for s in R2_SEEDS for k, v in (((s, 2, "looped"), 45.0),
+                                                             ((s, 2, "stateloop"), 45.0 + 0.01 * (s % 3 - 1)))})
+    with pytest.raises(ValueError, match="its look is not complete \\(40 run"):
+        applications(r2, tmp_path)
+    for s in R2_SEEDS:
+        for arm in ("looped", "stateloop"):
+            _results(r2_folder(tmp_path) / f"r_{arm}_R2_s{s}", s, arm, 2, 45.0)
+    _t8l_runs(t8l_root(tmp_path), range(311, 323), fixed_acc=0.97, drop=lambda s: -0.05 + 0.01 * (s % 2))
+    from looplab.tables.confirm import confirm_t8l
+
+    apps = applications(r2, tmp_path) + applications(confirm_t8l(tmp_path), tmp_path)
+    assert [(a["table"], a["stratum"], a["verdict"]) for a in apps] == [
+        (2, "R = 2", "negligible"), (8, "experiment = exit_gate_llama_mixed", "contradicted")]
+    apply(apps, tables)
+    two = json.loads((tables / "table2.findings.json").read_text())["findings"]
+    eight = json.loads((tables / "table8.findings.json").read_text())["findings"]
+    assert [bool(f.get("confirmatory")) for f in two] == [True, False, False, False]
+    assert "20 fresh seeds (401–420)" in two[0]["confirmatory"]["measured"]
+    assert [f["stratum"] for f in eight if f.get("confirmatory")] == ["experiment = exit_gate_llama_mixed"]
+    assert [f["metric"] for f in eight if f.get("confirmatory")] == ["accuracy"]
+    md = (tables / "table8.md").read_text()
+    assert md.count("**Confirmatory T8L: contradicted**") == 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# lane.sh c2|c1|z2|p|t8 SEED...: one lane of a confirmatory run (docs/tables.md#confirmatory-runs), one run at a time,
+# lane.sh c2|c1|z2|p|t8|r2|t8l SEED...: one lane of a confirmatory run (docs/tables.md#confirmatory-runs), one run at a time,
 # one thread, each run in a folder of its own (r_<arm>[_R<R>]_s<seed>, what `python -m looplab.tables confirm NAME`
 # reads; t8: the folders of `tables run 8`, what `tables report 8` reads):
 #   c2  table 2: both arms at R = 2, 4, 6, 600 steps   outputs/confirm/table2/tiny/stateloop_depth_tiny
@@ -10,6 +10,9 @@
 #   t8  table 8 at 1,600 steps: the registered `tables run 8 --seeds S --extra trainer.max_steps=1600` commands of
 #       each seed, one after another (its three stage-2 runs start from its fixed runs' checkpoints), below
 #       outputs/confirm/table8/tiny; once all nine have run, the seed's results.json files are kept (keep.sh seed8)
+#   r2  table 2's R = 2 pair, 600 steps                outputs/confirm/r2/stateloop_depth_tiny
+#   t8l T8's llama fixed-loop and stage-2 runs only (two of its nine, in that order), below outputs/confirm/t8l/table8/tiny;
+#       kept a seed at a time as t8's
 # Run it at `nice -n 19` beside other work, one lane per core. A run with a results.json is skipped, so a lane
 # resumes where it stopped. The code is frozen at CODE_COMMIT (a worktree beside the checkout), so every
 # confirmatory run trains with the same code whatever the checkout holds by then.
@@ -19,7 +22,7 @@
 # them before all of a design's runs are in: `python -m looplab.tables confirm NAME` is its one look.
 set -euo pipefail
 CODE_COMMIT=8c5b311
-design="${1:?usage: lane.sh c2|c1|z2|p|t8 SEED...}"; shift
+design="${1:?usage: lane.sh c2|c1|z2|p|t8|r2|t8l SEED...}"; shift
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 wt="$(dirname "$repo")/confirm-wt-$CODE_COMMIT"
 # two lanes started together: one creates the worktree, the other waits for it
@@ -38,18 +41,23 @@ train_run() {
     && echo "$(date -u +%FT%TZ) done $design $name" || echo "$(date -u +%FT%TZ) FAILED $design $name (see $dir.log)"
 }
 
-if [ "$design" = t8 ]; then
+if [ "$design" = t8 ] || [ "$design" = t8l ]; then
+  out_root="$repo/outputs/confirm"; [ "$design" = t8l ] && out_root="$repo/outputs/confirm/t8l"
   for seed in "$@"; do
     # the registered command, this seed only, as `tables run` would launch it (--dry-run prints each run's command)
     mapfile -t cmds < <(cd "$repo" && "$repo/.venv/bin/python" -m looplab.tables run 8 --seeds "$seed" \
-      --extra trainer.max_steps=1600 --out-root "$repo/outputs/confirm" --table-dir "$repo/outputs/confirm/tables" \
+      --extra trainer.max_steps=1600 --out-root "$out_root" --table-dir "$repo/outputs/confirm/tables" \
       --dry-run | sed -n 's/^\[table8\] //p')
-    [ "${#cmds[@]}" = 9 ] || { echo "lane.sh t8: expected 9 runs for seed $seed, got ${#cmds[@]}" >&2; exit 1; }
+    [ "${#cmds[@]}" = 9 ] || { echo "lane.sh $design: expected 9 runs for seed $seed, got ${#cmds[@]}" >&2; exit 1; }
+    if [ "$design" = t8l ]; then  # llama's fixed loops, then its stage 2 (warm-started from them)
+      mapfile -t cmds < <(printf '%s\n' "${cmds[@]}" | grep -E 'hydra\.sweep\.dir=[^ ]*/exit_gate_llama_mixed_tiny(_stage2)? ')
+      [ "${#cmds[@]}" = 2 ] || { echo "lane.sh t8l: expected 2 llama runs for seed $seed, got ${#cmds[@]}" >&2; exit 1; }
+    fi
     for cmd in "${cmds[@]}"; do
       dir="$(sed -n 's/.*hydra\.sweep\.dir=\([^ ]*\) .*/\1/p' <<< "$cmd")/seed$seed"
       train_run "${dir#"$repo"/outputs/confirm/}" "$dir" eval "$cmd" || continue
     done
-    "$repo/experiments/confirm/keep.sh" seed8 "$seed"  # all nine ran (a failed one is a result: its seed is left out)
+    "$repo/experiments/confirm/keep.sh" seed8 "$seed"  # all its runs ran (a failed one is a result: its seed is left out)
   done
   exit 0
 fi
@@ -59,7 +67,8 @@ case "$design" in
   z2) experiment=stateloop_main_tiny root="$repo/outputs/confirm/table1/tiny/stateloop_main_tiny" depths="-" extra=()
       arms="stateloop_attn stateloop_mamba2" ;;
   p) experiment=stateloop_depth_tiny root="$repo/outputs/confirm/pilot/stateloop_depth_tiny_1200" depths="6" extra=(trainer.max_steps=1200) ;;
-  *) echo "lane.sh: unknown design '$design' (c2, c1, z2, p or t8)" >&2; exit 2 ;;
+  r2) experiment=stateloop_depth_tiny root="$repo/outputs/confirm/r2/stateloop_depth_tiny" depths="2" extra=() ;;
+  *) echo "lane.sh: unknown design '$design' (c2, c1, z2, p, t8, r2 or t8l)" >&2; exit 2 ;;
 esac
 for seed in "$@"; do
   for R in $depths; do

@@ -24,7 +24,7 @@
   rejudge N [N ...] [--table-dir experiments/tables] [--scale tiny]   re-judge committed tables from their stored
       intervals and seed means under today's rules (smaller than claimed, by construction, new preconditions), without
       their runs; rewrites tableN.findings.json, the Findings of tableN.md and the summary README.md
-  confirm c2|c1|z1|z2|p [--out-root outputs/confirm] [--apply]   a pre-registered confirmatory analysis
+  confirm c2|c1|z1|z2|p|r2|t8l [--out-root outputs/confirm] [--apply]   a pre-registered confirmatory analysis
       (docs/tables.md#confirmatory-runs); --apply: its final verdicts beside the committed lines they decide
   compare MULTIRUN_DIR --pair KEY --metric M [--baseline V] [--sign +1|-1] [--delta D] [--require 'M<X' ...]
         [--out DIR]   judge the arms of your own -m sweep (the values of override KEY) against the baseline arm,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     rj.add_argument("--scale", default=default_scale, choices=spec.SCALES)
 
     cf = sub.add_parser("confirm", help="the pre-registered confirmatory analyses (docs/tables.md#confirmatory-runs)")
-    cf.add_argument("name", choices=("c2", "c1", "z1", "z2", "p"))
+    cf.add_argument("name", choices=("c2", "c1", "z1", "z2", "p", "r2", "t8l"))
     cf.add_argument("--out-root", type=Path, default=Path("outputs/confirm"))
     cf.add_argument("--out", type=Path, default=None, help="write the result as JSON")
     cf.add_argument("--apply", action="store_true", help="write its final verdicts beside the committed table lines "
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "confirm":
         from looplab.tables import confirm
 
-        analyses = {"c2": confirm.confirm_c2, "c1": confirm.confirm_c1, "z1": confirm.confirm_z1, "z2": confirm.confirm_z2, "p": confirm.confirm_p}
+        analyses = {"c2": confirm.confirm_c2, "c1": confirm.confirm_c1, "z1": confirm.confirm_z1, "z2": confirm.confirm_z2,
+                    "p": confirm.confirm_p, "r2": confirm.confirm_r2, "t8l": confirm.confirm_t8l}
         result = analyses[a.name](a.out_root)
         print(result["text"])
         if a.apply:

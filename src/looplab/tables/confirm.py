@@ -28,6 +28,15 @@ miss with probability 0.025, simulated on the sequential designs' null paths), t
 and the item part's z_{1−α′/2}. A line decided at the first look (any verdict but inconclusive) is final there; the
 second look judges only the lines left open, and is final.
 
+R2 — table 2's R = 2 line on fresh seeds: per seed, StateLoop − Vanilla Looped test perplexity of `stateloop_depth_tiny`
+at R = 2 (600 steps) on seeds 401–420; the 95% t-interval, the sign rule with table 2's δ and smaller than claimed
+against the paper's gap at R = 2 carried to this setting (−0.49). A seed is left out as in C2.
+
+T8L — table 8's llama accuracy line on fresh seeds: the llama fixed-loop and stage-2 runs of T8's setting (every arm
+1,600 steps) on seeds 311–322; the line as `report 8` computes it (stage 2 at q = 0.5 − fixed loops, the t-interval
+widened by the test examples' noise, table 8's preconditions on the fixed body), judged by the sign rule with its δ and
+smaller than claimed against the paper's +0.0108.
+
 P — longer-training pilot: the paired R = 6 differences (StateLoop − Vanilla Looped) of seeds 101–105 at 1,200 steps
 against the same seeds' at 600 steps (C2's runs). A table moves to 1,200 steps only if |mean| / SD at 1,200 exceeds
 |mean| / SD at 600 by more than √2 (1.41×).
@@ -40,7 +49,8 @@ out), and for Z2 only the lines its looks made final. C2's pooled gap and P's de
 
 The runs are the ones `experiments/confirm/lane.sh` trains: one folder per run, r_<arm>[_R<R>]_s<seed>, below
 OUT_ROOT/table2/tiny/stateloop_depth_tiny (C2), OUT_ROOT/table1/tiny/stateloop_main_tiny (C1) and
-OUT_ROOT/pilot/stateloop_depth_tiny_1200 (P).
+OUT_ROOT/pilot/stateloop_depth_tiny_1200 (P), OUT_ROOT/r2/stateloop_depth_tiny (R2); T8L's are `tables run 8`'s folders
+below OUT_ROOT/t8l. R2 and T8L read nothing before their look is complete.
 """
 
 from __future__ import annotations
@@ -66,6 +76,11 @@ Z2_ARMS = ("stateloop_attn", "stateloop_mamba2")  # table 1's findings 3 and 4, 
 Z2_LOOKS = ((201, 211), (201, 221))  # seed ranges of the two looks
 Z2_ALPHA = 0.025  # per line: Bonferroni over the two lines
 Z2_NOMINAL = 0.013847  # Pocock α′ for looks at n = 10 and 20 at α = 0.025 (z2_nominal(), fixed at registration)
+R2_SEEDS = tuple(range(401, 421))
+R2_R = 2
+T8L_SEEDS = tuple(range(311, 323))
+T8L_STRATUM = "experiment = exit_gate_llama_mixed"
+T8L_FOLDERS = ("exit_gate_llama_mixed_tiny", "exit_gate_llama_mixed_tiny_stage2")  # fixed loops, stage 2
 P_SEEDS = tuple(range(101, 106))
 P_R = 6
 P_FACTOR = 2 ** 0.5  # doubling the steps costs what doubling the seeds does, which raises the t-statistic by √2
@@ -81,6 +96,15 @@ def c1_folder(out_root: Path) -> Path:
 
 def p_folder(out_root: Path) -> Path:
     return Path(out_root) / "pilot" / f"{C2_EXPERIMENT}_1200"
+
+
+def r2_folder(out_root: Path) -> Path:
+    return Path(out_root) / "r2" / C2_EXPERIMENT
+
+
+def t8l_root(out_root: Path) -> Path:
+    """The out-root of T8L's `tables run 8` folders (table8/tiny/<sweep>/seed<S>)."""
+    return Path(out_root) / "t8l"
 
 
 def _c2_finding():
@@ -160,6 +184,52 @@ def c1_from_values(ppl: dict[tuple[int, int, str], float], learned: dict[tuple[i
     values = [d[0] for d in diffs.values()]
     return {"name": "c1", "seeds_used": list(diffs), "left_out": left_out,
             "primary": {**_judge(values, c1_rule()), "values": values}}
+
+
+def r2_rule() -> Rule:
+    return c2_rule_at(R2_R)  # table 2's line at R = 2: its δ and the paper's gap at R = 2 in this setting's units
+
+
+def r2_from_values(ppl: dict[tuple[int, int, str], float], learned: dict[tuple[int, int, str], bool] | None = None,
+                   seeds=R2_SEEDS) -> dict[str, Any]:
+    """The R2 analysis on per-run perplexities keyed (seed, 2, arm); a seed is left out as in C2."""
+    diffs, left_out = _paired(ppl, learned or {}, seeds, (R2_R,))
+    values = [d[R2_R] for d in diffs.values()]
+    return {"name": "r2", "seeds_used": list(diffs), "left_out": left_out,
+            "primary": {**_judge(values, r2_rule()), "values": values}}
+
+
+def t8l_rule() -> Rule:
+    fd = FINDINGS[8][0]  # stage 2 at q = 0.5 − fixed loops, accuracy: its δ and the paper's +1.08 points
+    assert fd.metric == "accuracy" and fd.per == ("experiment",), fd.label
+    return Rule("sign", fd.sign, delta=fd.delta, claimed=fd.claimed(T8L_STRATUM))
+
+
+def t8l_from_verdicts(verdicts, seeds=T8L_SEEDS) -> dict[str, Any]:
+    """The T8L analysis from a table-8 build's verdicts (report.build(8, ...) on T8L's runs): the llama accuracy line's
+    interval as the table computes it (t over the paired seeds ⊕ the test examples' noise) and its preconditions, judged
+    by t8l_rule (the sign rule with δ, smaller than claimed). Its seeds' runs only: another seed is an error."""
+    fd = FINDINGS[8][0]
+    lines = [v for v in verdicts if (v.finding.label, v.finding.metric) == (fd.label, fd.metric) and v.stratum == T8L_STRATUM]
+    if len(lines) != 1:
+        raise ValueError(f"T8L: {len(lines)} llama accuracy lines in the build (one expected)")
+    v = lines[0]
+    extra = sorted(set(v.reps) - {str(s) for s in seeds})
+    if extra:
+        raise ValueError(f"T8L: runs of seeds {extra}, which are not its seeds {seeds[0]}–{seeds[-1]}")
+    rule = t8l_rule()
+    res: dict[str, Any] = {"n": len(v.diffs), "values": list(v.diffs), "claimed": rule.claimed, "delta": rule.delta,
+                           "lo": v.lo, "hi": v.hi, "mean": v.mean, "h_examples": v.h_ex, "not_tested": v.not_tested}
+    if v.not_tested:
+        res["verdict"] = "not tested"
+    elif v.lo is None or len(v.diffs) < 2:
+        res["verdict"] = "inconclusive"
+    else:
+        res.update(verdict=judge(rule, v.lo, v.hi), sd=statistics.stdev(v.diffs),
+                   p=decisive_p(rule, v.mean, (v.hi - v.lo) / 2, len(v.diffs) - 1))
+    used = [int(r) for r in v.reps]
+    return {"name": "t8l", "seeds_used": used, "left_out": {s: "a run missing or failed" for s in seeds if s not in used},
+            "primary": res}
 
 
 def z1_rule() -> Rule:
@@ -424,7 +494,83 @@ def confirm_p(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     return result
 
 
-REGISTERED = {"c1": "2026-12-05", "z1": "2026-12-06 13:45 UTC", "z2": "2026-12-06 16:30 UTC"}
+def r2_waiting(out_root: Path = Path("outputs/confirm")) -> list[str]:
+    """R2's runs without a results.json (a failed run has one: in, its seed left out)."""
+    folder = r2_folder(out_root)
+    return [f"r_{arm}_R{R2_R}_s{s}" for s in R2_SEEDS for arm in ("looped", "stateloop")
+            if not (folder / f"r_{arm}_R{R2_R}_s{s}" / "results.json").is_file()]
+
+
+def t8l_waiting(out_root: Path = Path("outputs/confirm")) -> list[str]:
+    """T8L's runs (llama fixed loops and stage 2 of each seed) without a results.json."""
+    root = t8l_root(out_root) / "table8" / "tiny"
+    return [f"{f}/seed{s}" for s in T8L_SEEDS for f in T8L_FOLDERS if not (root / f / f"seed{s}" / "results.json").is_file()]
+
+
+def _not_due(name: str, waiting: list[str], where: Path) -> dict[str, Any]:
+    return {"name": name, "complete": False, "waiting": waiting, "text": (
+        f"{name.upper()} (docs/tables.md#confirmatory-runs): its one look is not due; it waits for {len(waiting)} run(s) "
+        f"under {where}: {', '.join(waiting[:6])}{' …' if len(waiting) > 6 else ''}. Nothing was read.")}
+
+
+def confirm_r2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """R2 on the runs of `experiments/confirm/lane.sh r2 ...`, once all 40 are in (one look; before that nothing is read)."""
+    folder = r2_folder(out_root)
+    waiting = r2_waiting(out_root)
+    if waiting:
+        return _not_due("r2", waiting, folder)
+    ppl, learned, diag = _read(folder)
+    result = r2_from_values(ppl, learned)
+    result.update(complete=True, runs_found=len(ppl))
+    result["state_to_stream"], diag_text = _diag_lines(diag)
+    result["text"] = "\n".join([
+        f"R2 (docs/tables.md#confirmatory-runs): {len(ppl)} runs found under {folder}; seeds used "
+        f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
+        f"StateLoop − Vanilla Looped perplexity at R = {R2_R}: {_fmt(result['primary'])}", *diag_text])
+    return result
+
+
+def _t8l_fixed_body(units) -> dict[str, float]:
+    """The fixed-loop arm's seed means that table 8's preconditions read: its accuracy at R and its best shallower loop."""
+    from looplab.tables.findings import comparisons
+
+    fd = FINDINGS[8][0]
+    for stratum, _, terms in comparisons(fd, units):
+        if stratum == T8L_STRATUM and not isinstance(terms, str):
+            fixed = terms[1][1]
+            return {m: statistics.fmean(v for u in fixed if (v := u.value(m)) is not None)
+                    for m in ("accuracy", "best shallower loop accuracy")}
+    return {}
+
+
+def confirm_t8l(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """T8L on the runs of `experiments/confirm/lane.sh t8l ...`, once all 24 are in (one look; before that nothing is
+    read): table 8 built from them as `report 8` builds it, its llama accuracy line judged by t8l_rule."""
+    from looplab.tables import report
+
+    root = t8l_root(out_root)
+    waiting = t8l_waiting(out_root)
+    if waiting:
+        return _not_due("t8l", waiting, root)
+    table = report.build(8, "tiny", root, seeds=list(T8L_SEEDS), sequential=False)
+    result = t8l_from_verdicts(table.verdicts)
+    result["complete"] = True
+    pr = result["primary"]
+    body = "" if pr["lo"] is None else (
+        f"{pr['mean']:+.4f} [{pr['lo']:+.4f}, {pr['hi']:+.4f}], n {pr['n']}, sd {pr.get('sd', 0):.4f}, examples' part "
+        f"±{pr['h_examples']:.4f}; ")
+    result["preconditions"] = _t8l_fixed_body(table.units)
+    result["text"] = "\n".join([
+        f"T8L (docs/tables.md#confirmatory-runs): runs under {root}; seeds used {result['seeds_used']}"
+        + (f"; left out {result['left_out']}" if result["left_out"] else ""),
+        f"llama, stage 2 at q = 0.5 − fixed loops, accuracy: {pr['verdict']}: {body}claimed {pr['claimed']:+.4f}, "
+        f"δ {pr['delta']:.4f}" + (f"; not tested: {pr['not_tested']}" if pr["not_tested"] else ""),
+        "  the fixed body (seed means): " + ", ".join(f"{k} {v:.3f}" for k, v in result["preconditions"].items())])
+    return result
+
+
+REGISTERED = {"c1": "2026-12-05", "z1": "2026-12-06 13:45 UTC", "z2": "2026-12-06 16:30 UTC",
+              "r2": "2026-12-07 01:08 UTC", "t8l": "2026-12-07 01:08 UTC"}
 
 
 def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm")) -> list[dict[str, Any]]:
@@ -434,6 +580,21 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
     if name not in REGISTERED:
         raise ValueError(f"confirm {name}: decides no committed table line (C2's pooled gap and P's setting are not "
                          "lines of a table); nothing to apply")
+    tag = f"confirmatory {name.upper()} (registered {REGISTERED[name]}, docs/tables.md#confirmatory-runs)"
+    if name in ("r2", "t8l"):
+        waiting = r2_waiting(out_root) if name == "r2" else t8l_waiting(out_root)
+        if waiting:
+            raise ValueError(f"confirm {name}: its look is not complete ({len(waiting)} run(s) not in, e.g. "
+                             f"{', '.join(waiting[:3])}); nothing is applied before it is")
+        pr, used = result["primary"], result["seeds_used"]
+        fd, stratum = (FINDINGS[2][0], f"R = {R2_R}") if name == "r2" else (FINDINGS[8][0], T8L_STRATUM)
+        digits = 3 if name == "r2" else 4
+        measured = (f"{pr['mean']:+.{digits}f} [{pr['lo']:+.{digits}f}, {pr['hi']:+.{digits}f}], {len(used)} fresh seeds "
+                    f"({min(used)}–{max(used)})" if pr.get("lo") is not None and used else f"no interval ({len(used)} seeds)")
+        if pr.get("not_tested"):
+            measured += f"; not tested: {pr['not_tested']}"
+        return [{"table": 2 if name == "r2" else 8, "label": fd.label, "metric": fd.metric, "stratum": stratum,
+                 "verdict": pr["verdict"], "design": tag, "measured": measured}]
     folder = c1_folder(out_root)
     if name == "z2":  # the runs of the last look it made (none made: the first look's)
         arms, seeds = ("looped", *Z2_ARMS), range(*Z2_LOOKS[max(result.get("looks_due", 0), 1) - 1])
@@ -443,7 +604,6 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
     if waiting or (name == "z2" and not result.get("looks_due")):
         raise ValueError(f"confirm {name}: its look is not complete ({len(waiting)} run(s) not in, e.g. "
                          f"{', '.join(waiting[:3])}); nothing is applied before it is")
-    tag = f"confirmatory {name.upper()} (registered {REGISTERED[name]}, docs/tables.md#confirmatory-runs)"
 
     def measured(r: dict, seeds: list, digits: int) -> str:
         return (f"{r['mean']:+.{digits}f} [{r['lo']:+.{digits}f}, {r['hi']:+.{digits}f}], {len(seeds)} fresh seeds "
@@ -480,7 +640,8 @@ def apply(apps: list[dict[str, Any]], table_dir: Path = Path("experiments/tables
         d = json.loads(jpath.read_text())
         text = mpath.read_text() if mpath.exists() else None
         for a in (a for a in apps if a["table"] == n):
-            lines = [f for f in d["findings"] if f["label"] == a["label"] and f["metric"] == a["metric"]]
+            lines = [f for f in d["findings"] if f["label"] == a["label"] and f["metric"] == a["metric"]
+                     and ("stratum" not in a or f.get("stratum") == a["stratum"])]
             if len(lines) != 1:
                 raise ValueError(f"table {n}: {len(lines)} committed lines match {a['label']!r} ({a['metric']})")
             line = lines[0]
