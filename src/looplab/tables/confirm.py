@@ -581,20 +581,23 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
         raise ValueError(f"confirm {name}: decides no committed table line (C2's pooled gap and P's setting are not "
                          "lines of a table); nothing to apply")
     tag = f"confirmatory {name.upper()} (registered {REGISTERED[name]}, docs/tables.md#confirmatory-runs)"
+
+    def measured(r: dict, seeds: list, digits: int) -> str:
+        return (f"{r['mean']:+.{digits}f} [{r['lo']:+.{digits}f}, {r['hi']:+.{digits}f}], {len(seeds)} fresh seeds "
+                f"({min(seeds)}–{max(seeds)})" if r.get("lo") is not None and seeds else f"no interval ({len(seeds)} seeds)")
+
     if name in ("r2", "t8l"):
         waiting = r2_waiting(out_root) if name == "r2" else t8l_waiting(out_root)
         if waiting:
             raise ValueError(f"confirm {name}: its look is not complete ({len(waiting)} run(s) not in, e.g. "
                              f"{', '.join(waiting[:3])}); nothing is applied before it is")
-        pr, used = result["primary"], result["seeds_used"]
+        pr = result["primary"]
         fd, stratum = (FINDINGS[2][0], f"R = {R2_R}") if name == "r2" else (FINDINGS[8][0], T8L_STRATUM)
-        digits = 3 if name == "r2" else 4
-        measured = (f"{pr['mean']:+.{digits}f} [{pr['lo']:+.{digits}f}, {pr['hi']:+.{digits}f}], {len(used)} fresh seeds "
-                    f"({min(used)}–{max(used)})" if pr.get("lo") is not None and used else f"no interval ({len(used)} seeds)")
+        text = measured(pr, result["seeds_used"], 3 if name == "r2" else 4)
         if pr.get("not_tested"):
-            measured += f"; not tested: {pr['not_tested']}"
+            text += f"; not tested: {pr['not_tested']}"
         return [{"table": 2 if name == "r2" else 8, "label": fd.label, "metric": fd.metric, "stratum": stratum,
-                 "verdict": pr["verdict"], "design": tag, "measured": measured}]
+                 "verdict": pr["verdict"], "design": tag, "measured": text}]
     folder = c1_folder(out_root)
     if name == "z2":  # the runs of the last look it made (none made: the first look's)
         arms, seeds = ("looped", *Z2_ARMS), range(*Z2_LOOKS[max(result.get("looks_due", 0), 1) - 1])
@@ -604,10 +607,6 @@ def applications(result: dict[str, Any], out_root: Path = Path("outputs/confirm"
     if waiting or (name == "z2" and not result.get("looks_due")):
         raise ValueError(f"confirm {name}: its look is not complete ({len(waiting)} run(s) not in, e.g. "
                          f"{', '.join(waiting[:3])}); nothing is applied before it is")
-
-    def measured(r: dict, seeds: list, digits: int) -> str:
-        return (f"{r['mean']:+.{digits}f} [{r['lo']:+.{digits}f}, {r['hi']:+.{digits}f}], {len(seeds)} fresh seeds "
-                f"({min(seeds)}–{max(seeds)})" if r.get("lo") is not None else f"no interval ({len(seeds)} seeds)")
 
     if name == "c1":
         fd, pr = FINDINGS[1][0], result["primary"]
