@@ -36,10 +36,11 @@ class TableSpec:
         return self.sweeps[scale]
 
 
-# Table 8 at tiny scale: stage 1 (joint gate training) gets twice the fixed-loop model's 800 steps. At 800 it
-# stalls at the shallow loops' accuracy on some seeds (llama seeds 2 / 3: 0.508 / 0.417 at loop 4, the fixed
-# model 1.000); at 1,600 those seeds reach 1.000 / 1.000 (StateLoop 0.998 / 0.999; experiments/README.md).
-STAGE1_STEPS_TINY = 1600
+# Table 8 at tiny scale trains every arm 1,600 steps, twice the experiment files' 800 (T8, docs/tables.md#confirmatory-runs).
+# At 800 stage 1 (joint gate training) stalls at the shallow loops' accuracy on some seeds (llama seeds 2 / 3: 0.508 /
+# 0.417 at loop 4 on p = 3; at 1,600 1.000 / 1.000), and on mixed hop counts the fixed 1⊗4 body misses the 0.9
+# precondition (0.74–0.79 at loop 4; at 1,600 llama's and StateLoop's reach 0.997 / 0.998, Mamba-2's 0.832).
+TABLE8_STEPS_TINY = 1600
 # Table 8 at tiny scale runs on p-hop with mixed hop counts, p ∈ {1, 2, 3, 4} drawn per example (the
 # exit_gate_*_mixed_tiny experiments of specs/table8.yaml). On p = 3 alone the fixed 1⊗4 body was at ceiling at
 # loop 4 (0.999) and no shallower loop solved anything (0.29 / 0.47 / 0.33), so any early exit could only lose
