@@ -380,18 +380,27 @@ def _diag_lines(diag: dict) -> tuple[dict, list[str]]:
     return per, [f"  ‖W_o s‖ / ‖h‖ per loop, {k}: " + " ".join(f"{x:.3f}" for x in v) for k, v in per.items()]
 
 
-def confirm_c1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
-    """C1 on the runs of `experiments/confirm/lane.sh c1 ...` below OUT_ROOT."""
-    folder = c1_folder(out_root)
-    ppl, learned, diag = _read(folder, depth_from_model=False)
-    result = c1_from_values(ppl, learned)
+def _found_line(name: str, runs: int, folder: Path, result: dict[str, Any]) -> str:
+    return (f"{name} (docs/tables.md#confirmatory-runs): {runs} runs found under {folder}; seeds used "
+            f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""))
+
+
+def _perplexity_design(name: str, folder: Path, analyse, what: str, *, depth_from_model: bool = True) -> dict[str, Any]:
+    """A one-line perplexity design (C1, R2) on the runs under `folder`: `analyse(ppl, learned)`, the runs found, the
+    StateLoop diagnostic per arm and the printed text."""
+    ppl, learned, diag = _read(folder, depth_from_model=depth_from_model)
+    result = analyse(ppl, learned)
     result["runs_found"] = len(ppl)
     result["state_to_stream"], diag_text = _diag_lines(diag)
-    result["text"] = "\n".join([
-        f"C1 (docs/tables.md#confirmatory-runs): {len(ppl)} runs found under {folder}; seeds used "
-        f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
-        f"StateLoop − Vanilla Looped perplexity: {_fmt(result['primary'])}", *diag_text])
+    result["text"] = "\n".join([_found_line(name, len(ppl), folder, result), f"{what}: {_fmt(result['primary'])}",
+                                *diag_text])
     return result
+
+
+def confirm_c1(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
+    """C1 on the runs of `experiments/confirm/lane.sh c1 ...` below OUT_ROOT."""
+    return _perplexity_design("C1", c1_folder(out_root), c1_from_values, "StateLoop − Vanilla Looped perplexity",
+                              depth_from_model=False)
 
 
 def _item_outcomes(folder: Path, arms) -> dict[tuple[int, str], dict | None]:
@@ -440,6 +449,12 @@ def _waiting(folder: Path, arms, seeds) -> list[str]:
     return [f"r_{arm}_s{s}" for s in seeds for arm in arms if waits(folder / f"r_{arm}_s{s}")]
 
 
+def _not_due(name: str, waiting: list[str], where: Path, look: str = "one look") -> str:
+    """What a design prints before its look is due: the runs it waits for, and that it read none."""
+    return (f"{name.upper()} (docs/tables.md#confirmatory-runs): its {look} is not due; it waits for {len(waiting)} "
+            f"run(s) under {where}: {', '.join(waiting[:6])}{' …' if len(waiting) > 6 else ''}. Nothing was read.")
+
+
 def z2_due(out_root: Path = Path("outputs/confirm")) -> tuple[int, list[str]]:
     """(how many of Z2's looks are due, the runs the next look still waits for): a look is due once every run of its
     seeds (both mixer arms and C1's Vanilla Looped) has a results.json, a failed one too (its seed is then left out),
@@ -459,9 +474,7 @@ def confirm_z2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     folder = c1_folder(out_root)
     looks, waiting = z2_due(out_root)
     if not looks:
-        return {"name": "z2", "looks": 0, "waiting": waiting, "text": (
-            f"Z2 (docs/tables.md#confirmatory-runs): its first look is not due; it waits for {len(waiting)} run(s) under "
-            f"{folder}: {', '.join(waiting[:6])}{' …' if len(waiting) > 6 else ''}. Nothing was read.")}
+        return {"name": "z2", "looks": 0, "waiting": waiting, "text": _not_due("z2", waiting, folder, "first look")}
     result = z2_from_outcomes(_item_outcomes(folder, ("looped", *Z2_ARMS)), looks)
     result.update(looks_due=looks, waiting=waiting)
     text = [f"Z2 (docs/tables.md#confirmatory-runs): look(s) due {looks} of 2; per line α {Z2_ALPHA}, nominal α′ "
@@ -507,26 +520,14 @@ def t8l_waiting(out_root: Path = Path("outputs/confirm")) -> list[str]:
     return [f"{f}/seed{s}" for s in T8L_SEEDS for f in T8L_FOLDERS if not (root / f / f"seed{s}" / "results.json").is_file()]
 
 
-def _not_due(name: str, waiting: list[str], where: Path) -> dict[str, Any]:
-    return {"name": name, "complete": False, "waiting": waiting, "text": (
-        f"{name.upper()} (docs/tables.md#confirmatory-runs): its one look is not due; it waits for {len(waiting)} run(s) "
-        f"under {where}: {', '.join(waiting[:6])}{' …' if len(waiting) > 6 else ''}. Nothing was read.")}
-
-
 def confirm_r2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     """R2 on the runs of `experiments/confirm/lane.sh r2 ...`, once all 40 are in (one look; before that nothing is read)."""
     folder = r2_folder(out_root)
     waiting = r2_waiting(out_root)
     if waiting:
-        return _not_due("r2", waiting, folder)
-    ppl, learned, diag = _read(folder)
-    result = r2_from_values(ppl, learned)
-    result.update(complete=True, runs_found=len(ppl))
-    result["state_to_stream"], diag_text = _diag_lines(diag)
-    result["text"] = "\n".join([
-        f"R2 (docs/tables.md#confirmatory-runs): {len(ppl)} runs found under {folder}; seeds used "
-        f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
-        f"StateLoop − Vanilla Looped perplexity at R = {R2_R}: {_fmt(result['primary'])}", *diag_text])
+        return {"name": "r2", "complete": False, "waiting": waiting, "text": _not_due("r2", waiting, folder)}
+    result = _perplexity_design("R2", folder, r2_from_values, f"StateLoop − Vanilla Looped perplexity at R = {R2_R}")
+    result["complete"] = True
     return result
 
 
@@ -551,7 +552,7 @@ def confirm_t8l(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     root = t8l_root(out_root)
     waiting = t8l_waiting(out_root)
     if waiting:
-        return _not_due("t8l", waiting, root)
+        return {"name": "t8l", "complete": False, "waiting": waiting, "text": _not_due("t8l", waiting, root)}
     table = report.build(8, "tiny", root, seeds=list(T8L_SEEDS), sequential=False)
     result = t8l_from_verdicts(table.verdicts)
     result["complete"] = True
@@ -674,8 +675,7 @@ def confirm_c2(out_root: Path = Path("outputs/confirm")) -> dict[str, Any]:
     result["runs_found"] = len(ppl)
     # the StateLoop diagnostic ‖W_o s‖ / ‖h‖ per loop, mean over seeds: is the state used at all?
     result["state_to_stream"], diag_text = _diag_lines(diag)
-    lines = [f"C2 (docs/tables.md#confirmatory-runs): {len(ppl)} runs found under {folder}; seeds used "
-             f"{result['seeds_used']}" + (f"; left out {result['left_out']}" if result["left_out"] else ""),
+    lines = [_found_line("C2", len(ppl), folder, result),
              f"primary, pooled gap G (StateLoop − Vanilla Looped, mean over R 2/4/6): {_fmt(result['primary'])}"]
     for s in result["secondary"]:
         lines.append(f"secondary R {s['R']}: " + (_fmt(s) if "mean" in s else f"{s['verdict']} ({s['why']})"))
